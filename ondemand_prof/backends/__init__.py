@@ -1,0 +1,92 @@
+"""Profiler backends. A backend opens one Session per window; the hook drives it from the training thread.
+
+Session protocol (all calls on the training thread):
+    warmup(step)  begin the backend without recording; `step` will be discarded
+    record(step)  the boundary before recorded step `step` (the first one starts recording)
+    finish()      stop collection and return an Export to run on the background worker
+    abort()       stop whatever is running, dropping the data; never raises
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from ..window import Window
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who is profiling: fixed per process, resolved once torch.distributed is up (or from RANK)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    host: str
+    pid: int
+    job_id: str
+    dist_initialized: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "host": self.host,
+            "pid": self.pid,
+            "job_id": self.job_id,
+        }
+
+
+@dataclass
+class Export:
+    """What a finished window hands to the background worker.
+
+    write(staging_dir) writes the backend's files and returns the trace file (or the backend's own output
+    directory, for torch_npu); it runs off the training thread.
+    """
+
+    write: Callable[[Path], Path]
+    kind: str  # "kineto" (a Chrome trace we post-process) or "ascend" (torch_npu's own directory)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Session(Protocol):
+    def warmup(self, step: int) -> None: ...
+
+    def record(self, step: int) -> None: ...
+
+    def finish(self) -> Export: ...
+
+    def abort(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def open(self, window: Window, identity: Identity, staging: Path | None = None) -> Session: ...
+
+    def versions(self) -> dict[str, str]: ...
+
+    @property
+    def supports_warmup(self) -> bool: ...
+
+
+def npu_available() -> bool:
+    """torch_npu is importable; we never import it unless it is installed."""
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def select_backend(prefer: str = "auto") -> Backend:
+    if prefer in ("npu",) or (prefer == "auto" and npu_available()):
+        from .npu import NpuBackend
+
+        return NpuBackend()
+    from .torch_backend import TorchBackend
+
+    return TorchBackend()

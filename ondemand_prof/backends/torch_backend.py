@@ -1,0 +1,146 @@
+"""torch.profiler on CPU and CUDA.
+
+We drive torch.profiler.profile's public prepare_trace/start_trace/stop_trace ourselves instead of giving it a
+schedule: the window is in the loop's own step numbers, the step labels are ProfilerStep#<loop step>, and the
+trace export runs on our background worker rather than inside on_trace_ready on the training thread.
+
+Level mapping (README "Levels"):
+    level_none  CPU activity; the exported trace keeps only annotations (ProfilerStep#N, record_function ranges)
+    level0      CPU operators + device kernels (CUDA when available)
+    level1      level0 + FLOP counts and input shapes (collective sizes)
+    level2      level1 + module hierarchy + memory events
+User flags (with_stack, with_memory, record_shapes) add to whatever the level turns on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..window import Window, WindowOptions
+from . import Export, Identity
+
+log = logging.getLogger(__name__)
+
+LEVEL_RANK = {"level_none": -1, "level0": 0, "level1": 1, "level2": 2}
+
+
+def torch_profile_kwargs(options: WindowOptions, cuda: bool) -> dict[str, Any]:
+    """The torch.profiler.profile arguments a window's options map to (pure, tested directly)."""
+    from torch.profiler import ProfilerActivity
+
+    level = LEVEL_RANK[options.level]
+    # CPU activity is always on: it carries the ProfilerStep#N labels and the op -> kernel links, and on a
+    # machine without an accelerator nothing else would be recorded.
+    activities = [ProfilerActivity.CPU]
+    if cuda and level >= 0:
+        activities.append(ProfilerActivity.CUDA)
+    return {
+        "activities": activities,
+        "record_shapes": options.record_shapes or level >= 1,
+        "with_flops": level >= 1,
+        "with_modules": level >= 2,
+        "profile_memory": options.with_memory or level >= 2,
+        "with_stack": options.with_stack,
+    }
+
+
+class TorchSession:
+    def __init__(self, window: Window, identity: Identity, cuda: bool) -> None:
+        import torch.profiler
+
+        self._window = window
+        self._identity = identity
+        self.kwargs = torch_profile_kwargs(window.options, cuda)
+        self._prof = torch.profiler.profile(**self.kwargs)
+        self._state = "idle"
+        self._step_range: Any = None
+
+    def warmup(self, step: int) -> None:
+        self._prof.prepare_trace()
+        self._state = "warmup"
+
+    def record(self, step: int) -> None:
+        from torch.autograd.profiler import record_function
+
+        if self._state == "recording":
+            self._close_step()
+        else:
+            if self._state == "idle":
+                self._prof.prepare_trace()
+            self._prof.start_trace()
+            self._state = "recording"
+            self._add_distributed_info()
+        # the same label and mechanism torch.profiler's own schedule uses, with the loop's step number
+        self._step_range = record_function(f"ProfilerStep#{step}")
+        self._step_range.__enter__()
+
+    def finish(self) -> Export:
+        self._close_step()
+        if self._state == "idle":
+            raise RuntimeError("finish() before the window began")
+        if self._state == "warmup":
+            self._prof.start_trace()  # torch has no way to leave warmup other than through a trace
+        self._prof.stop_trace()
+        self._state = "done"
+        prof = self._prof
+
+        def write(staging: Path) -> Path:
+            path = staging / "raw.pt.trace.json"
+            prof.export_chrome_trace(str(path))
+            return path
+
+        return Export(write=write, kind="kineto", info={"torch_profile_kwargs": _describe(self.kwargs)})
+
+    def abort(self) -> None:
+        try:
+            self._close_step()
+            if self._state in ("warmup", "recording"):
+                if self._state == "warmup":
+                    self._prof.start_trace()
+                self._prof.stop_trace()
+        except Exception:  # noqa: BLE001 - abort is the last resort; the cause was logged by the caller
+            log.debug("abort: profiler stop failed", exc_info=True)
+        self._state = "done"
+
+    def _close_step(self) -> None:
+        if self._step_range is not None:
+            rng, self._step_range = self._step_range, None
+            rng.__exit__(None, None, None)
+
+    def _add_distributed_info(self) -> None:
+        # torch adds distributedInfo only when torch.distributed is initialised; HTA and TensorBoard need the
+        # rank in every trace, so supply it from the identity (RANK/WORLD_SIZE) otherwise.
+        if self._identity.dist_initialized:
+            return
+        info = {"backend": "none", "rank": self._identity.rank, "world_size": self._identity.world_size}
+        self._prof.add_metadata_json("distributedInfo", json.dumps(info))
+
+
+def _describe(kwargs: dict[str, Any]) -> dict[str, Any]:
+    out = dict(kwargs)
+    out["activities"] = [str(a).split(".")[-1] for a in kwargs["activities"]]
+    return out
+
+
+class TorchBackend:
+    name = "torch"
+    supports_warmup = True
+
+    def __init__(self) -> None:
+        import torch
+
+        self._cuda = bool(torch.cuda.is_available())
+
+    def open(self, window: Window, identity: Identity, staging: Path | None = None) -> TorchSession:
+        return TorchSession(window, identity, self._cuda)
+
+    def versions(self) -> dict[str, str]:
+        import torch
+
+        out = {"torch": torch.__version__, "device": "cuda" if self._cuda else "cpu"}
+        if self._cuda and torch.version.cuda:
+            out["cuda"] = str(torch.version.cuda)
+        return out

@@ -1,0 +1,437 @@
+"""OnDemandProfiler: the hook inside each training rank.
+
+Threads: the training thread calls step(); with no window due, that is an integer add and one attribute
+compare. Everything that needs attention at a step boundary (a window to begin, advance or finish, a request
+handed over by the agent thread) is signalled by lowering `_wake`, so the idle path never takes a lock.
+The profiler is started and stopped on the training thread only; files are written by the Exporter thread.
+Nothing raised by the profiler, the disk or a trigger reaches the training loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from . import __version__
+from .backends import Backend, Identity, Session, select_backend
+from .config import ConfigError, ProfileConfig, config_from_args, config_from_env, config_from_mapping, \
+    default_job_id
+from .output import ExportJob, Exporter, capture_dir_name, disk_problem, now_iso, remove_stale_staging, \
+    staging_path, writable_problem
+from .window import Phase, Window, WindowOptions, plan_begin, recorded_steps
+
+log = logging.getLogger("ondemand_prof")
+
+IDLE = sys.maxsize
+MAX_CONSECUTIVE_FAILURES = 3
+
+# A listener hears what happens to one window: ("scheduled"|"recording"|"writing"|"done"|"failed"|
+# "rejected"|"skipped", info). Used by the trigger status files and the daemon agent.
+Listener = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class _Active:
+    window: Window
+    session: Session
+    final_name: str
+    state: str  # "warmup" | "recording"
+    began_at: str
+    first_step: int = -1
+    late_by: int = 0
+    listener: Listener | None = None
+    t_begin: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Queued:
+    window: Window
+    listener: Listener | None = None
+
+
+class OnDemandProfiler:
+    """Profile static windows from the configuration and on-demand windows from triggers.
+
+    Call step() once at the end of every training step. Steps are numbered from `first_step` (0 by
+    default: the first step after construction is step 0). A loop with its own counter (resumed or 1-based
+    runs) passes `first_step=` and may call step(n) with the number of the step that just ended.
+    """
+
+    def __init__(self, config: ProfileConfig | None = None, *, first_step: int = 0, backend: str = "auto",
+                 start_agent: bool = True) -> None:
+        self.config = config or ProfileConfig()
+        self._step = first_step
+        self._wake = IDLE
+        self._closed = False
+        self._disabled = False
+        self._failures = 0
+        self._lock = threading.Lock()  # guards _queue against the agent thread; never taken when idle
+        self._queue: list[_Queued] = []
+        self._inbox: list[Callable[[int], None]] = []  # work the agent hands to the training thread
+        self._active: _Active | None = None
+        self._backend_name = backend
+        self._backend: Backend | None = None
+        self._identity: Identity | None = None
+        self._exporter = Exporter()
+        self._save_root = Path(self.config.save_path).expanduser()
+        self._job_id = self.config.job_id or default_job_id()
+        self.agent: Any = None
+
+        if self.config.enabled or self.config.ondemand:
+            problem = writable_problem(self._save_root)
+            if problem:
+                raise ConfigError(f"invalid --profile-save-path {self.config.save_path!r}: {problem}")
+        remove_stale_staging(self._save_root, socket.gethostname())
+        if self.config.enabled:
+            end = None if self.config.step_end == -1 else self.config.step_end
+            static = Window(self.config.step_start, end, WindowOptions.from_config(self.config), source="static",
+                            capture_id=f"static-{self.config.step_start}-{self.config.step_end}",
+                            requested={"start_step": self.config.step_start, "end_step": self.config.step_end})
+            self._queue.append(_Queued(static))
+            if end is None:
+                log.warning("ondemand_prof: static window from step %d has no end (--profile-step-end -1): it "
+                            "records until close()", self.config.step_start)
+        self._boundary()
+        if start_agent and self.config.ondemand:
+            self._start_agent()
+
+    # ------------------------------------------------------------------------------------------------------
+    # Construction helpers
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **kwargs: Any) -> "OnDemandProfiler":
+        return cls(config_from_args(args), **kwargs)
+
+    @classmethod
+    def from_config(cls, data: Mapping[str, Any] | str | os.PathLike[str], **kwargs: Any) -> "OnDemandProfiler":
+        return cls(config_from_mapping(data), **kwargs)
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> "OnDemandProfiler":
+        return cls(config_from_env(), **kwargs)
+
+    def __enter__(self) -> "OnDemandProfiler":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------------------
+    # The hot path
+
+    def step(self, step: int | None = None) -> None:
+        """End of a training step. `step`, when given, is the number of the step that just ended."""
+        if step is None:
+            self._step += 1
+        else:
+            self._step = step + 1
+        if self._step >= self._wake:
+            self._boundary()
+
+    @property
+    def current_step(self) -> int:
+        """The step now running (the next one to end)."""
+        return self._step
+
+    # ------------------------------------------------------------------------------------------------------
+    # Requests from other threads (agent, triggers, signal handler)
+
+    def call_at_next_step(self, fn: Callable[[int], None]) -> None:
+        """Run fn(step) on the training thread at the next step boundary (thread-safe, never blocks long)."""
+        with self._lock:
+            self._inbox.append(fn)
+        self._wake = 0
+
+    def submit(self, window: Window, listener: Listener | None = None) -> tuple[bool, str]:
+        """Queue a window (called on the training thread, usually through call_at_next_step).
+
+        Returns (accepted, reason). A window that overlaps the running window or one already queued from
+        a trigger is refused as busy; a static window it overlaps is skipped when its time comes.
+        """
+        if self._disabled or self._closed:
+            return False, "profiler disabled" if self._disabled else "profiler closed"
+        blocking = self._blocking_window(window)
+        if blocking is not None:
+            return False, f"busy: window {blocking.describe()} ({blocking.source}, {blocking.capture_id}) " \
+                          f"holds the profiler"
+        self._queue.append(_Queued(window, listener))
+        self._queue.sort(key=lambda q: q.window.start)
+        self._wake = 0
+        return True, "scheduled"
+
+    def _blocking_window(self, window: Window) -> Window | None:
+        if self._active and self._active.window.overlaps(window.start, window.end):
+            return self._active.window
+        for q in self._queue:
+            if q.window.source != "static" and q.window.overlaps(window.start, window.end):
+                return q.window
+        return None
+
+    @property
+    def active_window(self) -> Window | None:
+        return self._active.window if self._active else None
+
+    @property
+    def queued_windows(self) -> list[Window]:
+        return [q.window for q in self._queue]
+
+    # ------------------------------------------------------------------------------------------------------
+    # Step boundaries (training thread)
+
+    def _boundary(self) -> None:
+        if self._disabled:
+            self._wake = IDLE
+            return
+        step = self._step
+        try:
+            self._drain_inbox(step)
+            if self._active is not None:
+                self._advance(step)
+            if self._active is None:
+                self._maybe_begin(step)
+        except Exception as exc:  # noqa: BLE001 - training never notices the profiler failing
+            self._on_failure(exc)
+        self._wake = self._next_wake(step)
+        if self._inbox:  # the agent may have lowered _wake while we computed it: keep its request
+            self._wake = 0
+
+    def _drain_inbox(self, step: int) -> None:
+        if not self._inbox:
+            return
+        with self._lock:
+            work, self._inbox = self._inbox, []
+        for fn in work:
+            try:
+                fn(step)
+            except Exception:  # noqa: BLE001 - a bad request must not stop the others
+                log.exception("ondemand_prof: handling a request failed")
+
+    def _next_wake(self, step: int) -> int:
+        if self._disabled or self._closed:
+            return IDLE
+        if self._inbox:
+            return 0
+        if self._active is not None:
+            return step + 1
+        if not self._queue:
+            return IDLE
+        return plan_begin(self._queue[0].window, step, self._warmup()).wake
+
+    def _warmup(self) -> int:
+        return self.config.warmup_steps
+
+    def _maybe_begin(self, step: int) -> None:
+        while self._queue:
+            queued = self._queue[0]
+            window = queued.window
+            plan = plan_begin(window, step, self._warmup())
+            if plan.phase is Phase.WAIT:
+                return
+            self._queue.pop(0)
+            if plan.phase is Phase.MISSED:
+                self._tell(queued.listener, "failed", window, error=f"window {window.describe()} is already past "
+                           f"(now at step {step})")
+                log.warning("ondemand_prof: window %s missed: already at step %d", window.describe(), step)
+                continue
+            ident = self.identity()
+            if window.source == "static":
+                if not self.config.selects_rank(ident.rank):
+                    log.debug("ondemand_prof: rank %d not in --profile-ranks %s", ident.rank, self.config.ranks)
+                    continue
+                other = next((q.window for q in self._queue if q.window.overlaps(window.start, window.end)), None)
+                if other is not None:
+                    log.info("ondemand_prof: static window %s skipped: on-demand window %s (%s) holds the "
+                             "profiler", window.describe(), other.describe(), other.capture_id)
+                    continue
+            problem = disk_problem(self._save_root, self.config.min_free_mb)
+            if problem:
+                log.error("ondemand_prof: skipping window %s on rank %d: %s", window.describe(), ident.rank, problem)
+                self._tell(queued.listener, "failed", window, error=f"disk: {problem}")
+                continue
+            self._begin(queued, step, plan.phase)
+            return
+
+    def _begin(self, queued: _Queued, step: int, phase: Phase) -> None:
+        window = queued.window
+        ident = self.identity()
+        backend = self.backend()
+        final_name = capture_dir_name(ident.host, ident.pid, _dt.datetime.now())
+        staging = staging_path(self._save_root, final_name)
+        self._save_root.mkdir(parents=True, exist_ok=True)
+        session = backend.open(window, ident, staging)
+        active = _Active(window, session, final_name, "warmup", now_iso(), listener=queued.listener)
+        self._active = active
+        if phase is Phase.WARMUP:
+            session.warmup(step)
+        else:
+            self._start_recording(active, step)
+        self._tell(active.listener, "started", window, step=step, phase=active.state)
+
+    def _start_recording(self, active: _Active, step: int) -> None:
+        active.session.record(step)
+        active.state = "recording"
+        active.first_step = step
+        active.late_by = max(0, step - active.window.start)
+        if active.late_by:
+            log.warning("ondemand_prof: window %s began %d step(s) late, at step %d", active.window.describe(),
+                        active.late_by, step)
+        self._tell(active.listener, "recording", active.window, step=step, late_by=active.late_by)
+
+    def _advance(self, step: int) -> None:
+        active = self._active
+        assert active is not None
+        window = active.window
+        if window.end is not None and step >= window.end:
+            self._finish(step)
+        elif active.state == "warmup":
+            if step >= window.start:
+                self._start_recording(active, step)
+        else:
+            active.session.record(step)
+
+    def _finish(self, step: int) -> None:
+        active = self._active
+        assert active is not None
+        self._active = None
+        if active.state == "warmup":
+            active.session.abort()
+            return
+        t0 = time.monotonic()
+        export = active.session.finish()  # collection: must stay on this thread
+        collect_s = time.monotonic() - t0
+        steps = recorded_steps(active.window, active.first_step, step)
+        self._tell(active.listener, "writing", active.window, steps=steps)
+        job = ExportJob(
+            export=export, window=active.window, identity=self.identity(), save_root=self._save_root,
+            final_name=active.final_name, recorded_steps=steps, gzip=self.config.gzip,
+            metadata=self._metadata(active, steps, collect_s, export.info),
+            on_done=lambda result, a=active: self._on_published(a, result),
+        )
+        self._exporter.submit(job)
+        self._failures = 0
+
+    def _on_published(self, active: _Active, result: dict[str, Any]) -> None:
+        event = "done" if result.get("status") in ("ok", "partial") else "failed"
+        self._tell(active.listener, event, active.window, path=result.get("path"), status=result.get("status"),
+                   error=result.get("error"), steps=result.get("steps_in_trace"))
+
+    def _metadata(self, active: _Active, steps: list[int], collect_s: float, info: dict[str, Any]) -> dict[str, Any]:
+        window = active.window
+        ident = self.identity()
+        backend = self.backend()
+        return {
+            "schema_version": 1,
+            "tool": {"name": "ondemand_prof", "version": __version__},
+            **ident.as_dict(),
+            "capture_id": window.capture_id,
+            "trigger": {"source": window.source, "request": dict(window.requested)},
+            "window": {"start": window.start, "end": window.end, "recorded_steps": steps, "late_by": active.late_by,
+                       "warmup_steps": self.config.warmup_steps},
+            "options": window.options.as_dict(),
+            "backend": {"name": backend.name, **backend.versions(), **info},
+            "timings": {"window_began_at": active.began_at, "window_ended_at": now_iso(),
+                        "collect_s": round(collect_s, 4)},
+        }
+
+    def _on_failure(self, exc: BaseException) -> None:
+        self._failures += 1
+        active, self._active = self._active, None
+        if active is not None:
+            active.session.abort()
+            self._tell(active.listener, "failed", active.window, error=f"{type(exc).__name__}: {exc}")
+        if self._failures >= MAX_CONSECUTIVE_FAILURES:
+            self._disabled = True
+            log.error("ondemand_prof: disabled after %d consecutive failures; training continues unprofiled. "
+                      "Last error: %s: %s", self._failures, type(exc).__name__, exc)
+        else:
+            log.error("ondemand_prof: profiling window failed (training continues): %s: %s", type(exc).__name__,
+                      exc, exc_info=exc)
+
+    @staticmethod
+    def _tell(listener: Listener | None, event: str, window: Window, **info: Any) -> None:
+        if listener is None:
+            return
+        try:
+            listener(event, {"capture_id": window.capture_id, "window": [window.start, window.end], **info})
+        except Exception:  # noqa: BLE001 - feedback is best effort
+            log.debug("ondemand_prof: listener failed", exc_info=True)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Identity and backend (lazy: torch.distributed may be initialised after the profiler is created)
+
+    def identity(self) -> Identity:
+        if self._identity is not None:
+            return self._identity
+        rank, world, dist_up = _rank_and_world()
+        ident = Identity(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+                         host=socket.gethostname(), pid=os.getpid(), job_id=self._job_id, dist_initialized=dist_up)
+        if dist_up or "RANK" in os.environ:
+            self._identity = ident  # final; before that, re-check next time
+        return ident
+
+    def backend(self) -> Backend:
+        if self._backend is None:
+            self._backend = select_backend(self._backend_name)
+        return self._backend
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def _start_agent(self) -> None:
+        try:
+            from .agent import Agent
+        except ImportError:  # the on-demand side is optional at this layer
+            return
+        try:
+            self.agent = Agent(self)
+            self.agent.start()
+        except Exception as exc:  # noqa: BLE001 - no trigger listening is not a reason to stop training
+            log.error("ondemand_prof: on-demand listening disabled: %s", exc)
+            self.agent = None
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish any open window, stop listening and wait (bounded) for pending exports. Never raises."""
+        if self._closed:
+            return True
+        try:
+            self._drain_inbox(self._step)
+            if self._active is not None:
+                self._finish(self._step)
+        except Exception as exc:  # noqa: BLE001
+            self._on_failure(exc)
+        self._closed = True
+        self._wake = IDLE
+        for queued in self._queue:
+            if queued.window.source != "static":
+                self._tell(queued.listener, "failed", queued.window, error="training ended before the window")
+        self._queue.clear()
+        if self.agent is not None:
+            try:
+                self.agent.stop()
+            except Exception:  # noqa: BLE001
+                log.debug("agent stop failed", exc_info=True)
+        limit = self.config.export_timeout_s if timeout is None else timeout
+        done = self._exporter.wait(limit)
+        if not done:
+            log.error("ondemand_prof: %d export(s) still running after %.0f s; giving up waiting",
+                      self._exporter.pending(), limit)
+        return done
+
+
+def _rank_and_world() -> tuple[int, int, bool]:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size(), True
+    except Exception:  # noqa: BLE001 - fall back to the launcher's environment
+        pass
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), False

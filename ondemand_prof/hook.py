@@ -66,7 +66,7 @@ class OnDemandProfiler:
     runs) passes `first_step=` and may call step(n) with the number of the step that just ended.
     """
 
-    def __init__(self, config: ProfileConfig | None = None, *, first_step: int = 0, backend: str = "auto",
+    def __init__(self, config: ProfileConfig | None = None, *, first_step: int = 0, backend: str | Backend = "auto",
                  start_agent: bool = True) -> None:
         self.config = config or ProfileConfig()
         self._step = first_step
@@ -78,8 +78,8 @@ class OnDemandProfiler:
         self._queue: list[_Queued] = []
         self._inbox: list[Callable[[int], None]] = []  # work the agent hands to the training thread
         self._active: _Active | None = None
-        self._backend_name = backend
-        self._backend: Backend | None = None
+        self._backend_name = backend if isinstance(backend, str) else "given"
+        self._backend: Backend | None = None if isinstance(backend, str) else backend
         self._identity: Identity | None = None
         self._exporter = Exporter()
         self._save_root = Path(self.config.save_path).expanduser()

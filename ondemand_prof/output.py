@@ -47,16 +47,27 @@ def staging_path(save_root: Path, final_name: str) -> Path:
 
 def existing_ancestor(path: Path) -> Path:
     path = path.absolute()
-    while not path.exists() and path != path.parent:
+    while not _exists(path) and path != path.parent:
         path = path.parent
     return path
+
+
+def _exists(path: Path) -> bool:
+    try:
+        path.lstat()
+        return True
+    except OSError:
+        return False
 
 
 def writable_problem(save_path: str | os.PathLike[str]) -> str | None:
     """Why save_path cannot be written (without creating it), or None."""
     path = Path(save_path)
-    if path.exists() and not path.is_dir():
-        return f"{path} exists and is not a directory"
+    try:
+        if path.exists() and not path.is_dir():
+            return f"{path} exists and is not a directory"
+    except PermissionError:
+        return f"{path} cannot be reached by uid {os.getuid()} (permission denied)"
     anchor = existing_ancestor(path)
     if not anchor.is_dir():
         return f"{anchor} is not a directory"

@@ -1,0 +1,86 @@
+"""A small, real training run with the hook in it: used by the demo, the tests and the benchmarks.
+
+    python -m ondemand_prof.demo.toy_train --steps 20 --profile --profile-step-start 5 --profile-step-end 8
+    torchrun-style: set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and it joins a gloo process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from ondemand_prof import ConfigError, OnDemandProfiler, add_profile_args, config_from_args, config_from_mapping
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="training steps to run")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (slow loops)")
+    parser.add_argument("--hidden", type=int, default=256, help="model width")
+    parser.add_argument("--config", help="a training YAML whose training: section configures profiling")
+    parser.add_argument("--first-step", type=int, default=0, help="number of the first step (resumed runs)")
+    parser.add_argument("--pass-step", action="store_true", help="pass the loop counter to prof.step(n)")
+    parser.add_argument("--kill-at-step", type=int, default=-1, help="SIGKILL this process at that step")
+    parser.add_argument("--no-dist", action="store_true", help="do not join a process group even if WORLD_SIZE>1")
+    parser.add_argument("--status-file", help="write a JSON line per step here (tests follow progress)")
+    add_profile_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("ONDEMAND_PROF_LOG", "INFO"),
+                        format="%(asctime)s rank" + os.environ.get("RANK", "0") + " %(name)s: %(message)s")
+    world = 1 if args.no_dist else int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        config = config_from_mapping(args.config) if args.config else config_from_args(args)
+        prof = OnDemandProfiler(config, first_step=args.first_step)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if world > 1:
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
+                                torch.nn.Linear(args.hidden, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    status = open(args.status_file, "a", buffering=1) if args.status_file else None
+    for it in range(args.first_step, args.first_step + args.steps):
+        if it == args.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.time()
+        with record_function("forward"):
+            x = torch.randn(64, args.hidden)
+            loss = torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (64,)))
+        with record_function("backward"):
+            opt.zero_grad()
+            loss.backward()
+        if world > 1:
+            with record_function("allreduce_grads"):
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+        opt.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if status:
+            status.write(json.dumps({"step": it, "t": t0}) + "\n")
+        prof.step(it) if args.pass_step else prof.step()
+    prof.close()
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

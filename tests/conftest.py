@@ -1,0 +1,104 @@
+"""Shared helpers: real training processes (one or several gloo ranks) and readers for what they wrote."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STAND_INS = Path(__file__).resolve().parent / "stand_ins"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONDEMAND_PROF_")}
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def start_ranks(args: list[str], world: int = 1, env: dict[str, str] | None = None, cwd: Path | None = None,
+                module: str = "ondemand_prof.demo.toy_train", prefix: list[str] | None = None
+                ) -> list[subprocess.Popen]:
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        penv = base_env(**(env or {}))
+        if world > 1:
+            penv.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=port)
+        procs.append(subprocess.Popen([*(prefix or []), sys.executable, "-m", module, *args], env=penv, cwd=cwd,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float = 180) -> list[tuple[int, str, str]]:
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        results.append((p.returncode, out, err))
+    return results
+
+
+def run_ranks(args: list[str], world: int = 1, **kw: Any) -> list[tuple[int, str, str]]:
+    timeout = kw.pop("timeout", 180)
+    return wait_all(start_ranks(args, world, **kw), timeout)
+
+
+def assert_ok(results: list[tuple[int, str, str]]) -> None:
+    for rank, (rc, out, err) in enumerate(results):
+        assert rc == 0, f"rank {rank} exited {rc}:\n{err[-3000:]}"
+
+
+def captures(save_path: Path) -> list[dict[str, Any]]:
+    """Published capture directories (hidden staging dirs excluded), each metadata plus its 'dir'."""
+    out = []
+    if not save_path.is_dir():
+        return out
+    for d in sorted(save_path.iterdir()):
+        if d.name.startswith(".") or not d.is_dir():
+            continue
+        meta = json.loads((d / "metadata.json").read_text())
+        meta["dir"] = d
+        out.append(meta)
+    return out
+
+
+def load_trace(capture: dict[str, Any]) -> dict[str, Any]:
+    path = capture["dir"] / capture["trace_file"]
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as fh:
+        return json.load(fh)
+
+
+def trace_steps(capture: dict[str, Any]) -> list[int]:
+    trace = load_trace(capture)
+    steps = []
+    for ev in trace["traceEvents"]:
+        name = str(ev.get("name", ""))
+        if name.startswith("ProfilerStep#") and ev.get("ph") == "X":
+            steps.append(int(name.split("#")[1]))
+    return sorted(steps)
+
+
+@pytest.fixture
+def save_path(tmp_path: Path) -> Path:
+    return tmp_path / "profile"

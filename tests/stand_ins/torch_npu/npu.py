@@ -1,0 +1,2 @@
+def is_available() -> bool:
+    return True

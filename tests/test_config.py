@@ -1,0 +1,140 @@
+"""Configuration: MindSpeed's flags and YAML keys, our additions, the environment, and bad values."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import run_ranks
+from ondemand_prof import ConfigError, OnDemandProfiler, ProfileConfig, add_profile_args, config_from_args, \
+    config_from_mapping
+from ondemand_prof.config import config_from_env
+
+
+def parse(*argv: str) -> ProfileConfig:
+    parser = add_profile_args(argparse.ArgumentParser())
+    return config_from_args(parser.parse_args(list(argv)))
+
+
+def test_flag_defaults_are_the_seeds():
+    cfg = parse()
+    assert (cfg.enabled, cfg.step_start, cfg.step_end, cfg.ranks) == (False, 0, -1, (0,))
+    assert (cfg.level, cfg.export_type, cfg.save_path) == ("level0", "text", "./profile")
+    assert not any([cfg.data_simplification, cfg.with_cpu, cfg.with_stack, cfg.with_memory, cfg.record_shapes])
+
+
+def test_all_twelve_flags():
+    cfg = parse("--profile", "--profile-step-start", "5", "--profile-step-end", "6", "--profile-ranks", "0", "3",
+                "--profile-level", "level1", "--profile-export-type", "db", "--profile-data-simplification",
+                "--profile-with-cpu", "--profile-with-stack", "--profile-with-memory", "--profile-record-shapes",
+                "--profile-save-path", "/tmp/x")
+    assert cfg == ProfileConfig(enabled=True, step_start=5, step_end=6, ranks=(0, 3), level="level1",
+                                export_type="db", data_simplification=True, with_cpu=True, with_stack=True,
+                                with_memory=True, record_shapes=True, save_path="/tmp/x")
+
+
+def test_megatron_parser_keeps_its_own_flags():
+    parser = argparse.ArgumentParser()
+    # Megatron-LM defines these four itself
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-step-start", type=int, default=10)
+    parser.add_argument("--profile-step-end", type=int, default=12)
+    parser.add_argument("--profile-ranks", nargs="+", type=int, default=[0])
+    add_profile_args(parser)  # must not raise "conflicting option string"
+    args = parser.parse_args(["--profile", "--profile-ranks", "1", "2", "--profile-level", "level2"])
+    cfg = config_from_args(args)
+    assert (cfg.enabled, cfg.step_start, cfg.step_end, cfg.ranks, cfg.level) == (True, 10, 12, (1, 2), "level2")
+
+
+def test_yaml_defaults_and_level_none(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("training:\n  profile: true\n  profile_level: level_none\n  micro_batch_size: 4\n")
+    cfg = config_from_mapping(path)
+    assert cfg.ranks == (-1,) and cfg.level == "level_none" and cfg.enabled
+    assert config_from_mapping({"profile_step_start": 2, "profile_step_end": 3}).step_start == 2
+
+
+def test_minus_one_anywhere_selects_all():
+    cfg = parse("--profile-ranks", "-1", "0")
+    assert cfg.selects_rank(0) and cfg.selects_rank(7)
+    assert not parse("--profile-ranks", "0", "2").selects_rank(1)
+
+
+def test_environment_overrides(monkeypatch):
+    monkeypatch.setenv("ONDEMAND_PROF_ENABLE", "1")
+    monkeypatch.setenv("ONDEMAND_PROF_STEP_START", "7")
+    monkeypatch.setenv("ONDEMAND_PROF_RANKS", "0,2")
+    monkeypatch.setenv("ONDEMAND_PROF_LEVEL", "level2")
+    cfg = parse("--profile-step-start", "1", "--profile-step-end", "9")
+    assert (cfg.enabled, cfg.step_start, cfg.step_end, cfg.ranks, cfg.level) == (True, 7, 9, (0, 2), "level2")
+    monkeypatch.setenv("ONDEMAND_PROF_LEVEL", "fast")
+    with pytest.raises(ConfigError, match=r"invalid ONDEMAND_PROF_LEVEL 'fast': expected one of level_none, "
+                                          r"level0, level1, level2"):
+        config_from_env()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--profile-level", "level9"], "invalid --profile-level 'level9': expected one of level_none, level0, level1, "
+                                    "level2"),
+    (["--profile-export-type", "csv"], "invalid --profile-export-type 'csv': expected one of text, db"),
+    (["--profile-step-start", "5", "--profile-step-end", "5"],
+     "invalid --profile-step-end 5: expected -1 or a step greater than --profile-step-start (5)"),
+    (["--profile-step-start", "-2"], "invalid --profile-step-start -2: expected a step >= 0"),
+    (["--profile-ranks", "0", "x"], "invalid --profile-ranks ['0', 'x']: expected a list of integer ranks (-1 = all)"),
+    (["--profile-signal", "SIGKILL"], "invalid --profile-signal 'SIGKILL': SIGKILL is reserved"),
+])
+def test_bad_flags_name_flag_value_and_accepted(argv, message):
+    with pytest.raises(ConfigError) as err:
+        parse(*argv)
+    assert str(err.value).startswith(message)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"training": {"profile_level": "high"}}, "invalid training.profile_level 'high': expected one of"),
+    ({"training": {"profile_ranks": "all"}}, "invalid training.profile_ranks 'all': expected a list of integer"),
+    ({"training": {"profile_step_strat": 3}}, "unknown key training.profile_step_strat"),
+    ({"training": {"profile_step_start": 4, "profile_step_end": 2}},
+     "invalid training.profile_step_end 2: expected -1 or a step greater than training.profile_step_start (4)"),
+])
+def test_bad_yaml_keys(data, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config_from_mapping(data)
+
+
+def test_unwritable_save_path_fails_at_startup(tmp_path):
+    tmp_path = Path(tempfile.mkdtemp(prefix="ondemand-ro-", dir="/tmp"))  # reachable by the nobody user
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+    tmp_path.chmod(0o755)
+    args = ["--steps", "1", "--profile", "--profile-save-path", str(ro / "sub")]
+    if os.geteuid() == 0:  # root writes anywhere: run the training script as nobody
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root without setpriv")
+        ((rc, out, err),) = run_ranks(args, prefix=["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"])
+    else:
+        ((rc, out, err),) = run_ranks(args)
+    assert rc == 2, err
+    assert err.strip() == f"error: invalid --profile-save-path '{ro / 'sub'}': {ro} is not writable by uid " \
+                          f"{65534 if os.geteuid() == 0 else os.geteuid()}"
+
+
+def test_save_path_that_is_a_file_fails_at_startup(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(ConfigError, match=r"invalid --profile-save-path .* exists and is not a directory"):
+        OnDemandProfiler(ProfileConfig(enabled=True, save_path=str(f), ondemand=False))
+
+
+def test_training_script_prints_one_clear_line(tmp_path):
+    ((rc, out, err),) = run_ranks(["--steps", "1", "--profile", "--profile-level", "level9"])
+    assert rc == 2
+    assert err.strip() == ("error: invalid --profile-level 'level9': expected one of level_none, level0, level1, "
+                           "level2")

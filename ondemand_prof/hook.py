@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
+import itertools
 import logging
 import os
 import socket
@@ -71,6 +73,7 @@ class OnDemandProfiler:
         self.config = config or ProfileConfig()
         self._step = first_step
         self._wake = IDLE
+        self._counter: itertools.count | None = None
         self._closed = False
         self._disabled = False
         self._failures = 0
@@ -129,7 +132,13 @@ class OnDemandProfiler:
     # The hot path
 
     def step(self, step: int | None = None) -> None:
-        """End of a training step. `step`, when given, is the number of the step that just ended."""
+        """End of a training step. `step`, when given, is the number of the step that just ended.
+
+        While nothing is scheduled, an instance attribute `step` (a C-level counter, no Python frame)
+        shadows this method; lowering `_wake` and removing that attribute brings this method back.
+        """
+        if self._counter is not None:
+            self._leave_idle()
         if step is None:
             self._step += 1
         else:
@@ -139,8 +148,29 @@ class OnDemandProfiler:
 
     @property
     def current_step(self) -> int:
-        """The step now running (the next one to end)."""
+        """The step now running (the next one to end). Safe to read from any thread."""
+        counter = self._counter
+        if counter is not None:
+            return _counter_value(counter) - 1
         return self._step
+
+    def _enter_idle(self) -> None:
+        # Nothing is due: count steps with itertools.count's C __next__ (next(counter, n) also accepts the
+        # loop's own number, which is then ignored until a window is pending). See README "Idle cost".
+        self._counter = itertools.count(self._step + 1)
+        self.step = functools.partial(next, self._counter)  # type: ignore[method-assign]
+        if self._inbox:  # a request arrived meanwhile: take the checked path at the next step
+            self._wake_up()
+
+    def _leave_idle(self) -> None:
+        counter, self._counter = self._counter, None
+        self._step = _counter_value(counter) - 1
+        self.__dict__.pop("step", None)
+
+    def _wake_up(self) -> None:
+        """Make the next step() call take the boundary path (any thread; atomic under the GIL)."""
+        self._wake = 0
+        self.__dict__.pop("step", None)
 
     # ------------------------------------------------------------------------------------------------------
     # Requests from other threads (agent, triggers, signal handler)
@@ -149,7 +179,7 @@ class OnDemandProfiler:
         """Run fn(step) on the training thread at the next step boundary (thread-safe, never blocks long)."""
         with self._lock:
             self._inbox.append(fn)
-        self._wake = 0
+        self._wake_up()
 
     def submit(self, window: Window, listener: Listener | None = None) -> tuple[bool, str]:
         """Queue a window (called on the training thread, usually through call_at_next_step).
@@ -165,7 +195,7 @@ class OnDemandProfiler:
                           f"holds the profiler"
         self._queue.append(_Queued(window, listener))
         self._queue.sort(key=lambda q: q.window.start)
-        self._wake = 0
+        self._wake_up()
         return True, "scheduled"
 
     def _blocking_window(self, window: Window) -> Window | None:
@@ -190,6 +220,7 @@ class OnDemandProfiler:
     def _boundary(self) -> None:
         if self._disabled:
             self._wake = IDLE
+            self._enter_idle()
             return
         step = self._step
         try:
@@ -203,6 +234,8 @@ class OnDemandProfiler:
         self._wake = self._next_wake(step)
         if self._inbox:  # the agent may have lowered _wake while we computed it: keep its request
             self._wake = 0
+        elif self._wake == IDLE and not self._closed:
+            self._enter_idle()
 
     def _drain_inbox(self, step: int) -> None:
         if not self._inbox:
@@ -401,6 +434,8 @@ class OnDemandProfiler:
         """Finish any open window, stop listening and wait (bounded) for pending exports. Never raises."""
         if self._closed:
             return True
+        if self._counter is not None:
+            self._leave_idle()
         try:
             self._drain_inbox(self._step)
             if self._active is not None:
@@ -424,6 +459,10 @@ class OnDemandProfiler:
             log.error("ondemand_prof: %d export(s) still running after %.0f s; giving up waiting",
                       self._exporter.pending(), limit)
         return done
+
+
+def _counter_value(counter: itertools.count) -> int:
+    return int(repr(counter)[6:-1])  # "count(N)": the value the next __next__ returns
 
 
 def _rank_and_world() -> tuple[int, int, bool]:

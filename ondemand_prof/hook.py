@@ -10,6 +10,7 @@ Nothing raised by the profiler, the disk or a trigger reaches the training loop.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime as _dt
 import functools
 import itertools
@@ -17,7 +18,6 @@ import logging
 import os
 import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,17 +77,19 @@ class OnDemandProfiler:
         self._closed = False
         self._disabled = False
         self._failures = 0
-        self._lock = threading.Lock()  # guards _queue against the agent thread; never taken when idle
-        self._queue: list[_Queued] = []
-        self._inbox: list[Callable[[int], None]] = []  # work the agent hands to the training thread
+        self._queue: list[_Queued] = []  # touched on the training thread only
+        # work other threads (agent, signal handler) hand to the training thread; deque.append/popleft are
+        # atomic, so no lock is needed, and a signal handler may append safely
+        self._inbox: collections.deque[Callable[[int], None]] = collections.deque()
         self._active: _Active | None = None
         self._backend_name = backend if isinstance(backend, str) else "given"
         self._backend: Backend | None = None if isinstance(backend, str) else backend
         self._identity: Identity | None = None
         self._exporter = Exporter()
         self._save_root = Path(self.config.save_path).expanduser()
-        self._job_id = self.config.job_id or default_job_id()
+        self.job_id = self.config.job_id or default_job_id()
         self.agent: Any = None
+        self.signal_trigger: Any = None
 
         if self.config.enabled or self.config.ondemand:
             problem = writable_problem(self._save_root)
@@ -106,6 +108,11 @@ class OnDemandProfiler:
         self._boundary()
         if start_agent and self.config.ondemand:
             self._start_agent()
+        if self.config.signal:
+            from .signals import SignalTrigger, parse_signal
+
+            self.signal_trigger = SignalTrigger(self, parse_signal(self.config.signal))
+            self.signal_trigger.install()
 
     # ------------------------------------------------------------------------------------------------------
     # Construction helpers
@@ -177,8 +184,7 @@ class OnDemandProfiler:
 
     def call_at_next_step(self, fn: Callable[[int], None]) -> None:
         """Run fn(step) on the training thread at the next step boundary (thread-safe, never blocks long)."""
-        with self._lock:
-            self._inbox.append(fn)
+        self._inbox.append(fn)
         self._wake_up()
 
     def submit(self, window: Window, listener: Listener | None = None) -> tuple[bool, str]:
@@ -238,11 +244,8 @@ class OnDemandProfiler:
             self._enter_idle()
 
     def _drain_inbox(self, step: int) -> None:
-        if not self._inbox:
-            return
-        with self._lock:
-            work, self._inbox = self._inbox, []
-        for fn in work:
+        while self._inbox:
+            fn = self._inbox.popleft()
             try:
                 fn(step)
             except Exception:  # noqa: BLE001 - a bad request must not stop the others
@@ -406,7 +409,7 @@ class OnDemandProfiler:
             return self._identity
         rank, world, dist_up = _rank_and_world()
         ident = Identity(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
-                         host=socket.gethostname(), pid=os.getpid(), job_id=self._job_id, dist_initialized=dist_up)
+                         host=socket.gethostname(), pid=os.getpid(), job_id=self.job_id, dist_initialized=dist_up)
         if dist_up or "RANK" in os.environ:
             self._identity = ident  # final; before that, re-check next time
         return ident
@@ -448,6 +451,8 @@ class OnDemandProfiler:
             if queued.window.source != "static":
                 self._tell(queued.listener, "failed", queued.window, error="training ended before the window")
         self._queue.clear()
+        if self.signal_trigger is not None:
+            self.signal_trigger.uninstall()
         if self.agent is not None:
             try:
                 self.agent.stop()

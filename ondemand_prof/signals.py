@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 from typing import Any, Callable
 
 from .config import ConfigError
@@ -32,3 +34,81 @@ def parse_signal(value: str, label: str = "--profile-signal") -> signal.Signals:
     if sig.name in _RESERVED:
         raise ConfigError(f"invalid {label} {value!r}: {sig.name} is reserved; use SIGUSR1, SIGUSR2 or a SIGRTMIN+n")
     return sig
+
+
+class SignalTrigger:
+    """Opens the default on-demand window when the configured signal arrives.
+
+    Installed from the main thread only, never over a handler the program already has, and debounced: the
+    handler does no I/O, takes no lock (it appends to a deque) and ignores repeats within `debounce_s`, so
+    a storm of signals opens one window and costs the training run next to nothing.
+    """
+
+    def __init__(self, prof: Any, sig: signal.Signals, debounce_s: float = 1.0) -> None:
+        self.prof = prof
+        self.sig = sig
+        self.debounce_s = debounce_s
+        self.received = 0
+        self.suppressed = 0
+        self._last = -1e18
+        self._installed = False
+
+    def install(self) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("ondemand_prof: %s trigger not installed: the profiler was created outside the main "
+                        "thread (Python allows signal handlers only there)", self.sig.name)
+            return False
+        current = signal.getsignal(self.sig)
+        if current is not signal.SIG_DFL:
+            log.warning("ondemand_prof: %s trigger not installed: the program already handles %s (%r); "
+                        "choose another with --profile-signal", self.sig.name, self.sig.name, current)
+            return False
+        signal.signal(self.sig, self._handler)
+        self._installed = True
+        log.info("ondemand_prof: on-demand capture: kill -%s %d", self.sig.name.removeprefix("SIG"), os.getpid())
+        return True
+
+    def uninstall(self) -> None:
+        if self._installed and threading.current_thread() is threading.main_thread():
+            if signal.getsignal(self.sig) == self._handler:
+                signal.signal(self.sig, signal.SIG_DFL)
+            self._installed = False
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.received += 1
+        now = time.monotonic()
+        if now - self._last < self.debounce_s:
+            self.suppressed += 1
+            return
+        self._last = now
+        self.prof.call_at_next_step(self._open_window)
+
+    def _open_window(self, step: int) -> None:
+        """On the training thread: the default window from the next step."""
+        from .window import Window, WindowOptions
+
+        prof = self.prof
+        config = prof.config
+        rank = prof.identity().rank
+        if not config.selects_rank(rank):
+            log.info("ondemand_prof: %s ignored on rank %d (not in --profile-ranks %s)", self.sig.name, rank,
+                     list(config.ranks))
+            return
+        window = Window(step + 1, step + 1 + config.ondemand_steps, WindowOptions.from_config(config),
+                        source="signal", capture_id=f"signal-{os.getpid()}-{int(time.time() * 1000)}",
+                        requested={"signal": self.sig.name, "steps": config.ondemand_steps})
+        agent = getattr(prof, "agent", None)
+        listener: Callable[[str, dict[str, Any]], None] | None = None
+        if agent is not None:
+            base = {"trigger": window.capture_id, "rank": rank, "host": prof.identity().host, "pid": os.getpid(),
+                    "seen_at_step": step, "request": dict(window.requested)}
+            listener = lambda event, info: agent._status(base, event, info)  # noqa: E731
+        ok, reason = prof.submit(window, listener)
+        if ok:
+            log.info("ondemand_prof: %s: window %s scheduled", self.sig.name, window.describe())
+            if listener:
+                listener("scheduled", {"window": [window.start, window.end], "current_step": step})
+        else:
+            log.info("ondemand_prof: %s ignored: %s", self.sig.name, reason)
+            if listener:
+                listener("rejected", {"window": [window.start, window.end], "error": reason})

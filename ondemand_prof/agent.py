@@ -1,0 +1,233 @@
+"""The agent thread of a rank: samples the step clock, watches the trigger file, writes status files, and
+(when a daemon is running) talks to it. It never starts or stops the profiler itself: it hands windows to the
+training thread through OnDemandProfiler.call_at_next_step().
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as _dt
+import logging
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from .requests import RequestError, absolute_start, parse_request
+from .triggers import STATUS_DIR, TRIGGER_NAME, DirWatcher, Trigger, claim_decision, default_trigger_dir, \
+    ensure_dir, prune_decisions, read_trigger, stat_key, write_json_atomic
+from .window import StepClock, Window, selects
+
+if TYPE_CHECKING:
+    from .hook import OnDemandProfiler
+
+log = logging.getLogger("ondemand_prof.agent")
+
+SAMPLE_S = 0.005  # step-clock resolution; also the agent's idle wake-up period
+SETTLE_S = 0.02  # let a writer finish ("echo > capture" truncates, then writes) before reading
+RECHECK_S = 0.5  # stat the trigger even without an inotify event, in case one was missed
+INOTIFY_SPREAD_S = 0.05  # how much later than the first rank another rank may see an inotify event
+
+
+def _iso(t: float | None = None) -> str:
+    return _dt.datetime.fromtimestamp(time.time() if t is None else t).astimezone().isoformat(timespec="milliseconds")
+
+
+class Agent:
+    def __init__(self, prof: "OnDemandProfiler") -> None:
+        self.prof = prof
+        self.config = prof.config
+        self.clock = StepClock()
+        self.trigger_dir = Path(self.config.trigger_dir).expanduser() if self.config.trigger_dir else \
+            default_trigger_dir(prof.job_id)
+        ensure_dir(self.trigger_dir)
+        self.status_dir = self.trigger_dir / STATUS_DIR
+        ensure_dir(self.status_dir)
+        self.trigger_path = self.trigger_dir / TRIGGER_NAME
+        self._event = threading.Event()
+        self._stopping = threading.Event()
+        self._status_q: collections.deque[tuple[dict[str, Any], str, dict[str, Any]]] = collections.deque()
+        self._recent: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        existing = read_trigger(self.trigger_path)
+        self._last_version = existing.version if existing else None  # written before we started: not replayed
+        self.watcher = DirWatcher(self.trigger_dir, self._event, self.config.trigger_poll_s)
+        self._thread = threading.Thread(target=self._run, name="ondemand-prof-agent", daemon=True)
+        self.extensions: list[Any] = []  # e.g. the daemon client: .poll(agent, now) each loop, .close()
+        self.last_detect_latency_s: float | None = None
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            log.info("ondemand_prof: on-demand capture: touch %s  (or write JSON into it, e.g. "
+                     "'{\"steps\": 3, \"ranks\": [0]}'); status in %s/ [%s]", self.trigger_path, self.status_dir,
+                     self.watcher.mode)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._event.set()
+        self._thread.join(timeout=5)
+        self.watcher.stop()
+        self._flush_status()
+        for ext in self.extensions:
+            try:
+                ext.close()
+            except Exception:  # noqa: BLE001
+                log.debug("extension close failed", exc_info=True)
+
+    def wake(self) -> None:
+        self._event.set()
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        check_at = 0.0
+        poll = self.watcher.poll_s if self.watcher.mode == "poll" else RECHECK_S
+        while not self._stopping.is_set():
+            fired = self._event.wait(SAMPLE_S)
+            now = time.monotonic()
+            try:
+                self._sample_clock()
+                if fired:
+                    self._event.clear()
+                    check_at = min(check_at, now + SETTLE_S)
+                if now >= check_at:
+                    check_at = now + poll
+                    retry = self._check_trigger()
+                    if retry:
+                        check_at = now + SETTLE_S
+                for ext in self.extensions:
+                    ext.poll(self, now)
+                self._flush_status()
+            except Exception:  # noqa: BLE001 - the agent must outlive any one bad event
+                log.exception("ondemand_prof: agent error")
+                time.sleep(0.1)
+
+    def _sample_clock(self) -> None:
+        self.clock.record(self.prof.current_step, time.time())
+
+    def step_time(self) -> float | None:
+        return self.clock.mean_step_time()
+
+    # ------------------------------------------------------------------------------------------------------
+    # File trigger
+
+    def _check_trigger(self) -> bool:
+        """Act on a new version of the trigger file; True when it should be looked at again shortly."""
+        before = stat_key(self.trigger_path)
+        if before is None:
+            return False
+        trig = read_trigger(self.trigger_path)
+        if trig is None or trig.version == self._last_version:
+            return False
+        if stat_key(self.trigger_path) != before:
+            return True  # being written right now
+        age = time.time() - trig.mtime
+        if trig.data == {} and 0 <= age < SETTLE_S:
+            return True  # possibly truncated and not yet written
+        self._last_version = trig.version
+        self._handle_trigger(trig)
+        return False
+
+    def _handle_trigger(self, trig: Trigger) -> None:
+        prof = self.prof
+        ident = prof.identity()
+        now_step = prof.current_step
+        latency = max(0.0, time.time() - trig.mtime)
+        self.last_detect_latency_s = latency
+        base = {"trigger": trig.version, "rank": ident.rank, "host": ident.host, "pid": ident.pid,
+                "written_at": _iso(trig.mtime), "seen_at": _iso(), "seen_at_step": now_step,
+                "detect_latency_ms": round(latency * 1000, 1), "watch": self.watcher.mode}
+        if trig.error:
+            self._status(base, "rejected", {"error": trig.error})
+            return
+        try:
+            request = parse_request(trig.data, self.config)
+        except RequestError as exc:
+            self._status(base, "rejected", {"error": str(exc), "request": trig.data})
+            return
+        base["request"] = request.as_dict()
+        anchor = self.clock.step_at(trig.mtime)
+        if anchor is None or trig.mtime > time.time() + 1.0:
+            anchor = now_step  # written before our oldest sample, or a clock skewed into the future
+        start = absolute_start(request, anchor)
+        if request.start_step is None:
+            start = max(start, now_step + self._lead_steps())
+        decision = claim_decision(self.status_dir, trig.version, {
+            "start_step": start, "end_step": start + request.steps, "anchor_step": anchor,
+            "decided_by_rank": ident.rank, "decided_at": _iso(),
+        })
+        prune_decisions(self.status_dir)
+        ranks = request.ranks if request.ranks is not None else self.config.ranks
+        if not selects(ranks, ident.rank):
+            self._status(base, "rejected", {"error": f"rank {ident.rank} not selected (ranks {list(ranks)})"})
+            return
+        window = Window(decision["start_step"], decision["end_step"], request.window_options(self.config),
+                        source="file", capture_id=f"file-{trig.version}",
+                        requested={**request.as_dict(), "anchor_step": decision["anchor_step"],
+                                   "decided_by_rank": decision["decided_by_rank"]})
+        if request.capped_from is not None:
+            base["note"] = f"steps capped from {request.capped_from} to {request.steps} (--profile-max-window-steps)"
+        self.schedule(window, lambda event, info: self._status(base, event, info))
+
+    def _lead_steps(self) -> int:
+        """How far ahead the first rank to see a trigger schedules it, so that later ranks are in time."""
+        spread = self.watcher.poll_s if self.watcher.mode == "poll" else INOTIFY_SPREAD_S
+        step_time = self.step_time()
+        if not step_time:
+            return 1
+        return max(1, math.ceil((spread + SETTLE_S) / step_time))
+
+    def schedule(self, window: Window, listener: Callable[[str, dict[str, Any]], None]) -> None:
+        """Hand a window to the training thread; the listener hears 'scheduled' or 'rejected', then progress."""
+
+        def submit(step: int) -> None:
+            ok, reason = self.prof.submit(window, listener)
+            if ok:
+                listener("scheduled", {"capture_id": window.capture_id, "window": [window.start, window.end],
+                                       "current_step": step})
+            else:
+                listener("rejected", {"capture_id": window.capture_id, "window": [window.start, window.end],
+                                      "error": reason})
+
+        self.prof.call_at_next_step(submit)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Status files (written here, on the agent thread, never on the training thread)
+
+    def _status(self, base: dict[str, Any], event: str, info: dict[str, Any]) -> None:
+        self._status_q.append((base, event, info))
+        if threading.current_thread() is not self._thread:
+            self._event.set()
+
+    def _flush_status(self) -> None:
+        """rank{R}.json: this rank's recent triggers, newest first, each with its state and history, so a
+        trigger's late progress ("done") never hides the answer to a newer one ("rejected")."""
+        if not self._status_q:
+            return
+        rank = None
+        while self._status_q:
+            base, event, info = self._status_q.popleft()
+            rank = base["rank"]
+            entry = self._recent.get(base["trigger"])
+            if entry is None:
+                entry = self._recent[base["trigger"]] = {**base, "history": []}
+                while len(self._recent) > 8:
+                    self._recent.popitem(last=False)
+            entry["history"].append({"state": event, "at": _iso(),
+                                     **{k: v for k, v in info.items() if k != "capture_id"}})
+            entry.update({k: v for k, v in info.items() if k != "capture_id"}, state=event, updated_at=_iso())
+            if event in ("rejected", "failed"):
+                log.warning("ondemand_prof: trigger %s %s on rank %s: %s", base["trigger"], event, base["rank"],
+                            info.get("error"))
+        triggers = sorted(self._recent.values(), key=lambda e: e.get("written_at") or e.get("seen_at", ""),
+                          reverse=True)
+        ident = self.prof.identity()
+        status = {"rank": rank, "host": ident.host, "pid": ident.pid, "latest": triggers[0], "triggers": triggers}
+        try:
+            write_json_atomic(self.status_dir / f"rank{rank}.json", status)
+        except OSError as exc:
+            log.warning("ondemand_prof: cannot write trigger status in %s: %s", self.status_dir, exc)

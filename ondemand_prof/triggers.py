@@ -1,0 +1,215 @@
+"""File triggers: the trigger directory, reading a trigger safely, its version, status files and the shared
+window decision that keeps ranks aligned.
+
+    {trigger dir}/capture                  what the user touches or writes JSON into
+    {trigger dir}/capture.status/rank{R}.json   what rank R did with the latest trigger
+    {trigger dir}/capture.status/.window-{version}.json   the absolute window the first rank chose
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import stat
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TRIGGER_NAME = "capture"
+STATUS_DIR = TRIGGER_NAME + ".status"
+MAX_TRIGGER_BYTES = 64 * 1024
+NETWORK_FS = ("nfs", "nfs4", "cifs", "smbfs", "smb3", "lustre", "gpfs", "ceph", "beegfs", "glusterfs", "9p",
+              "fuse.sshfs", "fuse.s3fs", "fuse.juicefs", "fuse.glusterfs", "afs", "orangefs", "virtiofs")
+KEEP_DECISIONS = 32
+
+
+def default_trigger_dir(job_id: str) -> Path:
+    """Per user and per job, so two jobs on one host never share a trigger (torch_npu's shm collision)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id) or "job"
+    return Path(tempfile.gettempdir()) / f"ondemand_prof-{os.getuid()}" / safe
+
+
+def ensure_dir(path: Path) -> None:
+    """Create with owner-only permissions (parents we create too); an existing directory is left as it is."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+
+
+def is_network_fs(path: Path) -> bool:
+    """Whether path lives on a filesystem where inotify does not see other hosts' writes."""
+    try:
+        import psutil
+
+        real = os.path.realpath(path)
+        best, fstype = "", ""
+        for part in psutil.disk_partitions(all=True):
+            mp = part.mountpoint
+            if (real == mp or real.startswith(mp.rstrip("/") + "/")) and len(mp) > len(best):
+                best, fstype = mp, part.fstype
+        return fstype.lower() in NETWORK_FS or fstype.lower().startswith("fuse.") and fstype.lower() != "fuse.portal"
+    except Exception:  # noqa: BLE001 - unknown: assume local
+        return False
+
+
+@dataclass(frozen=True)
+class Trigger:
+    version: str  # changes with every write of the file, even two within one second
+    mtime: float
+    data: dict[str, Any] | None  # None when error
+    error: str | None
+
+
+def stat_key(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return (-1, -1, -1, -1)
+    return (st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_size)
+
+
+def read_trigger(path: Path) -> Trigger | None:
+    """Read the trigger file without following links or reading unbounded data; None when absent."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return Trigger(f"err-{exc.errno}", time.time(), None, f"cannot stat {path}: {exc.strerror}")
+    base = f"{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{st.st_size}"
+    version = hashlib.sha1(base.encode()).hexdigest()[:16]
+    if stat.S_ISLNK(st.st_mode):
+        return Trigger(version, st.st_mtime, None, f"{path} is a symbolic link; write a regular file")
+    if stat.S_ISDIR(st.st_mode):
+        return Trigger(version, st.st_mtime, None, f"{path} is a directory; write a regular file")
+    if not stat.S_ISREG(st.st_mode):
+        return Trigger(version, st.st_mtime, None, f"{path} is not a regular file")
+    if st.st_size > MAX_TRIGGER_BYTES:
+        return Trigger(version, st.st_mtime, None,
+                       f"{path} is {st.st_size} bytes; a trigger holds at most {MAX_TRIGGER_BYTES} bytes of JSON")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except PermissionError:
+        return Trigger(version, st.st_mtime, None, f"{path} is not readable by uid {os.getuid()}")
+    except OSError as exc:
+        return Trigger(version, st.st_mtime, None, f"cannot open {path}: {exc.strerror}")
+    try:
+        raw = os.read(fd, MAX_TRIGGER_BYTES + 1)
+    finally:
+        os.close(fd)
+    version = hashlib.sha1(base.encode() + b"\0" + raw).hexdigest()[:16]
+    text = raw.decode("utf-8", errors="replace").strip()
+    if not text:
+        return Trigger(version, st.st_mtime, {}, None)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return Trigger(version, st.st_mtime, None, f"not valid JSON: {exc.msg} at line {exc.lineno} column "
+                                                   f"{exc.colno}")
+    if not isinstance(data, dict):
+        return Trigger(version, st.st_mtime, None, f"expected a JSON object, got {type(data).__name__}")
+    return Trigger(version, st.st_mtime, data, None)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True, default=str)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def claim_decision(status_dir: Path, version: str, decision: dict[str, Any]) -> dict[str, Any]:
+    """Publish our window for this trigger version unless another rank did first; return the one that holds.
+
+    os.link() of a complete temporary file is atomic and fails if the name exists, on local filesystems and
+    NFS alike, so exactly one rank's decision wins and nobody reads a half-written one.
+    """
+    final = status_dir / f".window-{version}.json"
+    try:
+        return json.loads(final.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        pass
+    tmp = status_dir / f".window-{version}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(decision), encoding="utf-8")
+    try:
+        os.link(tmp, final)
+        return decision
+    except FileExistsError:
+        return json.loads(final.read_text(encoding="utf-8"))
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def prune_decisions(status_dir: Path, keep: int = KEEP_DECISIONS) -> None:
+    try:
+        files = sorted(status_dir.glob(".window-*.json"), key=lambda p: p.stat().st_mtime)
+    except OSError:
+        return
+    for old in files[:-keep]:
+        old.unlink(missing_ok=True)
+
+
+class DirWatcher:
+    """Wakes `event` when something changes in the trigger directory: inotify through watchdog, or nothing
+    (the agent polls) when inotify is unavailable or the directory is on a network filesystem."""
+
+    def __init__(self, directory: Path, event: threading.Event, poll_s: float) -> None:
+        self.directory = directory
+        self.event = event
+        self.mode = "poll"
+        self.poll_s = poll_s
+        self._observer: Any = None
+        if poll_s > 0:
+            return
+        if is_network_fs(directory):
+            self.poll_s = 0.5
+            log.info("ondemand_prof: %s is on a network filesystem; polling it every %.1f s", directory,
+                     self.poll_s)
+            return
+        try:
+            from watchdog.events import FileSystemEventHandler
+            from watchdog.observers import Observer
+
+            wake = event
+
+            class Handler(FileSystemEventHandler):
+                def on_any_event(self, ev: Any) -> None:  # noqa: D401 - watchdog callback
+                    if os.path.basename(str(getattr(ev, "dest_path", "") or ev.src_path)) == TRIGGER_NAME or \
+                            os.path.basename(str(ev.src_path)) == TRIGGER_NAME:
+                        wake.set()
+
+            observer = Observer()
+            observer.daemon = True
+            observer.schedule(Handler(), str(directory), recursive=False)
+            observer.start()
+            self._observer = observer
+            self.mode = "inotify"
+        except Exception as exc:  # noqa: BLE001 - e.g. inotify watch limit reached
+            self.poll_s = 0.5
+            log.warning("ondemand_prof: inotify unavailable for %s (%s); polling every %.1f s", directory, exc,
+                        self.poll_s)
+
+    def stop(self) -> None:
+        if self._observer is not None:
+            try:
+                self._observer.stop()
+                self._observer.join(timeout=2)
+            except Exception:  # noqa: BLE001
+                pass

@@ -29,6 +29,7 @@ SAMPLE_S = 0.005  # step-clock resolution; also the agent's idle wake-up period
 SETTLE_S = 0.02  # let a writer finish ("echo > capture" truncates, then writes) before reading
 RECHECK_S = 0.5  # stat the trigger even without an inotify event, in case one was missed
 INOTIFY_SPREAD_S = 0.05  # how much later than the first rank another rank may see an inotify event
+LEAD_MARGIN_S = 0.05  # scheduling slack (a loaded host delays agent threads)
 
 
 def _iso(t: float | None = None) -> str:
@@ -179,7 +180,8 @@ class Agent:
         step_time = self.step_time()
         if not step_time:
             return 1
-        return max(1, math.ceil((spread + SETTLE_S) / step_time))
+        # one more step than the arithmetic asks for: step times jitter, and a late rank costs a whole step
+        return max(1, math.ceil((spread + SETTLE_S + LEAD_MARGIN_S) / step_time) + 1)
 
     def schedule(self, window: Window, listener: Callable[[str, dict[str, Any]], None]) -> None:
         """Hand a window to the training thread; the listener hears 'scheduled' or 'rejected', then progress."""

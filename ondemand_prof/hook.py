@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime as _dt
 import functools
 import itertools
@@ -50,6 +51,7 @@ class _Active:
     began_at: str
     first_step: int = -1
     late_by: int = 0
+    moved_by: int = 0  # an on-demand window that arrived after its end was moved this many steps
     listener: Listener | None = None
     t_begin: float = field(default_factory=time.monotonic)
 
@@ -58,6 +60,7 @@ class _Active:
 class _Queued:
     window: Window
     listener: Listener | None = None
+    late_by: int = 0  # steps the window was moved because it arrived after its end
 
 
 class OnDemandProfiler:
@@ -235,6 +238,8 @@ class OnDemandProfiler:
                 self._advance(step)
             if self._active is None:
                 self._maybe_begin(step)
+            else:
+                self._skip_due_static(step)
         except Exception as exc:  # noqa: BLE001 - training never notices the profiler failing
             self._on_failure(exc)
         self._wake = self._next_wake(step)
@@ -274,10 +279,13 @@ class OnDemandProfiler:
                 return
             self._queue.pop(0)
             if plan.phase is Phase.MISSED:
-                self._tell(queued.listener, "failed", window, error=f"window {window.describe()} is already past "
-                           f"(now at step {step})")
-                log.warning("ondemand_prof: window %s missed: already at step %d", window.describe(), step)
-                continue
+                if window.source == "static" or window.end is None:
+                    log.warning("ondemand_prof: window %s missed: already at step %d", window.describe(), step)
+                    continue
+                # an on-demand window that arrived too late still records its length, from now, and says so
+                late = dataclasses.replace(window, start=step, end=step + (window.end - window.start))
+                queued = _Queued(late, queued.listener, late_by=step - window.start)
+                window, plan = late, plan_begin(late, step, self._warmup())
             ident = self.identity()
             if window.source == "static":
                 if not self.config.selects_rank(ident.rank):
@@ -296,6 +304,18 @@ class OnDemandProfiler:
             self._begin(queued, step, plan.phase)
             return
 
+    def _skip_due_static(self, step: int) -> None:
+        """A static window whose time comes while another window holds the profiler is skipped, loudly."""
+        assert self._active is not None
+        holder = self._active.window
+        for queued in [q for q in self._queue if q.window.source == "static"]:
+            if plan_begin(queued.window, step, self._warmup()).phase is Phase.WAIT:
+                continue
+            self._queue.remove(queued)
+            log.info("ondemand_prof: static window %s skipped: %s window %s (%s) holds the profiler",
+                     queued.window.describe(), "on-demand" if holder.source != "static" else "static",
+                     holder.describe(), holder.capture_id)
+
     def _begin(self, queued: _Queued, step: int, phase: Phase) -> None:
         window = queued.window
         ident = self.identity()
@@ -304,19 +324,21 @@ class OnDemandProfiler:
         staging = staging_path(self._save_root, final_name)
         self._save_root.mkdir(parents=True, exist_ok=True)
         session = backend.open(window, ident, staging)
-        active = _Active(window, session, final_name, "warmup", now_iso(), listener=queued.listener)
+        active = _Active(window, session, final_name, "warmup", now_iso(), listener=queued.listener,
+                         moved_by=queued.late_by)
         self._active = active
+        self._tell(active.listener, "started", window, step=step,
+                   phase="warmup" if phase is Phase.WARMUP else "recording")
         if phase is Phase.WARMUP:
             session.warmup(step)
         else:
             self._start_recording(active, step)
-        self._tell(active.listener, "started", window, step=step, phase=active.state)
 
     def _start_recording(self, active: _Active, step: int) -> None:
         active.session.record(step)
         active.state = "recording"
         active.first_step = step
-        active.late_by = max(0, step - active.window.start)
+        active.late_by = max(0, step - active.window.start) + active.moved_by
         if active.late_by:
             log.warning("ondemand_prof: window %s began %d step(s) late, at step %d", active.window.describe(),
                         active.late_by, step)

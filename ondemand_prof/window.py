@@ -139,11 +139,18 @@ class StepClock:
         return self.steps[i - 1]
 
     def mean_step_time(self, last: int = 16) -> float | None:
+        """Median time per step over the last samples (robust to a slow first step or a checkpoint)."""
         if len(self.times) < 2:
             return None
-        n = min(last, len(self.times) - 1)
-        span_steps = self.steps[-1] - self.steps[-1 - n]
-        return (self.times[-1] - self.times[-1 - n]) / span_steps if span_steps > 0 else None
+        rates = []
+        for i in range(max(1, len(self.times) - last), len(self.times)):
+            span = self.steps[i] - self.steps[i - 1]
+            if span > 0:
+                rates.append((self.times[i] - self.times[i - 1]) / span)
+        if not rates:
+            return None
+        rates.sort()
+        return rates[len(rates) // 2]
 
 
 def parse_rank_spec(spec: str | int | Iterable[Any]) -> tuple[int, ...]:

@@ -1,0 +1,238 @@
+"""On-demand windows from trigger files and signals: real gloo ranks, real files, real inotify."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from conftest import assert_ok, captures, start_ranks, trace_steps, wait_all
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def last_step(status_file: Path) -> int:
+    try:
+        lines = status_file.read_text().splitlines()
+    except FileNotFoundError:
+        return -1
+    return json.loads(lines[-1])["step"] if lines else -1
+
+
+def rank_status(trigger_dir: Path, rank: int) -> dict[str, Any] | None:
+    try:
+        return json.loads((trigger_dir / "capture.status" / f"rank{rank}.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def trigger_args(save: Path, trig: Path, *extra: str) -> list[str]:
+    return ["--profile-save-path", str(save), "--profile-trigger-dir", str(trig), "--profile-min-free-mb", "0",
+            "--profile-ranks", "-1", *extra]
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[Path, Path, Path]:
+    return tmp_path / "profile", tmp_path / "trigger", tmp_path / "steps.jsonl"
+
+
+def test_touch_opens_the_default_window(dirs) -> None:
+    save, trig, steps = dirs
+    procs = start_ranks(["--steps", "200", "--step-sleep", "0.02", "--status-file", str(steps),
+                         *trigger_args(save, trig)])
+    wait_for(lambda: last_step(steps) >= 5, what="training to start")
+    (trig / "capture").touch()
+    status = wait_for(lambda: (s := rank_status(trig, 0)) and s["latest"]["state"] == "done" and s, what="done")
+    assert_ok(wait_all(procs))
+    (cap,) = captures(save)
+    latest = status["latest"]
+    start, end = latest["window"]
+    assert end - start == 2  # the default on-demand window: --profile-ondemand-steps 2
+    assert trace_steps(cap) == list(range(start, end))
+    assert latest["path"] == str(cap["dir"])
+    assert latest["seen_at_step"] < start  # scheduled ahead of time, not late
+    assert latest["detect_latency_ms"] < 500
+    assert [h["state"] for h in latest["history"]] == ["scheduled", "started", "recording", "writing", "done"]
+    assert cap["trigger"]["source"] == "file"
+
+
+def test_json_request_on_two_ranks_selects_rank_and_options(dirs) -> None:
+    save, trig, steps = dirs
+    procs = start_ranks(["--steps", "150", "--step-sleep", "0.02", "--status-file", str(steps),
+                         *trigger_args(save, trig)], world=2)
+    wait_for(lambda: last_step(steps) >= 5, what="training to start")
+    (trig / "capture").write_text('{"ranks": [1], "steps": 3, "level": "level1", "with_stack": true}')
+    wait_for(lambda: (s := rank_status(trig, 1)) and s["latest"]["state"] == "done", what="rank 1 done")
+    assert_ok(wait_all(procs))
+    (cap,) = captures(save)
+    assert cap["rank"] == 1
+    assert cap["options"]["level"] == "level1" and cap["options"]["with_stack"] is True
+    assert len(trace_steps(cap)) == 3
+    r0 = rank_status(trig, 0)["latest"]
+    assert r0["state"] == "rejected" and r0["error"] == "rank 0 not selected (ranks [1])"
+
+
+def test_each_write_acts_once_and_old_triggers_are_not_replayed(dirs) -> None:
+    save, trig, steps = dirs
+    trig.mkdir(parents=True)
+    (trig / "capture").write_text('{"steps": 1}')  # written before the job: must not be replayed
+    procs = start_ranks(["--steps", "250", "--step-sleep", "0.02", "--status-file", str(steps),
+                         *trigger_args(save, trig)], world=2)
+    wait_for(lambda: last_step(steps) >= 5, what="training to start")
+    time.sleep(0.3)
+    assert captures(save) == [] and rank_status(trig, 0) is None
+    # the same content twice within one second: two requests
+    (trig / "capture").write_text('{"steps": 1}')
+    time.sleep(0.4)
+    (trig / "capture").write_text('{"steps": 1}')
+    wait_for(lambda: len(captures(save)) == 4, what="two captures on each of two ranks")
+    assert_ok(wait_all(procs))
+    caps = captures(save)
+    assert sorted(c["rank"] for c in caps) == [0, 0, 1, 1]
+    for rank in (0, 1):
+        states = [t["state"] for t in rank_status(trig, rank)["triggers"]]
+        assert states == ["done", "done"]
+    by_rank = {r: sorted(trace_steps(c)[0] for c in caps if c["rank"] == r) for r in (0, 1)}
+    assert by_rank[0] == by_rank[1] and by_rank[0][0] != by_rank[0][1]
+
+
+@pytest.mark.parametrize("poll", ["0", "0.25"], ids=["inotify", "staggered-polling"])
+def test_four_ranks_record_the_same_steps(dirs, poll: str) -> None:
+    # with polling at 0.25 s each rank sees the file up to 0.25 s (several steps) after the others
+    save, trig, steps = dirs
+    procs = start_ranks(["--steps", "220", "--step-sleep", "0.02", "--status-file", str(steps),
+                         *trigger_args(save, trig, "--profile-trigger-poll", poll)], world=4)
+    wait_for(lambda: last_step(steps) >= 10, what="training to start")
+    (trig / "capture").write_text('{"steps": 3}')
+    wait_for(lambda: len(captures(save)) == 4, timeout=90, what="four captures")
+    assert_ok(wait_all(procs))
+    caps = captures(save)
+    sets = {c["rank"]: trace_steps(c) for c in caps}
+    assert sorted(sets) == [0, 1, 2, 3]
+    assert len({tuple(s) for s in sets.values()}) == 1, sets
+    assert len(sets[0]) == 3
+    seen = [rank_status(trig, r)["latest"]["seen_at_step"] for r in range(4)]
+    assert all(c["window"]["late_by"] == 0 for c in caps), seen
+
+
+BAD_TRIGGERS = [
+    ("malformed", lambda p: p.write_text('{"steps": 3'), "not valid JSON"),
+    ("unknown key", lambda p: p.write_text('{"stesp": 3}'), "unknown field(s) 'stesp'"),
+    ("wrong type", lambda p: p.write_text('{"steps": "three"}'), "field 'steps' must be an integer, got 'three'"),
+    ("out of range", lambda p: p.write_text('{"steps": 0}'), "field 'steps' must be between 1 and"),
+    ("bad level", lambda p: p.write_text('{"level": "max"}'), "field 'level' must be one of level_none, level0"),
+    ("not an object", lambda p: p.write_text('[1, 2]'), "expected a JSON object, got list"),
+    ("oversized", lambda p: p.write_text('{"id": "' + "x" * 70000 + '"}'), "a trigger holds at most 65536 bytes"),
+    ("symlink", lambda p: p.symlink_to("/etc/hostname"), "is a symbolic link; write a regular file"),
+    ("directory", lambda p: p.mkdir(), "is a directory; write a regular file"),
+]
+
+
+def test_bad_triggers_get_a_clear_status_and_nothing_else(dirs) -> None:
+    save, trig, steps = dirs
+    procs = start_ranks(["--steps", "400", "--step-sleep", "0.01", "--status-file", str(steps),
+                         *trigger_args(save, trig)])
+    wait_for(lambda: last_step(steps) >= 5, what="training to start")
+    path = trig / "capture"
+    for name, write, message in BAD_TRIGGERS:
+        if path.is_dir() and not path.is_symlink():
+            path.rmdir()
+        else:
+            path.unlink(missing_ok=True)
+        write(path)
+        status = wait_for(lambda: (s := rank_status(trig, 0)) and s["latest"]["state"] == "rejected"
+                          and message in s["latest"]["error"] and s, timeout=20, what=name)
+        assert status["latest"]["error"], name
+    assert_ok(wait_all(procs))
+    assert captures(save) == []
+
+
+def test_unreadable_trigger(dirs) -> None:
+    save, trig, steps = dirs
+    prefix = None
+    if os.geteuid() == 0:  # root reads anything: run the training run as nobody
+        if not shutil.which("setpriv"):
+            pytest.skip("root without setpriv")
+        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        base = steps.parent
+        base.chmod(0o777)
+        for d in (base.parent, base.parent.parent):
+            d.chmod(d.stat().st_mode | 0o005)
+    procs = start_ranks(["--steps", "300", "--step-sleep", "0.01", "--status-file", str(steps),
+                         *trigger_args(save, trig)], prefix=prefix)
+    wait_for(lambda: last_step(steps) >= 5, what="training to start")
+    path = trig / "capture"
+    path.write_text("{}")
+    path.chmod(0)
+    status = wait_for(lambda: (s := rank_status(trig, 0)) and s["latest"]["state"] == "rejected" and s,
+                      timeout=20, what="rejection")
+    assert "is not readable by uid" in status["latest"]["error"]
+    assert_ok(wait_all(procs))
+    assert captures(save) == []
+
+
+def test_overlapping_request_is_busy_and_static_window_yields(dirs) -> None:
+    save, trig, steps = dirs
+    # a static window far ahead, and a long on-demand window that will cover it
+    procs = start_ranks(["--steps", "160", "--step-sleep", "0.02", "--status-file", str(steps),
+                         "--profile", "--profile-step-start", "60", "--profile-step-end", "62",
+                         *trigger_args(save, trig)])
+    wait_for(lambda: last_step(steps) >= 40, what="training to reach step 40")
+    (trig / "capture").write_text('{"steps": 30}')
+    wait_for(lambda: (s := rank_status(trig, 0)) and s["latest"]["state"] == "recording", what="recording")
+    (trig / "capture").write_text('{"steps": 2}')
+    busy = wait_for(lambda: (s := rank_status(trig, 0)) and s["latest"]["state"] == "rejected" and s, what="busy")
+    results = wait_all(procs)
+    assert_ok(results)
+    assert busy["latest"]["error"].startswith("busy: window [")
+    assert "holds the profiler" in busy["latest"]["error"]
+    caps = captures(save)
+    assert [c["trigger"]["source"] for c in caps] == ["file"]
+    assert len(trace_steps(caps[0])) == 30
+    assert "static window [60, 62) skipped: on-demand window" in results[0][2]
+
+
+def test_signal_storm_opens_one_window(dirs) -> None:
+    save, trig, steps = dirs
+    procs = start_ranks(["--steps", "150", "--step-sleep", "0.02", "--status-file", str(steps),
+                         "--profile-signal", "SIGUSR2", *trigger_args(save, trig)])
+    wait_for(lambda: last_step(steps) >= 5, what="training to start")
+    pid = procs[0].pid
+    t0 = time.monotonic()
+    for _ in range(1000):
+        os.kill(pid, signal.SIGUSR2)
+    assert time.monotonic() - t0 < 1.0
+    assert_ok(wait_all(procs))
+    (cap,) = captures(save)
+    assert cap["trigger"]["source"] == "signal"
+    assert len(trace_steps(cap)) == 2
+
+
+def test_default_trigger_dirs_differ_between_jobs() -> None:
+    from ondemand_prof.triggers import default_trigger_dir
+
+    a, b = default_trigger_dir("port29500"), default_trigger_dir("port29501")
+    assert a != b and a.parent == b.parent and a.parent.name == f"ondemand_prof-{os.getuid()}"
+
+
+def test_hook_logs_the_command_to_touch(dirs) -> None:
+    save, trig, steps = dirs
+    ((rc, out, err),) = wait_all(start_ranks(["--steps", "2", *trigger_args(save, trig)]))
+    assert rc == 0
+    assert f"on-demand capture: touch {trig / 'capture'}" in err
+    assert (trig.stat().st_mode & 0o777) == 0o700

@@ -122,7 +122,8 @@ def test_unwritable_save_path_fails_at_startup(tmp_path):
     else:
         ((rc, out, err),) = run_ranks(args)
     assert rc == 2, err
-    assert err.strip() == f"error: invalid --profile-save-path '{ro / 'sub'}': {ro} is not writable by uid " \
+    # the last line is ours (torch may print its own warnings before it, e.g. when numpy is absent)
+    assert err.strip().splitlines()[-1] == f"error: invalid --profile-save-path '{ro / 'sub'}': {ro} is not writable by uid " \
                           f"{65534 if os.geteuid() == 0 else os.geteuid()}"
 
 
@@ -136,5 +137,6 @@ def test_save_path_that_is_a_file_fails_at_startup(tmp_path):
 def test_training_script_prints_one_clear_line(tmp_path):
     ((rc, out, err),) = run_ranks(["--steps", "1", "--profile", "--profile-level", "level9"])
     assert rc == 2
-    assert err.strip() == ("error: invalid --profile-level 'level9': expected one of level_none, level0, level1, "
+    assert err.count("error:") == 1
+    assert err.strip().splitlines()[-1] == ("error: invalid --profile-level 'level9': expected one of level_none, level0, level1, "
                            "level2")

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from .output import write_json_atomic
 from .requests import RequestError, absolute_start, parse_request
 from .triggers import STATUS_DIR, TRIGGER_NAME, DirWatcher, Trigger, claim_decision, default_trigger_dir, \
-    ensure_dir, prune_decisions, read_trigger, stat_key, write_json_atomic
+    ensure_dir, prune_decisions, read_trigger, stat_key
 from .window import StepClock, Window, selects
 
 if TYPE_CHECKING:

@@ -249,7 +249,8 @@ def run_postprocess(job: ExportJob, raw: Path, out_dir: Path) -> dict[str, Any]:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    """Readers see the old file or the new one, never a partial one (unique temp name: several writers)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2, sort_keys=True, default=str)
         fh.write("\n")

@@ -127,14 +127,6 @@ def read_trigger(path: Path) -> Trigger | None:
     return Trigger(version, st.st_mtime, data, None)
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True, default=str)
-        fh.write("\n")
-    os.replace(tmp, path)
-
-
 def claim_decision(status_dir: Path, version: str, decision: dict[str, Any]) -> dict[str, Any]:
     """Publish our window for this trigger version unless another rank did first; return the one that holds.
 

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import csv
-import os
 import sqlite3
 from pathlib import Path
 
-import pytest
 
 from conftest import assert_ok, captures, load_trace, run_ranks, trace_steps
 

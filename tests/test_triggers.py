@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable

@@ -17,6 +17,7 @@ import tempfile
 import time
 import timeit
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -55,51 +56,41 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.step()
 
 
-def run_ours(active: int) -> tuple[float, float]:
-    out = tempfile.mkdtemp()
-    prof = OnDemandProfiler(ProfileConfig(ondemand=False, save_path=out, min_free_mb=0))
+def time_window_end(step: Callable[[], None], window_end: int) -> tuple[float, float]:
+    """Train through steps 0 .. window_end-1, calling step() after each; return the seconds of the step() call
+    that ends the window (after step window_end-1) and of the whole step that follows it."""
     model, opt = make_model()
-    start = 3
-    prof.submit(Window(start, start + active, WindowOptions(with_stack=True, record_shapes=True), source="bench",
-                       capture_id="bench"))
-    end_call = after = 0.0
-    for i in range(start + active + 2):
+    for _ in range(window_end - 1):
         train_step(model, opt)
-        t0 = time.perf_counter()
-        prof.step()
-        dt = time.perf_counter() - t0
-        if i == start + active - 1:
-            end_call = dt
-            t1 = time.perf_counter()
-            train_step(model, opt)
-            prof.step()
-            after = time.perf_counter() - t1
-            break
+        step()
+    train_step(model, opt)
+    t0 = time.perf_counter()
+    step()
+    end_call = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    train_step(model, opt)
+    step()
+    return end_call, time.perf_counter() - t1
+
+
+WINDOW_START = 3
+
+
+def run_ours(active: int) -> tuple[float, float]:
+    prof = OnDemandProfiler(ProfileConfig(ondemand=False, save_path=tempfile.mkdtemp(), min_free_mb=0))
+    prof.submit(Window(WINDOW_START, WINDOW_START + active, WindowOptions(with_stack=True, record_shapes=True),
+                       source="bench", capture_id="bench"))
+    result = time_window_end(lambda: prof.step(), WINDOW_START + active)  # not the bound method: see README
     prof.close()
-    return end_call, after
+    return result
 
 
 def run_torch(active: int) -> tuple[float, float]:
-    out = tempfile.mkdtemp()
-    model, opt = make_model()
-    start = 3
-    sched = torch.profiler.schedule(wait=start - 1, warmup=1, active=active, repeat=1)
-    end_call = after = 0.0
+    sched = torch.profiler.schedule(wait=WINDOW_START - 1, warmup=1, active=active, repeat=1)
+    handler = torch.profiler.tensorboard_trace_handler(tempfile.mkdtemp())
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=sched, with_stack=True,
-                                record_shapes=True, on_trace_ready=torch.profiler.tensorboard_trace_handler(out)) as p:
-        for i in range(start + active + 2):
-            train_step(model, opt)
-            t0 = time.perf_counter()
-            p.step()
-            dt = time.perf_counter() - t0
-            if i == start + active - 1:
-                end_call = dt
-                t1 = time.perf_counter()
-                train_step(model, opt)
-                p.step()
-                after = time.perf_counter() - t1
-                break
-    return end_call, after
+                                record_shapes=True, on_trace_ready=handler) as p:
+        return time_window_end(p.step, WINDOW_START + active)
 
 
 def main() -> None:

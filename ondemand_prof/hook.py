@@ -173,8 +173,10 @@ class OnDemandProfiler:
             self._wake_up()
 
     def _leave_idle(self) -> None:
-        counter, self._counter = self._counter, None
-        self._step = _counter_value(counter) - 1
+        # _step before _counter: the agent thread reads current_step at any moment, and must never see the
+        # stale _step of when idling began (its step clock would take that for the loop going backwards)
+        self._step = _counter_value(self._counter) - 1
+        self._counter = None
         self.__dict__.pop("step", None)
 
     def _wake_up(self) -> None:
@@ -228,6 +230,8 @@ class OnDemandProfiler:
 
     def _boundary(self) -> None:
         if self._disabled:
+            # requests still get their answer ("profiler disabled") instead of keeping us off the idle path
+            self._drain_inbox(self._step)
             self._wake = IDLE
             self._enter_idle()
             return

@@ -69,6 +69,8 @@ def test_repeated_failures_disable_the_hook_with_one_line(tmp_path: Path, caplog
     assert backend.opened == 3  # the fourth and fifth requests find the hook disabled
     disabled = [r for r in caplog.records if "disabled after 3 consecutive failures" in r.getMessage()]
     assert len(disabled) == 1
+    # the refused requests were answered, and the disabled hook is back on the idle counter
+    assert "step" in prof.__dict__
     assert prof.close()
 
 

@@ -28,6 +28,9 @@ log = logging.getLogger("ondemand_prof.agent")
 
 SAMPLE_S = 0.005  # step-clock resolution; also the agent's idle wake-up period
 SETTLE_S = 0.02  # let a writer finish ("echo > capture" truncates, then writes) before reading
+# An empty file is either "touch capture" or a writer caught between truncating and writing. Without a
+# close event from inotify to tell them apart, wait this long (a loaded host can stall a writer for tens of ms).
+EMPTY_SETTLE_S = 0.25
 RECHECK_S = 0.5  # stat the trigger even without an inotify event, in case one was missed
 INOTIFY_SPREAD_S = 0.05  # how much later than the first rank another rank may see an inotify event
 LEAD_MARGIN_S = 0.05  # scheduling slack (a loaded host delays agent threads)
@@ -127,12 +130,17 @@ class Agent:
             return False
         if stat_key(self.trigger_path) != before:
             return True  # being written right now
-        age = time.time() - trig.mtime
-        if trig.data == {} and 0 <= age < SETTLE_S:
+        if trig.data == {} and not self._empty_is_final(trig.mtime):
             return True  # possibly truncated and not yet written
         self._last_version = trig.version
         self._handle_trigger(trig)
         return False
+
+    def _empty_is_final(self, mtime: float) -> bool:
+        age = time.time() - mtime
+        if age < 0 or age >= EMPTY_SETTLE_S:
+            return True  # a clock skewed into the future, or nobody wrote to it since
+        return age >= SETTLE_S and self.watcher.closed_after(mtime)
 
     def _handle_trigger(self, trig: Trigger) -> None:
         prof = self.prof

@@ -168,6 +168,10 @@ class DirWatcher:
         self.mode = "poll"
         self.poll_s = poll_s
         self._observer: Any = None
+        # the last inotify event on the trigger file, so that an empty file can be told apart from one that a
+        # writer has truncated and not yet written ("echo ... > capture" is open(O_TRUNC), write, close)
+        self.last_event: str | None = None
+        self.last_closed_at = 0.0
         if poll_s > 0:
             return
         if is_network_fs(directory):
@@ -179,13 +183,13 @@ class DirWatcher:
             from watchdog.events import FileSystemEventHandler
             from watchdog.observers import Observer
 
-            wake = event
+            watcher = self
 
             class Handler(FileSystemEventHandler):
                 def on_any_event(self, ev: Any) -> None:  # noqa: D401 - watchdog callback
                     if os.path.basename(str(getattr(ev, "dest_path", "") or ev.src_path)) == TRIGGER_NAME or \
                             os.path.basename(str(ev.src_path)) == TRIGGER_NAME:
-                        wake.set()
+                        watcher.note_event(ev.event_type)
 
             observer = Observer()
             observer.daemon = True
@@ -197,6 +201,16 @@ class DirWatcher:
             self.poll_s = 0.5
             log.warning("ondemand_prof: inotify unavailable for %s (%s); polling every %.1f s", directory, exc,
                         self.poll_s)
+
+    def note_event(self, event_type: str) -> None:
+        if event_type == "closed":
+            self.last_closed_at = time.time()
+        self.last_event = event_type
+        self.event.set()
+
+    def closed_after(self, mtime: float) -> bool:
+        """True when the last event on the trigger was a writer closing it, at or after `mtime`."""
+        return self.mode == "inotify" and self.last_event == "closed" and self.last_closed_at >= mtime
 
     def stop(self) -> None:
         if self._observer is not None:

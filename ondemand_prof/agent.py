@@ -59,7 +59,9 @@ class Agent:
         self._last_version = existing.version if existing else None  # written before we started: not replayed
         self.watcher = DirWatcher(self.trigger_dir, self._event, self.config.trigger_poll_s)
         self._thread = threading.Thread(target=self._run, name="ondemand-prof-agent", daemon=True)
-        self.extensions: list[Any] = []  # e.g. the daemon client: .poll(agent, now) each loop, .close()
+        self.extensions: list[Any] = []  # e.g. the daemon link: .poll(agent, now) each loop, .close()
+        if self.config.daemon:
+            self._link_daemon()
         self.last_detect_latency_s: float | None = None
 
     # ------------------------------------------------------------------------------------------------------
@@ -116,6 +118,21 @@ class Agent:
 
     def step_time(self) -> float | None:
         return self.clock.mean_step_time()
+
+    def step_began(self) -> tuple[int, float] | None:
+        """The newest (step, wall time it began) sample."""
+        try:
+            return self.clock.steps[-1], self.clock.times[-1]
+        except IndexError:
+            return None
+
+    def _link_daemon(self) -> None:
+        try:
+            from .daemon_link import DaemonLink
+
+            self.extensions.append(DaemonLink(self))
+        except Exception as exc:  # noqa: BLE001 - no daemon link is not a reason to stop training
+            log.warning("ondemand_prof: not connecting to ondemand-profd: %s", exc)
 
     # ------------------------------------------------------------------------------------------------------
     # File trigger

@@ -50,6 +50,8 @@ class ProfileConfig:
     trigger_dir: str = ""
     trigger_poll_s: float = 0.0
     signal: str = ""
+    daemon: bool = True
+    runtime_dir: str = ""
     export_timeout_s: float = 120.0
     min_free_mb: int = 256
 
@@ -204,6 +206,10 @@ OPTIONS: tuple[Option, ...] = (
            "Poll the trigger dir every N s instead of inotify (0 = inotify, polling where it fails).", ours=True),
     Option("signal", "profile_signal", parse_str, "Open the default window on this signal (e.g. SIGUSR2); off when "
            "empty.", ours=True),
+    Option("daemon", "profile_daemon", parse_bool, "Register with the host daemon (ondemand-profd) when one runs.",
+           ours=True),
+    Option("runtime_dir", "profile_runtime_dir", parse_str, "The daemon's runtime directory (default: "
+           "/run/ondemand_prof for root, else /tmp/ondemand_prof-<uid>/run).", ours=True),
     Option("export_timeout_s", "profile_export_timeout", parse_float, "How long close() waits for pending exports.",
            ours=True),
     Option("min_free_mb", "profile_min_free_mb", parse_int, "Skip a window when less disk than this is free.",

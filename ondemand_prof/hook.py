@@ -225,6 +225,16 @@ class OnDemandProfiler:
     def queued_windows(self) -> list[Window]:
         return [q.window for q in self._queue]
 
+    @property
+    def state(self) -> str:
+        """What the profiler is doing, for heartbeats: idle, scheduled, warmup, recording, disabled, closed."""
+        if self._closed or self._disabled:
+            return "closed" if self._closed else "disabled"
+        active = self._active
+        if active is not None:
+            return active.state
+        return "scheduled" if any(q.window.source != "static" for q in list(self._queue)) else "idle"
+
     # ------------------------------------------------------------------------------------------------------
     # Step boundaries (training thread)
 
@@ -479,16 +489,16 @@ class OnDemandProfiler:
         self._queue.clear()
         if self.signal_trigger is not None:
             self.signal_trigger.uninstall()
-        if self.agent is not None:
-            try:
-                self.agent.stop()
-            except Exception:  # noqa: BLE001
-                log.debug("agent stop failed", exc_info=True)
         limit = self.config.export_timeout_s if timeout is None else timeout
         done = self._exporter.wait(limit)
         if not done:
             log.error("ondemand_prof: %d export(s) still running after %.0f s; giving up waiting",
                       self._exporter.pending(), limit)
+        if self.agent is not None:  # after the exports, so their results still reach status files and the daemon
+            try:
+                self.agent.stop()
+            except Exception:  # noqa: BLE001
+                log.debug("agent stop failed", exc_info=True)
         return done
 
 

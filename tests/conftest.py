@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# ranks started by tests never find a daemon the developer runs; daemon tests pass their own runtime dir
+NO_DAEMON_DIR = tempfile.mkdtemp(prefix="odp-nodaemon-")
+
+
 def base_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONDEMAND_PROF_")}
+    env["ONDEMAND_PROF_RUNTIME_DIR"] = NO_DAEMON_DIR
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)

@@ -1,0 +1,53 @@
+"""ondemandctl: talk to the host daemon (ondemand-profd) from a shell."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .. import __version__
+from ..protocol import RUNTIME_ENV, default_runtime_dir
+from .client import EXIT_USAGE, Client, CtlError
+from .commands import COMMANDS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ondemandctl", description="Profile a running training job on demand.")
+    parser.add_argument("--version", action="version", version=f"ondemandctl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for cmd in COMMANDS:
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--runtime-dir", type=Path, default=None,
+                       help=f"the daemon's runtime directory (env {RUNTIME_ENV}; default {default_runtime_dir()})")
+        p.add_argument("--connect-timeout", type=float, default=5.0,
+                       help="seconds to wait for the daemon's answer (default 5)")
+        p.set_defaults(cmd=cmd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args = build_parser().parse_args(argv)
+    cmd = args.cmd
+    try:
+        if not cmd.needs_daemon:
+            return cmd.run(None, args, sys.stdout)
+        with Client(args.runtime_dir or default_runtime_dir(), args.connect_timeout) as client:
+            return cmd.run(client, args, sys.stdout)
+    except CtlError as exc:
+        sys.stderr.write(f"ondemandctl {cmd.name}: error: {exc}\n")
+        return exc.code
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+
+
+def run_main() -> None:
+    sys.exit(main())
+
+
+__all__ = ["main", "EXIT_USAGE"]

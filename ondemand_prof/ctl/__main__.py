@@ -1,0 +1,3 @@
+from . import run_main
+
+run_main()

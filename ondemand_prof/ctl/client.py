@@ -1,0 +1,87 @@
+"""A short-lived connection from ondemandctl to the daemon: one request, exactly one reply, bounded waits."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ..protocol import ProtocolError, decode, encode, endpoint, socket_path
+
+REPLIES: dict[str, dict[str, tuple[type, ...]]] = {"ok": {}, "error": {"error": (str,)}}
+
+# exit codes (README "ondemandctl")
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_PARTIAL = 3
+EXIT_NO_DAEMON = 4
+EXIT_TIMEOUT = 5
+
+
+class CtlError(Exception):
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Client:
+    def __init__(self, runtime_dir: Path, timeout_s: float = 5.0) -> None:
+        self.runtime_dir = runtime_dir
+        self.timeout_s = timeout_s
+        self._ids = itertools.count(1)
+        path = socket_path(runtime_dir)
+        if not path.exists():
+            raise CtlError(f"no daemon: {path} does not exist (start ondemand-profd, or point "
+                           f"--runtime-dir / ONDEMAND_PROF_RUNTIME_DIR at the daemon's runtime directory)",
+                           EXIT_NO_DAEMON)
+        if not os.access(path, os.W_OK):
+            st = path.stat()
+            raise CtlError(f"permission denied on {path} (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}): the "
+                           "daemon serves its own user only, unless started with --group", EXIT_NO_DAEMON)
+        try:
+            url = endpoint(runtime_dir)
+        except ProtocolError as exc:
+            raise CtlError(str(exc), EXIT_USAGE) from None
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(url)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, msg_type: str, wait_s: float | None = None, **fields: Any) -> Any:
+        """Send one request and return the reply's data; CtlError carries the daemon's error or a timeout."""
+        rid = next(self._ids)
+        self._sock.send(encode(msg_type, id=rid, **fields))
+        wait = self.timeout_s if wait_s is None else wait_s
+        while True:
+            if not self._sock.poll(int(wait * 1000)):
+                raise CtlError(f"the daemon at {socket_path(self.runtime_dir)} did not answer within {wait:g} s "
+                               "(is ondemand-profd running? systemctl status ondemand-profd)", EXIT_NO_DAEMON)
+            frame = self._sock.recv()
+            try:
+                reply = decode(frame, REPLIES)
+            except ProtocolError as exc:
+                raise CtlError(f"bad reply from the daemon: {exc}") from None
+            if reply.get("id") != rid:
+                continue  # a late answer to an earlier request that timed out
+            if reply["type"] == "error":
+                raise CtlError(reply["error"])
+            return reply.get("data")
+
+
+def dumps(data: Any) -> str:
+    return json.dumps(data, indent=2, sort_keys=True, default=str)

@@ -1,0 +1,1 @@
+"""The host daemon, ondemand-profd: registry of live ranks, aligned capture windows, capture records."""

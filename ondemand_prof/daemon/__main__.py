@@ -1,0 +1,38 @@
+"""ondemand-profd [--runtime-dir DIR] [--state-dir DIR] [--group NAME] [--log-level LEVEL]"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .. import __version__
+from ..protocol import RUNTIME_ENV, STATE_ENV, default_runtime_dir, default_state_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ondemand-profd", description="Host daemon for ondemand_prof: knows every "
+                                "live rank on this host and schedules aligned profiling windows for ondemandctl.")
+    p.add_argument("--runtime-dir", type=Path, default=None,
+                   help=f"where the socket lives (env {RUNTIME_ENV}; default {default_runtime_dir()})")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help=f"where capture records are kept (env {STATE_ENV}; default {default_state_dir()})")
+    p.add_argument("--group", default=None, help="share the socket with this group (default: owner only)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="logging level (default INFO)")
+    p.add_argument("--version", action="version", version=f"ondemand-profd {__version__}")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    from .server import run
+
+    return run(args.runtime_dir or default_runtime_dir(), args.state_dir or default_state_dir(), group=args.group)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

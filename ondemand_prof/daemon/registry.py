@@ -1,0 +1,177 @@
+"""The daemon's view of the live ranks, and the choice of one absolute window for a set of them. Pure:
+times are passed in, pid checks are a function the caller supplies."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from ..protocol import RANK_TIMEOUT_S
+
+# Time from the daemon sending a window to the rank's training thread holding it: ZMQ delivery (< 1 ms),
+# the agent's 5 ms poll, and slack for a loaded host. The step running then must end before the window starts.
+DELIVERY_S = 0.05
+
+
+@dataclass
+class RankInfo:
+    route: bytes
+    job: str
+    rank: int
+    world_size: int
+    host: str
+    pid: int
+    step: int
+    step_time: float | None = None
+    step_began_at: float | None = None  # wall time the reported step began (same host: same clock)
+    state: str = "idle"
+    local_rank: int | None = None
+    save_root: str = ""
+    version: str = ""
+    registered_at: float = 0.0
+    last_seen: float = 0.0
+    pid_visible: bool = False  # the rank's pid exists in our pid namespace, so a vanished pid means it died
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def estimated_step(self, wall: float) -> int:
+        """The step this rank is probably running at wall time `wall` (extrapolated from its last heartbeat)."""
+        if not self.step_time or self.step_began_at is None:
+            return self.step
+        return self.step + max(0, int((wall - self.step_began_at) / self.step_time))
+
+    def as_dict(self, now: float, wall: float) -> dict[str, Any]:
+        return {"job": self.job, "rank": self.rank, "world_size": self.world_size, "host": self.host,
+                "pid": self.pid, "step": self.estimated_step(wall), "reported_step": self.step,
+                "step_time_s": self.step_time, "state": self.state, "local_rank": self.local_rank,
+                "save_root": self.save_root, "version": self.version, "last_seen_s": round(now - self.last_seen, 3),
+                "registered_at": self.registered_at}
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.by_route: dict[bytes, RankInfo] = {}
+
+    def register(self, route: bytes, msg: dict[str, Any], now: float, wall: float,
+                 pid_exists: Callable[[int], bool]) -> RankInfo:
+        info = RankInfo(route=route, job=msg["job"], rank=msg["rank"], world_size=msg["world_size"], host=msg["host"],
+                        pid=msg["pid"], step=msg["step"], local_rank=msg.get("local_rank"),
+                        save_root=str(msg.get("save_root", "")), version=str(msg.get("version", "")),
+                        registered_at=wall, last_seen=now)
+        self._update(info, msg)
+        info.pid_visible = pid_exists(info.pid)
+        # a restarted rank (same job and rank, new process) replaces the old entry
+        for route_old, old in list(self.by_route.items()):
+            if old.job == info.job and old.rank == info.rank and old.host == info.host and route_old != route:
+                del self.by_route[route_old]
+        self.by_route[route] = info
+        return info
+
+    def heartbeat(self, route: bytes, msg: dict[str, Any], now: float) -> RankInfo | None:
+        info = self.by_route.get(route)
+        if info is not None:
+            info.last_seen = now
+            self._update(info, msg)
+        return info
+
+    @staticmethod
+    def _update(info: RankInfo, msg: dict[str, Any]) -> None:
+        info.step = msg["step"]
+        st = msg.get("step_time")
+        info.step_time = float(st) if isinstance(st, (int, float)) and not isinstance(st, bool) and st > 0 else None
+        began = msg.get("began")
+        info.step_began_at = float(began) if isinstance(began, (int, float)) and not isinstance(began, bool) else None
+        state = msg.get("state")
+        if isinstance(state, str) and len(state) <= 32:
+            info.state = state
+
+    def remove(self, route: bytes) -> RankInfo | None:
+        return self.by_route.pop(route, None)
+
+    def expire(self, now: float, pid_exists: Callable[[int], bool],
+               timeout: float = RANK_TIMEOUT_S) -> list[tuple[RankInfo, str]]:
+        """Drop ranks whose heartbeats stopped or whose process is gone; returns them with the reason."""
+        gone = []
+        for route, info in list(self.by_route.items()):
+            if info.pid_visible and not pid_exists(info.pid):
+                reason = f"process {info.pid} on {info.host} exited"
+            elif now - info.last_seen > timeout:
+                reason = f"no heartbeat for {now - info.last_seen:.1f} s"
+            else:
+                continue
+            del self.by_route[route]
+            gone.append((info, reason))
+        return gone
+
+    def jobs(self) -> dict[str, list[RankInfo]]:
+        out: dict[str, list[RankInfo]] = {}
+        for info in self.by_route.values():
+            out.setdefault(info.job, []).append(info)
+        for ranks in out.values():
+            ranks.sort(key=lambda r: r.rank)
+        return dict(sorted(out.items()))
+
+    def resolve_job(self, job: str | None) -> str:
+        """The job a request means: the one given, or the only live one. ValueError says why not."""
+        jobs = self.jobs()
+        if job:
+            if job not in jobs:
+                raise ValueError(f"no live job {job!r}; live jobs: {', '.join(jobs) or 'none'}")
+            return job
+        if not jobs:
+            raise ValueError("no ranks are registered with this daemon (is the training job running with the "
+                             "ondemand_prof hook, and ONDEMAND_PROF_RUNTIME_DIR the same on both sides?)")
+        if len(jobs) > 1:
+            raise ValueError(f"{len(jobs)} jobs are live ({', '.join(jobs)}): choose one with --job")
+        return next(iter(jobs))
+
+    def select(self, job: str, ranks: Sequence[int]) -> list[RankInfo]:
+        """The live ranks of `job` that `ranks` names (-1: all). ValueError names ranks that are not live."""
+        live = {r.rank: r for r in self.jobs().get(job, [])}
+        if -1 in ranks:
+            return [live[r] for r in sorted(live)]
+        missing = [r for r in ranks if r not in live]
+        if missing:
+            world = max((r.world_size for r in live.values()), default=0)
+            raise ValueError(f"rank(s) {_spans(missing)} of job {job!r} are not registered; live ranks: "
+                             f"{_spans(sorted(live)) or 'none'} (world size {world})")
+        return [live[r] for r in ranks]
+
+
+def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, start_step: int | None,
+                steps: int, delivery_s: float = DELIVERY_S) -> dict[str, Any]:
+    """One absolute window [first, first + steps) that every target can begin on time.
+
+    A relative start is counted from the furthest-ahead target's current step; the window is put at least
+    far enough ahead to cover delivery plus the step in flight, from each rank's measured step time.
+    """
+    targets = list(targets)
+    current = {t.rank: t.estimated_step(wall) for t in targets}
+    furthest = max(current.values())
+    lead = 2  # the step now running ends, then the boundary where the window can begin
+    for t in targets:
+        if t.step_time:
+            lead = max(lead, math.ceil(delivery_s / t.step_time) + 2)
+    earliest = furthest + lead
+    if start_step is not None:
+        first = start_step
+        late = sorted(r for r, s in current.items() if s + lead > start_step)
+    else:
+        first = max(furthest + (start or 1), earliest)
+        late = []
+    return {"start_step": first, "end_step": first + steps, "current_steps": current, "lead_steps": lead,
+            "late_ranks": late}
+
+
+def _spans(ranks: Sequence[int]) -> str:
+    """[0,1,2,5] -> '0-2,5'."""
+    out: list[str] = []
+    ranks = sorted(set(ranks))
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)

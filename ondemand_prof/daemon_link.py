@@ -1,0 +1,184 @@
+"""The rank's side of the daemon protocol: an agent extension that registers with ondemand-profd, sends
+heartbeats (step, step time, state), takes capture windows and reports their progress.
+
+Runs on the agent thread only (ZMQ sockets are not thread-safe); progress events from the training and export
+threads are queued and sent from here. The socket connects whether or not a daemon is running: ZMQ keeps
+retrying, so a daemon started (or restarted) later is found within a heartbeat, with no flag and no restart.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Protocol
+
+from . import __version__
+from .protocol import HEARTBEAT_S, RANK_MESSAGES, ProtocolError, decode, default_runtime_dir, encode, endpoint
+from .requests import RequestError, parse_request
+from .window import Window
+
+log = logging.getLogger("ondemand_prof")
+
+DAEMON_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
+    "capture": {"capture_id": (str,), "start_step": (int,), "end_step": (int,), "request": (dict,)},
+    "register": {},
+    "registered": {},
+    "error": {},
+}
+RECENT = 16  # the last events of this many captures are replayed at registration (a restarted daemon learns them)
+
+
+class AgentLike(Protocol):
+    """What the link needs from the agent (a stand-in in bench/ drives the same code without a training loop)."""
+
+    config: Any
+    prof: Any
+
+    def schedule(self, window: Window, listener: Any) -> None: ...
+    def wake(self) -> None: ...
+    def step_time(self) -> float | None: ...
+    def step_began(self) -> tuple[int, float] | None: ...
+
+
+class DaemonLink:
+    def __init__(self, agent: AgentLike, runtime_dir: Path | None = None) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.agent = agent
+        self.runtime_dir = runtime_dir or (Path(agent.config.runtime_dir).expanduser() if agent.config.runtime_dir
+                                           else default_runtime_dir())
+        self.url = endpoint(self.runtime_dir)
+        ident = agent.prof.identity()
+        self._ctx = zmq.Context(io_threads=1)
+        sock = self._ctx.socket(zmq.DEALER)
+        # a stable identity: after a daemon restart the same rank is the same peer
+        sock.setsockopt(zmq.IDENTITY, f"r/{ident.host}/{ident.pid}/{id(self):x}".encode())
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing toward a daemon that is not there: we re-register instead
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1024 * 1024)
+        sock.connect(self.url)
+        self._sock = sock
+        self.registered = False
+        self._next_beat = 0.0
+        self._outbox: collections.deque[tuple[str, str, dict[str, Any]]] = collections.deque()
+        self._recent: collections.OrderedDict[str, tuple[str, dict[str, Any]]] = collections.OrderedDict()
+        self._recent_lock = threading.Lock()
+        log.debug("ondemand_prof: daemon link to %s", self.url)
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def poll(self, agent: Any, now: float) -> None:
+        """Called by the agent every loop (5 ms): take messages, send queued events, heartbeat once a second."""
+        zmq = self._zmq
+        for _ in range(100):
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._on_message(frame)
+        while self._outbox and self.registered:
+            capture_id, event, info = self._outbox[0]
+            if not self._send(encode("event", capture_id=capture_id, event=event, info=info)):
+                break
+            self._outbox.popleft()
+        if now >= self._next_beat:
+            self._next_beat = now + HEARTBEAT_S
+            self._beat()
+
+    def close(self) -> None:
+        if self.registered:
+            self.poll(self.agent, 0.0)  # results that finished while the agent was stopping
+            self._send(encode("bye"))
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def _send(self, body: bytes) -> bool:
+        try:
+            self._sock.send(body, self._zmq.NOBLOCK)
+            return True
+        except self._zmq.Again:  # no daemon connected (IMMEDIATE), or it is not reading
+            self.registered = False
+            return False
+
+    def _beat(self) -> None:
+        if not self.registered:
+            self._register()
+            return
+        self._send(encode("hb", **self._progress()))
+
+    def _progress(self) -> dict[str, Any]:
+        began = self.agent.step_began()
+        prof = self.agent.prof
+        out: dict[str, Any] = {"step": prof.current_step, "state": prof.state}
+        st = self.agent.step_time()
+        if st:
+            out["step_time"] = round(st, 6)
+        if began is not None and began[0] == out["step"]:
+            out["began"] = round(began[1], 6)
+        return out
+
+    def _register(self) -> None:
+        prof = self.agent.prof
+        ident = prof.identity()
+        with self._recent_lock:
+            recent = [{"capture_id": cid, "event": ev, "info": info} for cid, (ev, info) in self._recent.items()]
+        body = encode("register", job=ident.job_id, rank=ident.rank, world_size=ident.world_size, host=ident.host,
+                      pid=ident.pid, local_rank=ident.local_rank, save_root=str(Path(prof.config.save_path).absolute()),
+                      version=__version__, recent=recent, **self._progress())
+        self.registered = self._send(body)
+        if self.registered:
+            log.info("ondemand_prof: registered with ondemand-profd at %s (job %s, rank %d)", self.url, ident.job_id,
+                     ident.rank)
+
+    def _on_message(self, frame: bytes) -> None:
+        try:
+            msg = decode(frame, DAEMON_MESSAGES)
+        except ProtocolError as exc:
+            log.warning("ondemand_prof: ignoring a bad message from the daemon: %s", exc)
+            return
+        kind = msg["type"]
+        if kind == "register":
+            self.registered = False
+            self._next_beat = 0.0  # at once, not in a second
+        elif kind == "capture":
+            self._on_capture(msg)
+        elif kind == "error":
+            log.warning("ondemand_prof: the daemon refused a message: %s", msg.get("error"))
+
+    def _on_capture(self, msg: dict[str, Any]) -> None:
+        capture_id = msg["capture_id"]
+        listener = self._listener(capture_id)
+        request = dict(msg["request"])
+        request.pop("start", None)
+        try:
+            steps = msg["end_step"] - msg["start_step"]
+            parsed = parse_request({**request, "start_step": msg["start_step"], "steps": steps}, self.agent.config)
+            window = Window(parsed.start_step or 0, (parsed.start_step or 0) + parsed.steps,
+                            parsed.window_options(self.agent.config), source="daemon", capture_id=capture_id,
+                            requested={**parsed.as_dict(), "via": "ondemand-profd"})
+        except (RequestError, ValueError) as exc:
+            listener("rejected", {"error": str(exc)})
+            return
+        listener("received", {"window": [window.start, window.end], "current_step": self.agent.prof.current_step})
+        self.agent.schedule(window, listener)
+
+    def _listener(self, capture_id: str) -> Any:
+        def listen(event: str, info: dict[str, Any]) -> None:
+            # any thread: queue it for the agent thread, keep the latest state for re-registration
+            info = {k: v for k, v in info.items() if k != "capture_id"}
+            self._outbox.append((capture_id, event, info))
+            with self._recent_lock:
+                self._recent[capture_id] = (event, info)
+                while len(self._recent) > RECENT:
+                    self._recent.popitem(last=False)
+            self.agent.wake()
+
+        return listen

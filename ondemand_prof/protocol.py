@@ -1,0 +1,120 @@
+"""The control protocol between ranks, the host daemon and ondemandctl. Pure: no sockets here.
+
+Every message is one ZMQ frame holding a JSON object: {"v": 1, "type": ..., "id": ..., ...}. A CLI request
+gets exactly one reply, {"type": "ok", "id": <same>, "data": {...}} or {"type": "error", "id": <same>,
+"error": "<what a person can act on>"}. Ranks send register/heartbeat/event messages and receive "capture"
+and "register" (the daemon does not know this connection: send your registration again).
+
+Where the daemon and its clients meet (the runtime directory):
+  --runtime-dir / ONDEMAND_PROF_RUNTIME_DIR, else /run/ondemand_prof for root and
+  /tmp/ondemand_prof-<uid>/run for everyone else. A system daemon shared by a group is reached by setting
+  ONDEMAND_PROF_RUNTIME_DIR=/run/ondemand_prof for the group's users (see systemd/ondemand-profd.service).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+SOCKET_NAME = "profd.sock"
+RUNTIME_ENV = "ONDEMAND_PROF_RUNTIME_DIR"
+STATE_ENV = "ONDEMAND_PROF_STATE_DIR"
+# sun_path is 108 bytes on Linux; ZMQ needs the whole "ipc://" endpoint's path to fit
+MAX_SOCKET_PATH = 107
+
+HEARTBEAT_S = 1.0  # a rank's heartbeat period
+RANK_TIMEOUT_S = 3.5  # no heartbeat for this long: the rank is gone
+
+# message type -> {field: accepted python types}; required fields only, others are checked where used
+RANK_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
+    "register": {"job": (str,), "rank": (int,), "world_size": (int,), "host": (str,), "pid": (int,),
+                 "step": (int,)},
+    "hb": {"step": (int,)},
+    "event": {"capture_id": (str,), "event": (str,), "info": (dict,)},
+    "bye": {},
+}
+CLI_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
+    "status": {},
+    "capture": {"request": (dict,)},
+    "list": {},
+    "show": {"capture_id": (str,)},
+    "watch": {"capture_id": (str,), "seen": (int,)},
+}
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be taken; the text goes back to the sender as the error reply."""
+
+
+def default_runtime_dir(environ: Mapping[str, str] | None = None) -> Path:
+    environ = os.environ if environ is None else environ
+    if environ.get(RUNTIME_ENV):
+        return Path(environ[RUNTIME_ENV]).expanduser()
+    if os.getuid() == 0:
+        return Path("/run/ondemand_prof")
+    return Path(f"/tmp/ondemand_prof-{os.getuid()}/run")
+
+
+def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
+    environ = os.environ if environ is None else environ
+    if environ.get(STATE_ENV):
+        return Path(environ[STATE_ENV]).expanduser()
+    if os.getuid() == 0:
+        return Path("/var/lib/ondemand_prof")
+    base = environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "ondemand_prof"
+
+
+def socket_path(runtime_dir: Path) -> Path:
+    return runtime_dir / SOCKET_NAME
+
+
+def endpoint(runtime_dir: Path) -> str:
+    path = str(socket_path(runtime_dir).absolute())
+    if len(path.encode()) > MAX_SOCKET_PATH:
+        raise ProtocolError(f"socket path {path} is {len(path.encode())} bytes; a unix socket path holds at most "
+                            f"{MAX_SOCKET_PATH}: choose a shorter --runtime-dir")
+    return "ipc://" + path
+
+
+def encode(msg_type: str, **fields: Any) -> bytes:
+    return json.dumps({"v": PROTOCOL_VERSION, "type": msg_type, **fields}, separators=(",", ":"),
+                      default=str).encode()
+
+
+def reply_ok(request_id: Any, data: Any) -> bytes:
+    return encode("ok", id=request_id, data=data)
+
+
+def reply_error(request_id: Any, error: str) -> bytes:
+    return encode("error", id=request_id, error=error)
+
+
+def decode(frame: bytes, schema: Mapping[str, Mapping[str, tuple[type, ...]]]) -> dict[str, Any]:
+    """Parse and check one message against `schema`; ProtocolError says what is wrong with it."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message is {len(frame)} bytes; the limit is {MAX_MESSAGE_BYTES}")
+    try:
+        msg = json.loads(frame)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"not a JSON message: {exc}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"expected a JSON object, got {type(msg).__name__}")
+    version = msg.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not supported; this daemon speaks "
+                            f"version {PROTOCOL_VERSION} (upgrade the older side)")
+    msg_type = msg.get("type")
+    fields = schema.get(msg_type) if isinstance(msg_type, str) else None
+    if fields is None:
+        raise ProtocolError(f"unknown message type {msg_type!r}; accepted: {', '.join(schema)}")
+    for name, types in fields.items():
+        value = msg.get(name)
+        if value is None or not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            want = " or ".join(t.__name__ for t in types)
+            raise ProtocolError(f"{msg_type}: field {name!r} must be {want}, got {value!r}")
+    return msg

@@ -9,8 +9,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -108,3 +109,49 @@ def trace_steps(capture: dict[str, Any]) -> list[int]:
 @pytest.fixture
 def save_path(tmp_path: Path) -> Path:
     return tmp_path / "profile"
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The daemon and the CLI, as real processes (bin/ scripts, as a user runs them from a checkout)
+
+def short_dir(prefix: str) -> Path:
+    """A directory with a short path: a unix socket path holds at most 107 bytes (pytest's tmp_path is long)."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def start_daemon(run_dir: Path, state_dir: Path, *extra: str, env: dict[str, str] | None = None
+                 ) -> subprocess.Popen:
+    proc = subprocess.Popen([str(ROOT / "bin" / "ondemand-profd"), "--runtime-dir", str(run_dir), "--state-dir",
+                             str(state_dir), *extra], env=base_env(**(env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (run_dir / "profd.sock").exists() or proc.poll() is not None, 30, "the daemon's socket")
+    return proc
+
+
+def ctl(run_dir: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ROOT / "bin" / "ondemandctl"), *args], env=base_env(ONDEMAND_PROF_RUNTIME_DIR=str(run_dir)),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def ctl_json(run_dir: Path, *args: str) -> Any:
+    res = ctl(run_dir, *args, "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def live_ranks(run_dir: Path, job: str | None = None) -> list[dict[str, Any]]:
+    res = ctl(run_dir, "status", "--json")
+    if res.returncode != 0:
+        return []
+    jobs = json.loads(res.stdout)["jobs"]
+    return [r for name, ranks in jobs.items() if job in (None, name) for r in ranks]

@@ -8,21 +8,11 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
-from conftest import assert_ok, captures, start_ranks, trace_steps, wait_all
-
-
-def wait_for(pred: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+from conftest import assert_ok, captures, start_ranks, trace_steps, wait_all, wait_for
 
 
 def last_step(status_file: Path) -> int:

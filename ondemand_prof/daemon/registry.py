@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from ..protocol import RANK_TIMEOUT_S
+from ..protocol import HEARTBEAT_S, RANK_TIMEOUT_S
 
 # Time from the daemon sending a window to the rank's training thread holding it: ZMQ delivery (< 1 ms),
 # the agent's 5 ms poll, and slack for a loaded host. The step running then must end before the window starts.
@@ -53,13 +53,13 @@ class Registry:
         self.by_route: dict[bytes, RankInfo] = {}
 
     def register(self, route: bytes, msg: dict[str, Any], now: float, wall: float,
-                 pid_exists: Callable[[int], bool]) -> RankInfo:
+                 pid_alive: Callable[[int, bool], bool]) -> RankInfo:
         info = RankInfo(route=route, job=msg["job"], rank=msg["rank"], world_size=msg["world_size"], host=msg["host"],
                         pid=msg["pid"], step=msg["step"], local_rank=msg.get("local_rank"),
                         save_root=str(msg.get("save_root", "")), version=str(msg.get("version", "")),
                         registered_at=wall, last_seen=now)
         self._update(info, msg)
-        info.pid_visible = pid_exists(info.pid)
+        info.pid_visible = pid_alive(info.pid, False)
         # a restarted rank (same job and rank, new process) replaces the old entry
         for route_old, old in list(self.by_route.items()):
             if old.job == info.job and old.rank == info.rank and old.host == info.host and route_old != route:
@@ -88,15 +88,19 @@ class Registry:
     def remove(self, route: bytes) -> RankInfo | None:
         return self.by_route.pop(route, None)
 
-    def expire(self, now: float, pid_exists: Callable[[int], bool],
+    def expire(self, now: float, pid_alive: Callable[[int, bool], bool], *, check_pids: bool = True,
                timeout: float = RANK_TIMEOUT_S) -> list[tuple[RankInfo, str]]:
-        """Drop ranks whose heartbeats stopped or whose process is gone; returns them with the reason."""
+        """Drop ranks whose heartbeats stopped or whose process is gone; returns them with the reason.
+
+        pid_alive(pid, thorough): a cheap existence check, or (thorough, for a rank already late with its
+        heartbeat) one that also sees a zombie nobody has reaped yet."""
         gone = []
         for route, info in list(self.by_route.items()):
-            if info.pid_visible and not pid_exists(info.pid):
+            silent = now - info.last_seen
+            if silent > timeout:
+                reason = f"no heartbeat for {silent:.1f} s"
+            elif check_pids and info.pid_visible and not pid_alive(info.pid, silent > 1.5 * HEARTBEAT_S):
                 reason = f"process {info.pid} on {info.host} exited"
-            elif now - info.last_seen > timeout:
-                reason = f"no heartbeat for {now - info.last_seen:.1f} s"
             else:
                 continue
             del self.by_route[route]

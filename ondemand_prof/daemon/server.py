@@ -29,17 +29,25 @@ log = logging.getLogger("ondemand_prof.daemon")
 SCHEMA = {**RANK_MESSAGES, **CLI_MESSAGES}
 TICK_S = 0.2  # housekeeping: expire ranks, write changed records, answer watches that timed out
 MAX_WATCH_S = 30.0
+PID_CHECK_S = 0.5  # how often the pids of local ranks are checked (a SIGKILLed rank leaves within this)
 # the daemon checks requests only for shape; each rank applies its own configuration's cap on window length
 _PERMISSIVE = ProfileConfig(max_window_steps=1_000_000)
 
 
-def pid_exists(pid: int) -> bool:
+def pid_alive(pid: int, thorough: bool = False) -> bool:
+    """Whether a process runs; `thorough` also rules out a zombie (a killed rank its launcher has not reaped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
+    if thorough:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+        except (OSError, IndexError):
+            return True  # no /proc here: trust kill()
     return True
 
 
@@ -58,6 +66,7 @@ class Daemon:
         self.started = time.monotonic()
         self.started_wall = time.time()
         self._stop = False
+        self._next_pid_check = 0.0
         self._watches: list[tuple[bytes, Any, str, float]] = []  # (route, request id, capture id, deadline)
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
@@ -208,7 +217,10 @@ class Daemon:
     def housekeeping(self, now: float) -> None:
         assert self.store is not None
         wall = time.time()
-        for info, reason in self.registry.expire(now, pid_exists):
+        check_pids = now >= self._next_pid_check
+        if check_pids:
+            self._next_pid_check = now + PID_CHECK_S
+        for info, reason in self.registry.expire(now, pid_alive, check_pids=check_pids):
             log.warning("ondemand-profd: rank %d of job %s left: %s", info.rank, info.job, reason)
             self._fail_parts(info, f"rank {info.rank} is gone: {reason}", wall)
         if now - self.started > RANK_TIMEOUT_S + HEARTBEAT_S:
@@ -261,7 +273,7 @@ class Daemon:
     # From ranks
 
     def on_register(self, route: bytes, msg: dict[str, Any]) -> bytes:
-        info = self.registry.register(route, msg, time.monotonic(), time.time(), pid_exists)
+        info = self.registry.register(route, msg, time.monotonic(), time.time(), pid_alive)
         log.info("ondemand-profd: rank %d/%d of job %s registered (host %s, pid %d, step %d)", info.rank,
                  info.world_size, info.job, info.host, info.pid, info.step)
         for item in msg.get("recent") or []:  # what happened to our captures while we could not hear it

@@ -1,0 +1,267 @@
+"""The host daemon and ondemandctl: a real ondemand-profd on a real ZMQ socket, real training ranks (gloo, or
+independent processes where a rank is killed), and the real CLI as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import zmq
+
+from conftest import ROOT, assert_ok, captures, ctl, ctl_json, live_ranks, short_dir, start_daemon, start_ranks, \
+    trace_steps, wait_all, wait_for
+
+TRAIN = ["--step-sleep", "0.02", "--profile-min-free-mb", "0", "--profile-ranks", "-1"]
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    run_dir, state_dir = short_dir("odp"), short_dir("odps")
+    procs: list[subprocess.Popen] = []
+    yield {"run": run_dir, "state": state_dir, "save": tmp_path / "profile", "procs": procs}
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def daemon(env: dict[str, Any], *extra: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    proc = start_daemon(env["run"], env["state"], *extra, env=extra_env)
+    env["procs"].append(proc)
+    return proc
+
+
+def ranks(env: dict[str, Any], world: int, steps: int, *extra: str) -> list[subprocess.Popen]:
+    procs = start_ranks(["--steps", str(steps), "--profile-save-path", str(env["save"]), *TRAIN, *extra], world=world,
+                        env={"ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])})
+    env["procs"].extend(procs)
+    return procs
+
+
+def wait_stepping(env: dict[str, Any], n: int, timeout: float = 60) -> None:
+    """Until n ranks are registered and have reported a step time (they are past their first steps)."""
+    wait_for(lambda: (lambda rs: len(rs) == n and all(r["step_time_s"] for r in rs))(live_ranks(env["run"])),
+             timeout, f"{n} ranks registered and stepping")
+
+
+def part_states(env: dict[str, Any], capture_id: str | None = None) -> list[str]:
+    """Each rank's state in a capture (the newest one by default)."""
+    if capture_id is None:
+        caps = ctl_json(env["run"], "list")["captures"]
+        if not caps:
+            return []
+        capture_id = caps[0]["capture_id"]
+    record = ctl_json(env["run"], "show", capture_id)
+    return [p["state"] for p in record["parts"].values()]
+
+
+def window_of(output: str) -> tuple[int, int]:
+    m = re.search(r"steps \[(\d+), (\d+)\)", output)
+    assert m, output
+    return int(m.group(1)), int(m.group(2))
+
+
+def test_capture_records_the_same_steps_on_every_rank(env: dict[str, Any]) -> None:
+    daemon(env)
+    procs = ranks(env, 3, 320)
+    wait_stepping(env, 3)
+    status = ctl(env["run"], "status")
+    assert status.returncode == 0 and "3 of 3 rank(s) registered" in status.stdout
+    assert re.search(r"^2\s+\S+\s+\d+\s+\d+\s+[\d.]+ ms\s+idle", status.stdout, re.M), status.stdout
+
+    res = ctl(env["run"], "capture", "--ranks", "0-2", "--steps", "3", "--level", "level1", "--record-shapes",
+              "--wait")
+    assert res.returncode == 0, res.stdout + res.stderr
+    start, end = window_of(res.stdout)
+    assert "done: 3 of 3 rank(s) wrote a trace" in res.stdout
+    printed = re.findall(r"^  rank (\d)\s+(/\S+)\s+steps", res.stdout, re.M)
+    assert sorted(int(r) for r, _ in printed) == [0, 1, 2]
+    for _, path in printed:
+        assert Path(path).is_dir()
+    for state in ("received", "scheduled", "recording", "writing", "done"):
+        assert len(re.findall(rf"^  rank \d\s+{state}\b", res.stdout, re.M)) == 3, (state, res.stdout)
+    assert "late by" not in res.stdout
+
+    caps = captures(env["save"])
+    assert sorted(c["rank"] for c in caps) == [0, 1, 2]
+    for cap in caps:
+        assert trace_steps(cap) == list(range(start, end)), cap["rank"]
+        assert cap["options"]["level"] == "level1" and cap["options"]["record_shapes"] is True
+        assert cap["trigger"]["source"] == "daemon" and str(cap["dir"]) in res.stdout
+
+    # the record: list, show (by id prefix), --json
+    (listed,) = ctl_json(env["run"], "list")["captures"]
+    assert listed["status"] == "done" and listed["window"] == [start, end] and listed["states"] == {"done": 3}
+    shown = ctl(env["run"], "show", listed["capture_id"][:17])
+    assert shown.returncode == 0 and all(path in shown.stdout for _, path in printed), shown.stdout
+    record = ctl_json(env["run"], "show", listed["capture_id"])
+    assert {p["state"] for p in record["parts"].values()} == {"done"}
+
+    # what does not exist gets a clear error, not a silent success
+    missing = ctl(env["run"], "capture", "--ranks", "1,7", "--steps", "1")
+    assert missing.returncode == 1
+    assert "rank(s) 7 of job" in missing.stderr and "live ranks: 0-2" in missing.stderr
+    nojob = ctl(env["run"], "capture", "--job", "nope", "--steps", "1")
+    assert nojob.returncode == 1 and "no live job 'nope'" in nojob.stderr
+    assert_ok(wait_all(procs))
+    assert len(captures(env["save"])) == 3  # the refused requests wrote nothing
+
+
+def test_training_without_daemon_then_daemon_appears_restarts_and_loses_nothing(env: dict[str, Any]) -> None:
+    procs = ranks(env, 2, 600, "--no-dist")
+    time.sleep(2.0)  # training runs with nobody listening
+    assert all(p.poll() is None for p in procs)
+    t0 = time.monotonic()
+    proc = daemon(env)
+    wait_for(lambda: len(live_ranks(env["run"])) == 2, 10, "ranks to register with a daemon started later")
+    registered_after = time.monotonic() - t0
+    assert registered_after < 5, registered_after
+
+    # a capture in flight when the daemon is killed: its record survives and completes after the restart
+    res = ctl(env["run"], "capture", "--steps", "60", "--no-wait", "--json")
+    assert res.returncode == 0, res.stderr
+    capture_id = json.loads(res.stdout)["capture_id"]
+    wait_for(lambda: part_states(env, capture_id) == ["recording"] * 2, 30, "recording")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    daemon(env)
+    wait_for(lambda: len(live_ranks(env["run"])) == 2, 10, "ranks to re-register after a restart")
+    assert time.monotonic() - t0 < 5
+    record = wait_for(lambda: (lambda r: r if r["status"] != "running" else None)(
+        ctl_json(env["run"], "show", capture_id)), 60, "the capture to finish after the restart")
+    assert record["status"] == "done", record
+    for part in record["parts"].values():
+        assert Path(part["path"]).is_dir()
+
+    # and a new capture works with the restarted daemon
+    again = ctl(env["run"], "capture", "--steps", "2", "--wait")
+    assert again.returncode == 0 and "done: 2 of 2" in again.stdout, again.stdout + again.stderr
+    listed = [c["capture_id"] for c in ctl_json(env["run"], "list")["captures"]]
+    assert len(listed) == 2 and capture_id in listed
+    for p in procs:
+        p.terminate()
+
+
+def test_rank_killed_mid_window_fails_its_part_only(env: dict[str, Any]) -> None:
+    daemon(env)
+    procs = ranks(env, 2, 2000, "--no-dist")
+    wait_stepping(env, 2)
+    cli = subprocess.Popen([str(ROOT / "bin" / "ondemandctl"), "capture", "--steps", "60", "--wait"],
+                           env={**os.environ, "ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])}, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: part_states(env) == ["recording"] * 2, 30, "both recording")
+    procs[1].send_signal(signal.SIGKILL)
+    out, err = cli.communicate(timeout=120)
+    assert cli.returncode == 3, out + err  # partial
+    assert "partial: 1 of 2 rank(s) wrote a trace" in out
+    assert re.search(rf"rank 1\s+failed: rank 1 is gone: process {procs[1].pid} on \S+ exited", out), out
+    assert [r["rank"] for r in live_ranks(env["run"])] == [0]
+    procs[0].terminate()
+
+
+def test_bad_messages_get_one_error_reply_and_the_daemon_carries_on(env: dict[str, Any]) -> None:
+    daemon(env)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{env['run']}/profd.sock")
+
+    def ask(body: bytes) -> dict[str, Any]:
+        sock.send(body)
+        assert sock.poll(5000), body[:80]
+        reply = json.loads(sock.recv())
+        assert not sock.poll(200), "more than one reply"
+        return reply
+
+    cases = [
+        (b"not json", "not a JSON message"),
+        (b"[1, 2]", "expected a JSON object, got list"),
+        (b'{"v": 99, "type": "status"}', "protocol version 99 is not supported"),
+        (b'{"v": 1, "type": "reboot"}', "unknown message type 'reboot'"),
+        (b'{"v": 1, "type": "show"}', "show: field 'capture_id' must be str"),
+        (b'{"v": 1, "type": "capture", "request": {"steps": 2, "save_path": "/etc"}}', "unknown field(s) 'save_path'"),
+        (b'{"v": 1, "type": "capture", "request": {"steps": "x"}}', "field 'steps' must be an integer"),
+        (b'{"v": 1, "type": "capture", "request": {"steps": 2}}', "no ranks are registered"),
+        (b'{"v": 1, "type": "list", "limit": -3}', "field 'limit' must be an integer from 1 to 1000"),
+        (b'{"v": 1, "type": "show", "capture_id": "zzz"}', "no capture 'zzz'"),
+        (json.dumps({"v": 1, "type": "status", "pad": "x" * 70_000}).encode(), "the limit is 65536"),
+    ]
+    for body, expected in cases:
+        reply = ask(body)
+        assert reply["type"] == "error" and expected in reply["error"], (body[:60], reply)
+    # a frame over the transport limit drops that connection; the daemon itself carries on
+    sock.send(b"x" * (2 * 1024 * 1024))
+    ctx.destroy(linger=0)
+    res = ctl(env["run"], "status")
+    assert res.returncode == 0 and "no ranks registered" in res.stdout
+
+
+def test_no_daemon_and_stale_socket_are_reported_quickly(tmp_path: Path) -> None:
+    run_dir = short_dir("odpn")
+    t0 = time.monotonic()
+    res = ctl(run_dir, "status")
+    assert res.returncode == 4 and "no daemon" in res.stderr and "profd.sock does not exist" in res.stderr
+    # a socket file left by a daemon that died
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(run_dir / "profd.sock"))
+    res = ctl(run_dir, "list", "--connect-timeout", "1")
+    assert res.returncode == 4 and "did not answer within 1 s" in res.stderr
+    assert time.monotonic() - t0 < 15
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_socket_is_owner_only_and_one_daemon_per_runtime_dir(env: dict[str, Any]) -> None:
+    first = daemon(env)
+    assert stat.S_IMODE(env["run"].stat().st_mode) == 0o700
+    assert stat.S_IMODE((env["run"] / "profd.sock").stat().st_mode) == 0o600
+    assert stat.S_IMODE((env["state"] / "captures").stat().st_mode) == 0o700
+    second = subprocess.run([str(ROOT / "bin" / "ondemand-profd"), "--runtime-dir", str(env["run"]), "--state-dir",
+                             str(env["state"])], capture_output=True, text=True, timeout=30)
+    assert second.returncode == 1 and f"another ondemand-profd (pid {first.pid})" in second.stderr
+    assert ctl(env["run"], "status").returncode == 0  # the first one is untouched
+    first.terminate()
+    assert first.wait(10) == 0
+    assert not (env["run"] / "profd.sock").exists()  # a clean stop removes its socket
+
+
+def test_cli_usage_errors_name_the_flag(env: dict[str, Any]) -> None:
+    daemon(env)
+    bad = ctl(env["run"], "capture", "--ranks", "0-x")
+    assert bad.returncode == 2 and "--ranks '0-x'" in bad.stderr
+    bad = ctl(env["run"], "capture", "--steps", "0")
+    assert bad.returncode == 2 and "--steps 0: expected 1 or more" in bad.stderr
+    bad = ctl(env["run"], "capture", "--level", "level9")
+    assert bad.returncode == 2 and "--level: invalid choice: 'level9'" in bad.stderr and "level_none" in bad.stderr
+    bad = ctl(env["run"], "capture", "--start", "1", "--start-step", "5")
+    assert bad.returncode == 2 and "not allowed with argument" in bad.stderr
+
+
+def test_systemd_unit_verifies_and_readiness_is_notified(env: dict[str, Any], tmp_path: Path) -> None:
+    unit = (ROOT / "systemd" / "ondemand-profd.service").read_text()
+    assert "Type=notify" in unit and "RuntimeDirectoryMode=0700" in unit
+    if shutil.which("systemd-analyze"):
+        local = tmp_path / "ondemand-profd.service"
+        local.write_text(unit.replace("/usr/local/bin/ondemand-profd", str(ROOT / "bin" / "ondemand-profd")))
+        res = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+    notify_path = str(env["run"]) + ".notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(notify_path)
+        s.settimeout(30)
+        daemon(env, extra_env={"NOTIFY_SOCKET": notify_path})
+        assert s.recv(4096).startswith(b"READY=1")
+    os.unlink(notify_path)

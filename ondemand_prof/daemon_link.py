@@ -43,7 +43,7 @@ class AgentLike(Protocol):
 
 
 class DaemonLink:
-    def __init__(self, agent: AgentLike, runtime_dir: Path | None = None) -> None:
+    def __init__(self, agent: AgentLike, runtime_dir: Path | None = None, context: Any = None) -> None:
         import zmq
 
         self._zmq = zmq
@@ -52,7 +52,8 @@ class DaemonLink:
                                            else default_runtime_dir())
         self.url = endpoint(self.runtime_dir)
         ident = agent.prof.identity()
-        self._ctx = zmq.Context(io_threads=1)
+        self._own_ctx = context is None  # bench/ runs thousands of links on one context
+        self._ctx = zmq.Context(io_threads=1) if context is None else context
         sock = self._ctx.socket(zmq.DEALER)
         # a stable identity: after a daemon restart the same rank is the same peer
         sock.setsockopt(zmq.IDENTITY, f"r/{ident.host}/{ident.pid}/{id(self):x}".encode())
@@ -72,6 +73,10 @@ class DaemonLink:
         log.debug("ondemand_prof: daemon link to %s", self.url)
 
     # ------------------------------------------------------------------------------------------------------
+
+    @property
+    def socket(self) -> Any:
+        return self._sock
 
     def poll(self, agent: Any, now: float) -> None:
         """Called by the agent every loop (5 ms): take messages, send queued events, heartbeat once a second."""
@@ -96,7 +101,8 @@ class DaemonLink:
             self.poll(self.agent, 0.0)  # results that finished while the agent was stopping
             self._send(encode("bye"))
         self._sock.close(linger=0)
-        self._ctx.term()
+        if self._own_ctx:
+            self._ctx.term()
 
     # ------------------------------------------------------------------------------------------------------
 

@@ -248,12 +248,13 @@ def run_postprocess(job: ExportJob, raw: Path, out_dir: Path) -> dict[str, Any]:
     return json.loads(proc.stdout)
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_json_atomic(path: Path, data: Any, compact: bool = False) -> None:
     """Readers see the old file or the new one, never a partial one (unique temp name: several writers)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    text = json.dumps(data, separators=(",", ":"), default=str) if compact else \
+        json.dumps(data, indent=2, sort_keys=True, default=str)
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True, default=str)
-        fh.write("\n")
+        fh.write(text + "\n")
     os.replace(tmp, path)
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 64 * 1024
+MAX_MESSAGE_BYTES = 64 * 1024  # what the daemon and the ranks accept
+MAX_REPLY_BYTES = 256 * 1024 * 1024  # what the CLI accepts (status and show of thousands of ranks are large)
 SOCKET_NAME = "profd.sock"
 RUNTIME_ENV = "ONDEMAND_PROF_RUNTIME_DIR"
 STATE_ENV = "ONDEMAND_PROF_STATE_DIR"
@@ -94,10 +95,11 @@ def reply_error(request_id: Any, error: str) -> bytes:
     return encode("error", id=request_id, error=error)
 
 
-def decode(frame: bytes, schema: Mapping[str, Mapping[str, tuple[type, ...]]]) -> dict[str, Any]:
+def decode(frame: bytes, schema: Mapping[str, Mapping[str, tuple[type, ...]]],
+           max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
     """Parse and check one message against `schema`; ProtocolError says what is wrong with it."""
-    if len(frame) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message is {len(frame)} bytes; the limit is {MAX_MESSAGE_BYTES}")
+    if len(frame) > max_bytes:
+        raise ProtocolError(f"message is {len(frame)} bytes; the limit is {max_bytes}")
     try:
         msg = json.loads(frame)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -10,7 +10,7 @@ from typing import Any
 
 import zmq
 
-from ..protocol import ProtocolError, decode, encode, endpoint, socket_path
+from ..protocol import MAX_REPLY_BYTES, ProtocolError, decode, encode, endpoint, socket_path
 
 REPLIES: dict[str, dict[str, tuple[type, ...]]] = {"ok": {}, "error": {"error": (str,)}}
 
@@ -73,7 +73,7 @@ class Client:
                                "(is ondemand-profd running? systemctl status ondemand-profd)", EXIT_NO_DAEMON)
             frame = self._sock.recv()
             try:
-                reply = decode(frame, REPLIES)
+                reply = decode(frame, REPLIES, MAX_REPLY_BYTES)
             except ProtocolError as exc:
                 raise CtlError(f"bad reply from the daemon: {exc}") from None
             if reply.get("id") != rid:

@@ -36,6 +36,8 @@ class CaptureRecord:
     def __init__(self, data: dict[str, Any]) -> None:
         self.data = data
         self.version = 0  # bumped on every change; "watch" replies when it moves
+        # counted once here and kept up to date, so an event costs O(1) however many ranks a capture has
+        self.open_parts = sum(p["state"] not in FINAL for p in data["parts"].values())
 
     @classmethod
     def new(cls, capture_id: str, job: str, request: dict[str, Any], plan: dict[str, Any],
@@ -64,12 +66,15 @@ class CaptureRecord:
             return False
         if part["state"] in FINAL or PART_STATES.index(state) < PART_STATES.index(part["state"]):
             return False
+        if state in FINAL:
+            self.open_parts -= 1
         part["state"] = state
         part["history"].append({"state": state, "at": iso(wall)})
         for key in ("path", "error", "late_by", "steps", "window", "status", "current_step"):
             if info.get(key) is not None:
                 part[key] = info[key]
-        self._settle()
+        if self.open_parts == 0:
+            self._settle()
         self.version += 1
         return True
 
@@ -81,8 +86,6 @@ class CaptureRecord:
 
     def _settle(self) -> None:
         states = [p["state"] for p in self.data["parts"].values()]
-        if not all(s in FINAL for s in states):
-            return
         done = states.count("done")
         self.data["status"] = "done" if done == len(states) else ("partial" if done else "failed")
         self.data.setdefault("finished_at", iso(_now()))
@@ -140,7 +143,7 @@ class RecordStore:
 
     def save(self, record: CaptureRecord) -> None:
         try:
-            write_json_atomic(self.dir / f"{record.capture_id}.json", record.data)
+            write_json_atomic(self.dir / f"{record.capture_id}.json", record.data, compact=True)
         except OSError as exc:
             log.error("ondemand-profd: cannot save capture record %s: %s", record.capture_id, exc)
 

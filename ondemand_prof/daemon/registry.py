@@ -51,6 +51,7 @@ class RankInfo:
 class Registry:
     def __init__(self) -> None:
         self.by_route: dict[bytes, RankInfo] = {}
+        self._route_of: dict[tuple[str, str, int], bytes] = {}  # (job, host, rank) -> route
 
     def register(self, route: bytes, msg: dict[str, Any], now: float, wall: float,
                  pid_alive: Callable[[int, bool], bool]) -> RankInfo:
@@ -61,9 +62,14 @@ class Registry:
         self._update(info, msg)
         info.pid_visible = pid_alive(info.pid, False)
         # a restarted rank (same job and rank, new process) replaces the old entry
-        for route_old, old in list(self.by_route.items()):
-            if old.job == info.job and old.rank == info.rank and old.host == info.host and route_old != route:
-                del self.by_route[route_old]
+        key = (info.job, info.host, info.rank)
+        old_route = self._route_of.get(key)
+        if old_route is not None and old_route != route:
+            self.by_route.pop(old_route, None)
+        previous = self.by_route.get(route)
+        if previous is not None and previous.rank != info.rank:
+            self._route_of.pop((previous.job, previous.host, previous.rank), None)
+        self._route_of[key] = route
         self.by_route[route] = info
         return info
 
@@ -86,7 +92,10 @@ class Registry:
             info.state = state
 
     def remove(self, route: bytes) -> RankInfo | None:
-        return self.by_route.pop(route, None)
+        info = self.by_route.pop(route, None)
+        if info is not None and self._route_of.get((info.job, info.host, info.rank)) == route:
+            del self._route_of[(info.job, info.host, info.rank)]
+        return info
 
     def expire(self, now: float, pid_alive: Callable[[int, bool], bool], *, check_pids: bool = True,
                timeout: float = RANK_TIMEOUT_S) -> list[tuple[RankInfo, str]]:
@@ -103,7 +112,7 @@ class Registry:
                 reason = f"process {info.pid} on {info.host} exited"
             else:
                 continue
-            del self.by_route[route]
+            self.remove(route)
             gone.append((info, reason))
         return gone
 

@@ -1,4 +1,5 @@
-"""End-to-end demo: a real 2-rank gloo training run, profiled by a static window and by a touched trigger.
+"""End-to-end demo: a host daemon and a real 2-rank gloo training run, profiled by a static window, by
+`ondemandctl capture`, and by a trigger file.
 
     python -m ondemand_prof.demo [--out demo_out] [--ranks 2]
 """
@@ -12,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,45 +32,74 @@ def _last_step(path: Path) -> int:
         return -1
 
 
+def _fmt_window(window: list[int] | None) -> str:
+    return f"[{window[0]}, {window[1]})" if window else "-"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="demo_out", help="where the demo writes (replaced)")
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=260)
     args = parser.parse_args(argv)
     out = Path(args.out).absolute()
     shutil.rmtree(out, ignore_errors=True)
     save, trig, progress = out / "profile", out / "trigger", out / "steps.jsonl"
     out.mkdir(parents=True)
     port = str(_free_port())
+    # the socket path must stay short (unix sockets hold 107 bytes), so the runtime dir is in /tmp
+    run_dir = Path(tempfile.mkdtemp(prefix="ondemand_prof-demo-", dir="/tmp"))
+    base_env = dict(os.environ, ONDEMAND_PROF_RUNTIME_DIR=str(run_dir), OMP_NUM_THREADS="1",
+                    ONDEMAND_PROF_LOG="WARNING")
+    print(f"[demo] $ ondemand-profd --runtime-dir {run_dir} --state-dir {out / 'state'}")
+    daemon = subprocess.Popen([sys.executable, "-m", "ondemand_prof.daemon", "--runtime-dir", str(run_dir),
+                               "--state-dir", str(out / "state"), "--log-level", "WARNING"], env=base_env)
+    ctl = [sys.executable, "-m", "ondemand_prof.ctl"]
     train = [sys.executable, "-m", "ondemand_prof.demo.toy_train", "--steps", str(args.steps), "--step-sleep", "0.03",
              "--profile", "--profile-step-start", "5", "--profile-step-end", "8", "--profile-ranks", "-1",
              "--profile-save-path", str(save), "--profile-trigger-dir", str(trig), "--profile-min-free-mb", "0"]
     print(f"[demo] starting {args.ranks} gloo ranks: static window [5, 8) on every rank; trigger dir {trig}")
     procs = []
     for rank in range(args.ranks):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1", ONDEMAND_PROF_LOG="WARNING")
+        env = dict(base_env, RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         extra = ["--status-file", str(progress)] if rank == 0 else []
         procs.append(subprocess.Popen([*train, *extra], env=env))
-    deadline = time.monotonic() + 120
-    while _last_step(progress) < 30 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    request = {"steps": 3, "ranks": -1, "level": "level1"}
-    print(f"[demo] training is at step {_last_step(progress)}: writing {json.dumps(request)} to {trig / 'capture'}")
-    (trig / "capture").write_text(json.dumps(request))
-    rc = max(p.wait() for p in procs)
+    try:
+        deadline = time.monotonic() + 120
+        while _last_step(progress) < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.2)  # a heartbeat, so that every rank has registered
+        print("[demo] $ ondemandctl status")
+        subprocess.run([*ctl, "status"], env=base_env)
+        print("[demo] $ ondemandctl capture --ranks -1 --steps 2 --with-stack --wait")
+        subprocess.run([*ctl, "capture", "--ranks", "-1", "--steps", "2", "--with-stack", "--wait"], env=base_env)
+        request = {"steps": 3, "ranks": -1, "level": "level1"}
+        print(f"[demo] training is at step {_last_step(progress)}: writing {json.dumps(request)} to "
+              f"{trig / 'capture'}")
+        (trig / "capture").write_text(json.dumps(request))
+        rc = max(p.wait() for p in procs)
+        print("[demo] $ ondemandctl list")
+        subprocess.run([*ctl, "list"], env=base_env)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        daemon.terminate()
+        daemon.wait(10)
+        shutil.rmtree(run_dir, ignore_errors=True)
     print(f"[demo] training finished (exit {rc}). Captures under {save}:")
     rows = []
     for d in sorted(p for p in save.iterdir() if not p.name.startswith(".")):
         meta = json.loads((d / "metadata.json").read_text())
         rows.append((meta["rank"], meta["trigger"]["source"], meta["steps_in_trace"], meta["status"], d))
-    for rank, source, steps, status, d in sorted(rows, key=lambda r: (r[1] != "static", r[0])):
+    order = {"static": 0, "daemon": 1, "file": 2}
+    for rank, source, steps, status, d in sorted(rows, key=lambda r: (order.get(r[1], 3), r[0])):
         print(f"  rank {rank}  {source:<6}  steps {steps}  {status:<7} {d}")
     for rank in range(args.ranks):
         status = json.loads((trig / "capture.status" / f"rank{rank}.json").read_text())["latest"]
         print(f"[demo] {trig / 'capture.status' / f'rank{rank}.json'}: {status['state']}, window "
-              f"{status.get('window')}, seen {status['detect_latency_ms']} ms after the write")
+              f"{_fmt_window(status.get('window'))}, seen {status['detect_latency_ms']} ms after the write")
     print("[demo] open a trace in https://ui.perfetto.dev, or: tensorboard --logdir", save)
     return rc
 

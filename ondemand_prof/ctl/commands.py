@@ -160,14 +160,15 @@ class Capture(Command):
     def _follow(self, client: Client, record: dict[str, Any], args: argparse.Namespace,
                 out: TextIO) -> tuple[dict[str, Any], bool]:
         """Long-poll the daemon for changes and print each rank's progress as it happens."""
-        seen: dict[str, str] = {}
+        printed: dict[str, int] = {}  # history entries shown per rank: every state is shown, even brief ones
         deadline = time.monotonic() + args.timeout
         while True:
             if not args.json:
                 for key, part in sorted(record["parts"].items(), key=lambda kv: int(kv[0])):
-                    if seen.get(key) != part["state"]:
-                        seen[key] = part["state"]
-                        out.write(f"  rank {part['rank']:<4} {progress_text(part)}\n")
+                    history = part.get("history") or [{"state": part["state"]}]
+                    for entry in history[printed.get(key, 0):]:
+                        out.write(f"  rank {part['rank']:<4} {progress_text({**part, 'state': entry['state']})}\n")
+                    printed[key] = len(history)
                 out.flush()
             if record["status"] != "running":
                 return record, True

@@ -64,8 +64,8 @@ class CaptureRecord:
         part = self.part(rank)
         if part is None or state not in PART_STATES:
             return False
-        if part["state"] in FINAL or PART_STATES.index(state) < PART_STATES.index(part["state"]):
-            return False
+        if part["state"] in FINAL or PART_STATES.index(state) <= PART_STATES.index(part["state"]):
+            return False  # late, repeated or out of order: a part only moves forward
         if state in FINAL:
             self.open_parts -= 1
         part["state"] = state

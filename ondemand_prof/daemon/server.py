@@ -340,7 +340,7 @@ class Daemon:
         if record is None or record.data["job"] != info.job:
             return
         if event == "started":
-            event = "scheduled"
+            return  # the warmup step began: the part is "scheduled" until recording
         if record.update(info.rank, event, data if isinstance(data, dict) else {}, time.time()):
             self._changed(record)
 

@@ -107,6 +107,10 @@ class Capture(Command):
         parser.add_argument("--wait", action=argparse.BooleanOptionalAction, default=None,
                             help="follow progress until every rank is done (default: when output is a terminal)")
         parser.add_argument("--timeout", type=float, default=300.0, help="how long --wait waits, s (default 300)")
+        parser.add_argument("--report", action="store_true", help="when done, report on what was captured "
+                            "(implies --wait)")
+        parser.add_argument("--html", metavar="FILE", help="with --report: also write the HTML report here")
+        parser.add_argument("--top", type=int, default=10, help="with --report: operators per table (default 10)")
 
     def message(self, args: argparse.Namespace) -> dict[str, Any]:
         try:
@@ -132,7 +136,7 @@ class Capture(Command):
 
     def run(self, client: Client, args: argparse.Namespace, out: TextIO) -> int:
         record = client.request("capture", **self.message(args))
-        wait = sys.stdout.isatty() if args.wait is None else args.wait
+        wait = args.report or (sys.stdout.isatty() if args.wait is None else args.wait)
         if not args.json:
             plan = record["plan"]
             out.write(f"capture {record['capture_id']}: job {record['job']}, {len(record['parts'])} rank(s), steps "
@@ -149,10 +153,16 @@ class Capture(Command):
                 out.write(f"not waiting; follow it with: ondemandctl show {record['capture_id']}\n")
             return EXIT_OK
         record, finished = self._follow(client, record, args, out)
-        if args.json:
+        if args.json and not args.report:
             out.write(dumps(record) + "\n")
-        else:
+        elif not args.json:
             out.write(result_text(record, finished))
+        if args.report:
+            paths = [p["path"] for p in record["parts"].values() if p["state"] == "done" and p.get("path")]
+            if paths:
+                if not args.json:
+                    out.write("\n")
+                report_paths(paths, args, out)
         if not finished:
             return EXIT_TIMEOUT
         return exit_for(record)
@@ -271,3 +281,49 @@ class Show(Command):
 
 
 COMMANDS: list[Command] = [Status(), Capture(), List(), Show()]
+
+
+class Report(Command):
+    name = "report"
+    help = "what captures say: step times, compute vs communication, top operators, memory, slow ranks"
+    needs_daemon = False
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("paths", nargs="+", help="a save path (every capture under it, newest first), a "
+                            "capture directory, a torch_npu *_ascend_pt directory, or a trace file")
+        parser.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with charts")
+        parser.add_argument("--top", type=int, default=10, help="operators per table (default 10)")
+        parser.add_argument("--summary", action="store_true", help="only the across-ranks tables")
+
+    def run(self, client: Client | None, args: argparse.Namespace, out: TextIO) -> int:
+        from pathlib import Path
+
+        if args.top < 1:
+            raise CtlError(f"--top {args.top}: expected 1 or more", 2)
+        data = report_paths([Path(p) for p in args.paths], args, out)
+        return EXIT_OK if data["ranks_read"] else EXIT_FAILED
+
+
+def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
+    """Build, print (text or --json) and optionally write the HTML report; shared by report and capture."""
+    from ..report import build_report
+    from ..report.html import render_html
+    from ..report.text import render_text
+
+    data = build_report(paths, top=max(args.top, 15))
+    if getattr(args, "html", None):
+        try:
+            with open(args.html, "w", encoding="utf-8") as fh:
+                fh.write(render_html(data))
+        except OSError as exc:
+            raise CtlError(f"--html {args.html}: cannot write: {exc.strerror}") from None
+    if args.json:
+        out.write(dumps(data) + "\n")
+    else:
+        out.write(render_text(data, top=args.top, per_rank=not getattr(args, "summary", False)))
+        if getattr(args, "html", None):
+            out.write(f"HTML report: {os.path.abspath(args.html)}\n")
+    return data
+
+
+COMMANDS.append(Report())

@@ -1,0 +1,287 @@
+"""The HTML report: one self-contained file (inline CSS, inline SVG charts drawn here, a few lines of JS for
+tabs and sorting; nothing is fetched), with an Operator view, a Memory view and a Timeline view per capture."""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+
+PALETTE = {"compute": "#4e79a7", "comm": "#e15759", "overlap": "#b07aa1", "other": "#bab0ac", "slow": "#e15759",
+           "bar": "#4e79a7", "mem": "#59a14f"}
+
+CSS = """
+body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#222;background:#fafafa}
+header{background:#263238;color:#fff;padding:12px 24px}header h1{font-size:20px;margin:0}
+main{padding:12px 24px}section.capture{background:#fff;border:1px solid #ddd;border-radius:6px;margin:16px 0;
+padding:12px 16px}h2{font-size:17px;margin:4px 0 8px}h3{font-size:15px;margin:16px 0 6px}
+table{border-collapse:collapse;margin:6px 0}th,td{padding:3px 8px;border-bottom:1px solid #eee;text-align:left}
+th{cursor:pointer;background:#f3f3f3;user-select:none}td.num{text-align:right;font-variant-numeric:tabular-nums}
+tr.slowest td{background:#fdecea}.tabs button{border:1px solid #ccc;background:#f3f3f3;padding:5px 12px;
+cursor:pointer;margin-right:4px;border-radius:4px 4px 0 0}.tabs button.active{background:#fff;
+border-bottom-color:#fff;font-weight:600}.view{display:none;border:1px solid #ccc;padding:8px;
+border-radius:0 4px 4px 4px}.view.active{display:block}.problem{color:#b00020}.muted{color:#666}
+code{background:#f3f3f3;padding:1px 4px;border-radius:3px}svg text{font:11px system-ui,sans-serif}
+.legend span{display:inline-block;width:10px;height:10px;margin:0 4px 0 12px;vertical-align:middle}
+"""
+
+JS = """
+document.querySelectorAll('.tabs').forEach(function(tabs){
+  tabs.querySelectorAll('button').forEach(function(b){
+    b.addEventListener('click',function(){
+      var sec=tabs.parentElement;
+      sec.querySelectorAll(':scope > .view').forEach(function(v){v.classList.remove('active');});
+      tabs.querySelectorAll('button').forEach(function(x){x.classList.remove('active');});
+      document.getElementById(b.dataset.view).classList.add('active');b.classList.add('active');
+    });
+  });
+});
+document.querySelectorAll('table.sortable th').forEach(function(th,i){
+  th.addEventListener('click',function(){
+    var table=th.closest('table'),body=table.tBodies[0],rows=Array.prototype.slice.call(body.rows);
+    var asc=th.dataset.asc!=='1';th.dataset.asc=asc?'1':'0';
+    rows.sort(function(a,b){
+      var x=a.cells[i].dataset.v||a.cells[i].textContent,y=b.cells[i].dataset.v||b.cells[i].textContent;
+      var nx=parseFloat(x),ny=parseFloat(y);
+      var c=(!isNaN(nx)&&!isNaN(ny))?nx-ny:x.localeCompare(y);return asc?c:-c;
+    });
+    rows.forEach(function(r){body.appendChild(r);});
+  });
+});
+"""
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _num(x: float | None, d: int = 2) -> str:
+    return "-" if x is None else f"{x:.{d}f}"
+
+
+def render_html(report: dict[str, Any]) -> str:
+    body = []
+    for p in report["problems"]:
+        body.append(f'<p class="problem">Cannot report on <code>{_e(p["path"])}</code>: {_e(p["error"])}</p>')
+    if not report["captures"]:
+        body.append("<p>Nothing to report.</p>")
+    for i, group in enumerate(report["captures"]):
+        body.append(_group(group, f"c{i}"))
+    title = "ondemand_prof report"
+    return (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{title}</title>"
+            f"<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\"><style>{CSS}</style></head>"
+            f"<body><header><h1>{title}</h1><div class=\"muted\" style=\"color:#cfd8dc\">{report['ranks_read']} rank "
+            f"capture(s) from {len(report['captures'])} capture(s)</div></header><main>{''.join(body)}</main>"
+            f"<script>{JS}</script></body></html>")
+
+
+def _group(group: dict[str, Any], gid: str) -> str:
+    title = f"Capture {_e(group['capture_id'])}" if group.get("capture_id") else "Traces"
+    meta = []
+    if group.get("job_id"):
+        meta.append(f"job <code>{_e(group['job_id'])}</code>")
+    if group.get("source"):
+        meta.append(f"trigger {_e(group['source'])}")
+    w = group.get("window")
+    if isinstance(w, dict):
+        meta.append(f"window [{_e(w.get('start'))}, {_e(w.get('end'))})")
+    if group.get("options"):
+        meta.append("options " + ", ".join(f"{_e(k)}={_e(v)}" for k, v in group["options"].items()))
+    parts = [f'<section class="capture" id="{gid}"><h2>{title}</h2><div class="muted">{" · ".join(meta)}</div>',
+             _ranks_table(group)]
+    for f in group["failed"]:
+        parts.append(f'<p class="problem">Rank {_e(f["rank"])} failed: {_e(f["error"])} '
+                     f'<span class="muted">({_e(f["path"])})</span></p>')
+    if group["ranks"]:
+        views = [("Operators", f"{gid}-ops", _operator_view(group, gid)),
+                 ("Memory", f"{gid}-mem", _memory_view(group, gid)),
+                 ("Timeline", f"{gid}-tl", _timeline_view(group, gid))]
+        parts.append('<div class="tabs">' + "".join(
+            f'<button data-view="{vid}"{" class=active" if k == 0 else ""}>{name}</button>'
+            for k, (name, vid, _) in enumerate(views)) + "</div>")
+        for k, (_, vid, content) in enumerate(views):
+            parts.append(f'<div class="view{" active" if k == 0 else ""}" id="{vid}">{content}</div>')
+        parts.append(_open_traces(group))
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def _ranks_table(group: dict[str, Any]) -> str:
+    ranks = group["ranks"]
+    if not ranks:
+        return "<p>No rank could be read.</p>"
+    slow = (group.get("slowest") or {}).get("rank")
+    median = group.get("median_step_ms")
+    rows = []
+    for r in ranks:
+        vs = "-"
+        if median and r.get("step_ms_mean"):
+            vs = f"{100 * (r['step_ms_mean'] - median) / median:+.1f}%"
+        is_slow = len(ranks) > 1 and r.get("rank") == slow
+        rows.append(f'<tr{" class=slowest" if is_slow else ""}><td>{_e(r.get("rank"))}'
+                    f'{" (slowest)" if is_slow else ""}</td><td class=num>{len(r.get("steps") or [])}</td>'
+                    f'<td class=num>{_num(r.get("step_ms_mean"))}</td><td class=num>{_num(r.get("step_ms_max"))}</td>'
+                    f'<td class=num>{_num(r.get("compute_pct"), 1)}</td><td class=num>{_num(r.get("comm_pct"), 1)}</td>'
+                    f'<td class=num>{_num(r.get("other_pct"), 1)}</td><td class=num>{vs}</td></tr>')
+    note = ""
+    if group.get("slowest") and len(ranks) > 1:
+        s = group["slowest"]
+        note = (f'<p>Slowest: rank {_e(s["rank"])}, {s["step_ms"]:.2f} ms per step, {s["vs_median_ms"]:+.2f} ms '
+                f'({s["vs_median_pct"]:+.1f}%) from the median {median:.2f} ms.</p>')
+    return ('<h3>Across ranks</h3><table class="sortable"><thead><tr><th>Rank</th><th>Steps</th><th>Step ms</th>'
+            '<th>Max ms</th><th>Compute %</th><th>Comm %</th><th>Other %</th><th>vs median</th></tr></thead><tbody>'
+            + "".join(rows) + "</tbody></table>" + note + _split_chart(ranks))
+
+
+def _split_chart(ranks: list[dict[str, Any]]) -> str:
+    """Stacked bars: each rank's mean step split into compute / communication / other."""
+    timed = [r for r in ranks if r.get("step_ms_mean")]
+    if not timed:
+        return ""
+    width, row_h, left = 720, 20, 70
+    top_ms = max(r["step_ms_mean"] for r in timed)
+    scale = (width - left - 60) / top_ms
+    parts = []
+    for i, r in enumerate(timed):
+        y, x = 6 + i * row_h, left
+        for key in ("compute", "comm", "other"):
+            ms = r["step_ms_mean"] * (r.get(f"{key}_pct") or 0) / 100
+            parts.append(f'<rect x="{x:.1f}" y="{y}" width="{ms * scale:.1f}" height="{row_h - 6}" '
+                         f'fill="{PALETTE[key]}"><title>rank {_e(r.get("rank"))} {key}: {ms:.2f} ms</title></rect>')
+            x += ms * scale
+        parts.append(f'<text x="4" y="{y + 11}">rank {_e(r.get("rank"))}</text>'
+                     f'<text x="{x + 4:.1f}" y="{y + 11}">{r["step_ms_mean"]:.1f} ms</text>')
+    height = 12 + len(timed) * row_h
+    legend = "".join(f'<span style="background:{PALETTE[k]}"></span>{k}' for k in ("compute", "comm", "other"))
+    return (f'<div class="legend">mean step split{legend}</div><svg class="chart" id="split-chart" width="{width}" '
+            f'height="{height}" role="img">{"".join(parts)}</svg>')
+
+
+def _operator_view(group: dict[str, Any], gid: str) -> str:
+    out = []
+    for r in group["ranks"]:
+        rid = f"{gid}-r{r.get('rank')}"
+        ops = r.get("top_self") or []
+        kernels = r.get("top_kernels") or []
+        out.append(f"<h3>Rank {_e(r.get('rank'))}</h3>")
+        if ops:
+            out.append(_bar_chart([(o["name"], o["self_us"] / 1000) for o in ops], f"op-chart-{rid}",
+                                  "self time, ms"))
+            out.append(_ops_table(ops))
+        if kernels:
+            out.append(_bar_chart([(k["name"], k["total_us"] / 1000) for k in kernels], f"kernel-chart-{rid}",
+                                  "device time, ms"))
+            out.append('<table class="sortable"><thead><tr><th>Kernel</th><th>Calls</th><th>Total ms</th>'
+                       '<th>Avg us</th><th>Kind</th></tr></thead><tbody>' + "".join(
+                           f'<tr><td>{_e(k["name"])}</td><td class=num>{k["calls"]}</td>'
+                           f'<td class=num>{k["total_us"] / 1000:.3f}</td><td class=num>{k["avg_us"]:.1f}</td>'
+                           f'<td>{"communication" if k["comm"] else "compute"}</td></tr>' for k in kernels)
+                       + "</tbody></table>")
+        if not ops and not kernels:
+            out.append("<p class=muted>No operators in this capture.</p>")
+    return "".join(out)
+
+
+def _ops_table(ops: list[dict[str, Any]]) -> str:
+    return ('<table class="sortable"><thead><tr><th>Operator</th><th>Calls</th><th>Self ms</th><th>Total ms</th>'
+            '<th>Avg us</th><th>Kind</th></tr></thead><tbody>' + "".join(
+                f'<tr><td>{_e(o["name"])}</td><td class=num>{o["calls"]}</td><td class=num>{o["self_us"] / 1000:.3f}'
+                f'</td><td class=num>{o["total_us"] / 1000:.3f}</td><td class=num>{o["avg_us"]:.1f}</td>'
+                f'<td>{"communication" if o["comm"] else "compute"}</td></tr>' for o in ops) + "</tbody></table>")
+
+
+def _bar_chart(items: list[tuple[str, float]], cid: str, unit: str) -> str:
+    if not items:
+        return ""
+    width, row_h, label_w = 860, 18, 330
+    top = max(v for _, v in items) or 1.0
+    scale = (width - label_w - 80) / top
+    parts = []
+    for i, (name, value) in enumerate(items):
+        y = 4 + i * row_h
+        label = name if len(name) <= 52 else name[:51] + "…"
+        parts.append(f'<text x="{label_w - 6}" y="{y + 12}" text-anchor="end">{_e(label)}</text>'
+                     f'<rect x="{label_w}" y="{y + 2}" width="{max(1.0, value * scale):.1f}" height="{row_h - 5}" '
+                     f'fill="{PALETTE["bar"]}"><title>{_e(name)}: {value:.3f} ms</title></rect>'
+                     f'<text x="{label_w + value * scale + 4:.1f}" y="{y + 12}">{value:.3f}</text>')
+    return (f'<div class="muted">{_e(unit)}</div><svg class="chart" id="{_e(cid)}" width="{width}" '
+            f'height="{8 + len(items) * row_h}" role="img">{"".join(parts)}</svg>')
+
+
+def _memory_view(group: dict[str, Any], gid: str) -> str:
+    out = []
+    for r in group["ranks"]:
+        mem = r.get("memory")
+        if not mem or not mem.get("series"):
+            continue
+        series = mem["series"]
+        rid = f"{gid}-r{r.get('rank')}"
+        width, height, pad = 860, 220, 50
+        t0, t1 = series[0][0], series[-1][0]
+        peak = max(v for _, v in series) or 1.0
+        sx = (width - 2 * pad) / ((t1 - t0) or 1.0)
+        sy = (height - 2 * 20) / peak
+        pts = " ".join(f"{pad + (t - t0) * sx:.1f},{height - 20 - v * sy:.1f}" for t, v in series)
+        d = mem["devices"][0]
+        out.append(f"<h3>Rank {_e(r.get('rank'))}: allocated memory on {_e(mem.get('series_device'))}</h3>"
+                   f'<p>Peak allocated {d["peak_allocated"] / 2**20:.1f} MiB, peak reserved '
+                   f'{(d["peak_reserved"] or 0) / 2**20:.1f} MiB'
+                   + (f', {d["allocs"]} allocations ({d["alloc_bytes"] / 2**20:.1f} MiB), {d["frees"]} frees'
+                      if d.get("allocs") is not None else "") + "</p>"
+                   f'<svg class="chart" id="mem-chart-{_e(rid)}" width="{width}" height="{height}" role="img">'
+                   f'<line x1="{pad}" y1="{height - 20}" x2="{width - pad}" y2="{height - 20}" stroke="#999"/>'
+                   f'<line x1="{pad}" y1="20" x2="{pad}" y2="{height - 20}" stroke="#999"/>'
+                   f'<text x="4" y="24">{peak / 2**20:.1f} MiB</text><text x="4" y="{height - 22}">0</text>'
+                   f'<text x="{width - pad}" y="{height - 4}" text-anchor="end">{(t1 - t0) / 1000:.1f} ms</text>'
+                   f'<polyline fill="none" stroke="{PALETTE["mem"]}" stroke-width="1.5" points="{pts}"/></svg>')
+    if not out:
+        return ("<p class=muted>No memory events in these captures. Capture with <code>--with-memory</code> "
+                "(ondemandctl) or <code>--profile-with-memory</code>.</p>")
+    return "".join(out)
+
+
+def _timeline_view(group: dict[str, Any], gid: str) -> str:
+    """Each rank's recorded steps on one time axis (wall clock), so a rank that lags or stalls stands out."""
+    lanes = [(r, [s for s in (r.get("steps") or []) if s.get("start_us") is not None]) for r in group["ranks"]]
+    lanes = [(r, s) for r, s in lanes if s]
+    if not lanes:
+        return "<p class=muted>No timed steps to draw.</p>"
+    t0 = min(s["start_us"] for _, steps in lanes for s in steps)
+    t1 = max(s["start_us"] + s["dur_ms"] * 1000 for _, steps in lanes for s in steps)
+    width, lane_h, left = 900, 26, 70
+    scale = (width - left - 10) / ((t1 - t0) or 1.0)
+    parts = []
+    for i, (r, steps) in enumerate(lanes):
+        y = 20 + i * lane_h
+        parts.append(f'<text x="4" y="{y + 14}">rank {_e(r.get("rank"))}</text>')
+        for s in steps:
+            x = left + (s["start_us"] - t0) * scale
+            w = max(1.0, s["dur_ms"] * 1000 * scale)
+            comm_w = w * (s["comm_ms"] / s["dur_ms"]) if s["dur_ms"] else 0
+            parts.append(f'<g><rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{lane_h - 8}" fill="{PALETTE["compute"]}"'
+                         f' fill-opacity="0.35" stroke="#4e79a7"><title>rank {_e(r.get("rank"))} step {s["step"]}: '
+                         f'{s["dur_ms"]:.2f} ms (comm {s["comm_ms"]:.2f} ms)</title></rect>'
+                         f'<rect x="{x:.1f}" y="{y + lane_h - 12}" width="{comm_w:.1f}" height="4" '
+                         f'fill="{PALETTE["comm"]}"/>'
+                         + (f'<text x="{x + 3:.1f}" y="{y + 12}">{s["step"]}</text>' if w > 18 else "") + "</g>")
+    height = 30 + len(lanes) * lane_h
+    parts.append(f'<text x="{left}" y="12">0 ms</text><text x="{width - 10}" y="12" text-anchor="end">'
+                 f'{(t1 - t0) / 1000:.1f} ms</text>')
+    return (f'<div class="legend">steps on a shared wall-clock axis; red bar: communication share'
+            f'</div><svg class="chart" id="timeline-{gid}" width="{width}" height="{height}" role="img">'
+            f'{"".join(parts)}</svg>')
+
+
+def _open_traces(group: dict[str, Any]) -> str:
+    items = []
+    for r in group["ranks"]:
+        trace = r.get("trace") or r.get("db") or r["path"]
+        items.append(f"<li>rank {_e(r.get('rank'))}: <code>{_e(trace)}</code></li>")
+    return ("<h3>Open the traces</h3><p>In <a href=\"https://ui.perfetto.dev\">ui.perfetto.dev</a>: "
+            "<em>Open trace file</em> and pick the file (it is read in your browser, nothing is uploaded); or "
+            "<code>tensorboard --logdir &lt;save path&gt;</code>; or HTA's <code>TraceAnalysis(trace_dir=...)</code>."
+            "</p><ul>" + "".join(items) + "</ul>")
+
+
+def report_json(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=2, default=str)

@@ -1,0 +1,131 @@
+"""The terminal report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _table(rows: list[list[str]], header: list[str], indent: str = "  ") -> str:
+    if not rows:
+        return ""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    right = [all(_numeric(r[i]) for r in rows) for i in range(len(header))]
+    lines = []
+    for r in [header, *rows]:
+        cells = [str(x).rjust(w) if right[i] and r is not header else str(x).ljust(w)
+                 for i, (x, w) in enumerate(zip(r, widths))]
+        lines.append(indent + "  ".join(cells).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def _numeric(s: str) -> bool:
+    return s.replace(".", "", 1).replace("-", "", 1).replace("%", "").replace("+", "").strip().isdigit() or s == "-"
+
+
+def _f(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def _window(w: Any) -> str:
+    if isinstance(w, dict):
+        steps = w.get("recorded_steps") or []
+        text = f"[{w.get('start')}, {w.get('end')})"
+        return text + (f" recorded {steps[0]}..{steps[-1]}" if steps else "")
+    return "-"
+
+
+def _trunc(name: str, n: int = 60) -> str:
+    return name if len(name) <= n else name[: n - 1] + "…"
+
+
+def render_text(report: dict[str, Any], top: int = 10, per_rank: bool = True) -> str:
+    out: list[str] = []
+    for p in report["problems"]:
+        out.append(f"cannot report on {p['path']}: {p['error']}\n")
+    if not report["captures"]:
+        out.append("nothing to report\n")
+        return "".join(out)
+    for group in report["captures"]:
+        out.append(_group_text(group, top, per_rank))
+    out.append(f"({report['ranks_read']} rank capture(s) read in {report['seconds']:.2f} s)\n")
+    return "".join(out)
+
+
+def _group_text(group: dict[str, Any], top: int, per_rank: bool) -> str:
+    title = f"capture {group['capture_id']}" if group.get("capture_id") else "traces"
+    if group.get("job_id"):
+        title += f"  job {group['job_id']}"
+    if group.get("source"):
+        title += f"  ({group['source']})"
+    lines = ["=" * 100, title]
+    if group.get("window"):
+        lines.append(f"window {_window(group['window'])}   options " +
+                     ", ".join(f"{k}={v}" for k, v in (group.get("options") or {}).items()))
+    text = "\n".join(lines) + "\n"
+    ranks = group["ranks"]
+    if ranks:
+        slow = (group.get("slowest") or {}).get("rank")
+        rows = []
+        for r in ranks:
+            mark = "<- slowest" if len(ranks) > 1 and r.get("rank") == slow else ""
+            vs = ""
+            if group.get("median_step_ms") and r.get("step_ms_mean"):
+                vs = f"{100 * (r['step_ms_mean'] - group['median_step_ms']) / group['median_step_ms']:+.1f}%"
+            rows.append([str(r.get("rank", "?")), str(len(r.get("steps") or [])), _f(r.get("step_ms_mean")),
+                         _f(r.get("step_ms_max")), _f(r.get("compute_pct"), 1), _f(r.get("comm_pct"), 1),
+                         _f(r.get("other_pct"), 1), vs or "-", mark])
+        text += "\nacross ranks (mean over the recorded steps)\n"
+        text += _table(rows, ["RANK", "STEPS", "STEP MS", "MAX MS", "COMPUTE %", "COMM %", "OTHER %", "VS MEDIAN", ""])
+        if group.get("slowest") and len(ranks) > 1:
+            s = group["slowest"]
+            text += (f"  slowest: rank {s['rank']}, {s['step_ms']:.2f} ms per step, {s['vs_median_ms']:+.2f} ms "
+                     f"({s['vs_median_pct']:+.1f}%) from the median {group['median_step_ms']:.2f} ms\n")
+    for f in group["failed"]:
+        text += f"  rank {f['rank'] if f['rank'] is not None else '?'}: FAILED {f['error']}  ({f['path']})\n"
+    if per_rank:
+        for r in ranks:
+            text += _rank_text(r, top)
+    return text + "\n"
+
+
+def _rank_text(r: dict[str, Any], top: int) -> str:
+    text = f"\n-- rank {r.get('rank', '?')}  {r['path']}\n"
+    for w in r.get("warnings") or []:
+        text += f"  warning: {w}\n"
+    steps = r.get("steps") or []
+    if steps:
+        rows = [[str(s["step"]), _f(s["dur_ms"]), _f(s["compute_ms"]), _f(s["comm_ms"]), _f(s["overlap_ms"]),
+                 _f(s["other_ms"])] for s in steps]
+        basis = "device kernels" if r.get("basis") == "device" else "CPU operators on the step's thread"
+        text += f"  steps (split by {basis})\n"
+        text += _table(rows, ["STEP", "MS", "COMPUTE MS", "COMM MS", "OVERLAP MS", "OTHER MS"], "    ")
+    else:
+        text += "  no ProfilerStep#N steps in this trace\n"
+    if r.get("top_self"):
+        text += f"  top operators by self time (of {r.get('operators')} operators)\n"
+        text += _ops_table(r["top_self"][:top])
+        text += "  top operators by total time\n"
+        text += _ops_table(r["top_total"][:top])
+    if r.get("top_kernels"):
+        text += "  top device kernels\n"
+        rows = [[_trunc(k["name"]), str(k["calls"]), _f(k["total_us"] / 1000, 3), _f(k["avg_us"], 1),
+                 "comm" if k["comm"] else ""] for k in r["top_kernels"][:top]]
+        text += _table(rows, ["KERNEL", "CALLS", "TOTAL MS", "AVG US", ""], "    ")
+    mem = r.get("memory")
+    if mem:
+        rows = [[f"{d['device_type']}:{d['device_id']}", _mib(d["peak_allocated"]), _mib(d["peak_reserved"]),
+                 str(d["allocs"] if d["allocs"] is not None else "-"), _mib(d["alloc_bytes"]),
+                 str(d["frees"] if d["frees"] is not None else "-")] for d in mem["devices"]]
+        text += "  memory\n"
+        text += _table(rows, ["DEVICE", "PEAK MIB", "RESERVED MIB", "ALLOCS", "ALLOC MIB", "FREES"], "    ")
+    return text
+
+
+def _ops_table(ops: list[dict[str, Any]]) -> str:
+    rows = [[_trunc(o["name"]), str(o["calls"]), _f(o["self_us"] / 1000, 3), _f(o["total_us"] / 1000, 3),
+             _f(o["avg_us"], 1), "comm" if o["comm"] else ""] for o in ops]
+    return _table(rows, ["OPERATOR", "CALLS", "SELF MS", "TOTAL MS", "AVG US", ""], "    ")

@@ -1,0 +1,261 @@
+"""Reports: on traces from real CPU runs (single rank against torch's own key_averages(), multi-rank gloo
+through the real CLI), and on hand-built FIXTURES for what a CPU run cannot produce (GPU kernels with
+correlation ids and NCCL kernels; torch_npu's ASCEND_PROFILER_OUTPUT CSVs). Fixtures are named fixture_*."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import ROOT, assert_ok, base_env, captures, ctl, run_ranks, trace_steps
+from ondemand_prof.report import build_report
+from ondemand_prof.report.analyze import RankAnalyzer
+from ondemand_prof.report.tracefile import TraceReader
+
+TORCH_PROFILE = r"""
+import json, sys, torch
+from torch.profiler import profile, ProfilerActivity, schedule
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True,
+             schedule=schedule(wait=0, warmup=1, active=4, repeat=1)) as prof:
+    for _ in range(5):
+        x = torch.randn(32, 64)
+        loss = model(x).square().mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        prof.step()
+prof.export_chrome_trace(sys.argv[1])
+ops = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+json.dump(ops, open(sys.argv[2], "w"))
+"""
+
+
+def test_operator_self_times_and_steps_agree_with_torch(tmp_path: Path) -> None:
+    trace, ref = tmp_path / "rank0.pt.trace.json", tmp_path / "key_averages.json"
+    subprocess.run([sys.executable, "-c", TORCH_PROFILE, str(trace), str(ref)], check=True, env=base_env(),
+                   timeout=300)
+    an = RankAnalyzer()
+    an.feed(TraceReader(trace).events())
+    ours = an.operator_self_times()
+    torch_self = json.loads(ref.read_text())
+    compared = {name: t for name, t in torch_self.items() if name in ours}
+    assert len(compared) >= 10, sorted(torch_self)
+    total_ours, total_torch = sum(ours[n] for n in compared), sum(compared.values())
+    assert abs(total_ours - total_torch) <= 0.01 * total_torch, (total_ours, total_torch)
+    for name, t in compared.items():  # and operator by operator
+        assert abs(ours[name] - t) <= 0.01 * t + 0.01, (name, ours[name], t)
+    # step times are the ProfilerStep#N events, exactly
+    events = json.loads(trace.read_text())["traceEvents"]
+    labelled = {int(e["name"].split("#")[1]): e["dur"] / 1000 for e in events
+                if str(e.get("name", "")).startswith("ProfilerStep#") and e.get("ph") == "X"}
+    result = an.result()
+    assert {s["step"]: s["dur_ms"] for s in result["steps"]} == pytest.approx(labelled)
+    assert len(result["steps"]) == 4
+    mem = result["memory"]
+    assert mem and mem["devices"][0]["allocs"] > 0 and mem["devices"][0]["peak_allocated"] > 0
+
+
+def test_multi_rank_report_through_the_cli(tmp_path: Path) -> None:
+    save = tmp_path / "profile"
+    assert_ok(run_ranks(["--steps", "14", "--profile", "--profile-step-start", "4", "--profile-step-end", "8",
+                         "--profile-ranks", "-1", "--profile-with-memory", "--profile-save-path", str(save),
+                         "--profile-min-free-mb", "0"], world=2))
+    caps = captures(save)
+    assert len(caps) == 2
+    res = ctl(tmp_path, "report", str(save), "--top", "5")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "across ranks" in out and "slowest: rank" in out
+    assert "window [4, 8) recorded 4..7" in out
+    for rank in (0, 1):
+        assert f"-- rank {rank}  {save}" in out
+    assert "c10d::allreduce_" in out and "comm" in out
+    assert "memory" in out and "PEAK MIB" in out
+    data = json.loads(ctl(tmp_path, "report", str(save), "--json").stdout)
+    (group,) = data["captures"]
+    assert [r["rank"] for r in group["ranks"]] == [0, 1] and group["failed"] == []
+    for r in group["ranks"]:
+        assert [s["step"] for s in r["steps"]] == [4, 5, 6, 7]
+        for s in r["steps"]:
+            assert s["compute_ms"] + s["comm_ms"] + s["other_ms"] == pytest.approx(s["dur_ms"], rel=1e-6)
+        assert r["comm_pct"] > 0 and r["memory"]["devices"][0]["peak_allocated"] > 0
+    # one capture directory alone
+    one = ctl(tmp_path, "report", str(caps[0]["dir"]), "--json")
+    assert len(json.loads(one.stdout)["captures"][0]["ranks"]) == 1
+
+
+def test_reads_db_gzip_and_simplified_exports(tmp_path: Path) -> None:
+    save = tmp_path / "profile"
+    assert_ok(run_ranks(["--steps", "8", "--profile", "--profile-step-start", "2", "--profile-step-end", "5",
+                         "--profile-export-type", "db", "--profile-gzip", "--profile-data-simplification",
+                         "--profile-save-path", str(save), "--profile-min-free-mb", "0"]))
+    (cap,) = captures(save)
+    assert cap["trace_file"].endswith(".json.gz")
+    from_trace = build_report([cap["dir"]])["captures"][0]["ranks"][0]
+    assert [s["step"] for s in from_trace["steps"]] == [2, 3, 4] == trace_steps(cap)
+    (cap["dir"] / cap["trace_file"]).unlink()  # only profile.db is left
+    from_db = build_report([cap["dir"]])["captures"][0]["ranks"][0]
+    assert "db" in from_db and [s["step"] for s in from_db["steps"]] == [2, 3, 4]
+    assert from_db["step_ms_mean"] == pytest.approx(from_trace["step_ms_mean"], rel=1e-6)
+    top = {o["name"]: o["self_us"] for o in from_trace["top_self"]}
+    for o in from_db["top_self"][:5]:
+        assert o["self_us"] == pytest.approx(top[o["name"]], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fixtures: what a CPU-only machine cannot record
+
+def fixture_gpu_trace(path: Path, rank: int, slow: float = 0.0) -> None:
+    """Two steps; per step two compute kernels and one NCCL kernel overlapping the second compute kernel."""
+    events: list[dict[str, Any]] = []
+    for k, step in enumerate((10, 11)):
+        t = 1000.0 + k * (1000.0 + slow)
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "pid": 1, "tid": 1,
+                       "ts": t, "dur": 1000.0 + slow})
+        for j, (name, a, d) in enumerate([("aten::mm", 10, 100), ("ncclDevKernel_AllReduce_Sum_f32", 300, 400)]):
+            events.append({"ph": "X", "cat": "cpu_op", "name": name if j == 0 else "c10d::allreduce_", "pid": 1,
+                           "tid": 1, "ts": t + a, "dur": 20, "args": {"External id": 10 * k + j}})
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                           "ts": t + a + 2, "dur": 5, "args": {"correlation": 100 * k + j}})
+        events += [
+            {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_f32", "pid": 0, "tid": 7, "ts": t + 50, "dur": 200,
+             "args": {"correlation": 100 * k, "stream": 7, "device": 0}},
+            {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32", "pid": 0, "tid": 20,
+             "ts": t + 400, "dur": 400, "args": {"correlation": 100 * k + 1, "stream": 20, "device": 0}},
+            {"ph": "X", "cat": "kernel", "name": "elementwise_kernel", "pid": 0, "tid": 7, "ts": t + 600, "dur": 300,
+             "args": {"correlation": 100 * k + 2, "stream": 7, "device": 0}},
+        ]
+    path.write_text(json.dumps({"schemaVersion": 1, "distributedInfo": {"rank": rank, "world_size": 2},
+                                "traceEvents": events}))
+
+
+def test_fixture_gpu_kernels_split_compute_communication_and_overlap(tmp_path: Path) -> None:
+    fixture_gpu_trace(tmp_path / "fixture_rank0.json", 0)
+    fixture_gpu_trace(tmp_path / "fixture_rank1.json", 1, slow=200.0)
+    data = build_report([tmp_path])
+    (group,) = data["captures"]
+    r0, r1 = group["ranks"]
+    assert (r0["rank"], r1["rank"], r0["basis"]) == (0, 1, "device")
+    # per step: compute 200 + 300 = 500 us, NCCL 400 us, overlapping the elementwise kernel for 200 us,
+    # busy 700 us of 1000 -> other 300 us
+    for s in r0["steps"]:
+        assert (s["compute_ms"], s["comm_ms"], s["overlap_ms"], s["other_ms"]) == pytest.approx((0.5, 0.4, 0.2, 0.3))
+    assert r0["comm_pct"] == pytest.approx(40.0)
+    kernels = {k["name"]: k for k in r0["top_kernels"]}
+    assert kernels["ncclDevKernel_AllReduce_Sum_f32"]["comm"] is True
+    assert kernels["sm90_xmma_gemm_f32"]["calls"] == 2 and kernels["sm90_xmma_gemm_f32"]["total_us"] == 400
+    # rank 1's steps are 1.2 ms against 1.0: the slowest, 10% above the median of 1.1 ms
+    assert group["slowest"]["rank"] == 1
+    assert group["slowest"]["vs_median_pct"] == pytest.approx(100 * 0.1 / 1.1)
+
+
+def fixture_ascend_output(root: Path, rank: int) -> Path:
+    """torch_npu's layout and column names (ASCEND_PROFILER_OUTPUT of a *_ascend_pt directory)."""
+    out = root / f"node0_{4000 + rank}_20261129120000000_ascend_pt" / "ASCEND_PROFILER_OUTPUT"
+    out.mkdir(parents=True)
+
+    def write(name: str, header: list[str], rows: list[list[Any]]) -> None:
+        with open(out / name, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(header)
+            w.writerows(rows)
+
+    write("step_trace_time.csv", ["Device_id", "Step", "Computing", "Communication(Not Overlapped)", "Overlapped",
+                                  "Communication", "Free", "Stage", "Bubble",
+                                  "Communication(Not Overlapped and Exclude Receive)", "Preparing"],
+          [[rank, 3, 8000, 1500, 500, 2000, 500, 0, 0, 1500, 0], [rank, 4, 8200, 1300, 700, 2000, 500, 0, 0, 1300, 0]])
+    write("op_statistic.csv", ["Device_id", "OP Type", "Core Type", "Count", "Total Time(us)", "Min Time(us)",
+                               "Avg Time(us)", "Max Time(us)", "Ratio(%)"],
+          [[rank, "MatMulV2", "AI_CORE", 40, 6000, 100, 150, 200, 60], [rank, "hcom_allReduce_", "COMMUNICATION", 4,
+                                                                         2000, 400, 500, 600, 20]])
+    write("memory_record.csv", ["Component", "Timestamp(us)", "Total Allocated(MB)", "Total Reserved(MB)",
+                                "Total Active(MB)", "Stream Ptr", "Device Type"],
+          [["PTA", 100, 512, 1024, 512, "", "NPU:0"], ["PTA", 200, 1536, 2048, 1536, "", "NPU:0"],
+           ["GE", 150, 9999, 9999, 9999, "", "NPU:0"]])
+    (out.parent / f"profiler_info_{rank}.json").write_text("{}")
+    return out.parent
+
+
+def test_fixture_ascend_profiler_output(tmp_path: Path) -> None:
+    d = fixture_ascend_output(tmp_path, 3)
+    (r,) = build_report([d])["captures"][0]["ranks"]
+    assert r["rank"] == 3 and r["kind"] == "ascend"
+    assert [s["step"] for s in r["steps"]] == [3, 4]
+    assert r["steps"][0]["dur_ms"] == pytest.approx(10.0) and r["steps"][0]["comm_ms"] == pytest.approx(2.0)
+    assert r["top_kernels"][0]["name"] == "MatMulV2" and r["top_kernels"][1]["comm"] is True
+    assert r["memory"]["devices"][0]["peak_allocated"] == 1536 * 2**20  # the GE row is another component
+    assert set(r["files_used"]) == {"step_trace_time.csv", "op_statistic.csv", "memory_record.csv"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def test_bad_input_gets_a_message_and_the_rest_is_reported(tmp_path: Path) -> None:
+    good = tmp_path / "mixed"
+    good.mkdir()
+    fixture_gpu_trace(good / "fixture_rank0.json", 0)
+    # truncated: the events before the cut are used, with a warning
+    text = (good / "fixture_rank0.json").read_text()
+    (good / "fixture_rank1.json").write_text(text.replace('"rank": 0', '"rank": 1')[: len(text) * 2 // 3])
+    (good / "garbage.json").write_text("{not json at all")
+    failed = good / "vm_1_20261129000000000_pt"
+    failed.mkdir()
+    (failed / "metadata.json").write_text(json.dumps({"rank": 2, "status": "failed", "capture_id": None,
+                                                      "error": "RuntimeError: profiler exploded"}))
+    data = build_report([good])
+    by_rank = {r["rank"]: r for g in data["captures"] for r in g["ranks"]}
+    assert by_rank[0]["steps"] and not by_rank[0]["warnings"]
+    assert "truncated or corrupt" in by_rank[1]["warnings"][0] and len(by_rank[1]["steps"]) >= 1
+    failures = {Path(f["path"]).name: f["error"] for g in data["captures"] for f in g["failed"]}
+    assert failures["vm_1_20261129000000000_pt"] == "RuntimeError: profiler exploded"
+    assert "no \"traceEvents\" array" in failures["garbage.json"] or "truncated" in failures["garbage.json"]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = ctl(tmp_path, "report", str(empty), str(tmp_path / "nope"))
+    assert res.returncode == 1
+    assert f"cannot report on {empty}: no captures here" in res.stdout
+    assert f"cannot report on {tmp_path / 'nope'}: does not exist" in res.stdout
+    gz = tmp_path / "cut.json.gz"
+    gz.write_bytes(gzip.compress(text.encode())[:200])
+    (r,) = build_report([gz])["captures"][0]["failed"]
+    assert "cut.json.gz" in r["error"]
+
+
+def test_html_report_renders_in_a_headless_browser(tmp_path: Path) -> None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no chromium here (.ci/run installs it)")
+    fixture_gpu_trace(tmp_path / "fixture_rank0.json", 0)
+    fixture_gpu_trace(tmp_path / "fixture_rank1.json", 1, slow=300.0)
+    save = tmp_path / "profile"
+    assert_ok(run_ranks(["--steps", "8", "--profile", "--profile-step-start", "2", "--profile-step-end", "5",
+                         "--profile-with-memory", "--profile-save-path", str(save), "--profile-min-free-mb", "0"]))
+    page = tmp_path / "report.html"
+    res = ctl(tmp_path, "report", str(save), str(tmp_path / "fixture_rank0.json"), str(tmp_path / "fixture_rank1.json"),
+              "--html", str(page), "--summary")
+    assert res.returncode == 0 and f"HTML report: {page}" in res.stdout
+    text = page.read_text()
+    assert "<script src" not in text and "<link" not in text and "http://" not in text  # self-contained
+    run = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+                          "--virtual-time-budget=3000", "--dump-dom", page.as_uri()], capture_output=True, text=True,
+                         timeout=120)
+    dom = run.stdout
+    assert "</html>" in dom, run.stderr[-2000:]
+    console = [line for line in run.stderr.splitlines() if "CONSOLE" in line]
+    assert console == [], console
+    for marker in ('id="split-chart"', 'id="op-chart-', 'id="kernel-chart-', 'id="mem-chart-', 'id="timeline-',
+                   "Open the traces", "(slowest)"):
+        assert marker in dom, marker
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,1600",
+                    f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=120)
+    assert shot.stat().st_size > 20_000  # a page with charts, not a blank one

@@ -109,6 +109,15 @@ def test_capture_records_the_same_steps_on_every_rank(env: dict[str, Any]) -> No
     record = ctl_json(env["run"], "show", listed["capture_id"])
     assert {p["state"] for p in record["parts"].values()} == {"done"}
 
+    # a start step already passed: accepted with a warning; the rank starts at once and says how late
+    late = ctl(env["run"], "capture", "--ranks", "0", "--start-step", "1", "--steps", "2", "--wait")
+    assert late.returncode == 0, late.stdout + late.stderr
+    assert "rank(s) [0] are already past the start step" in late.stdout
+    m = re.search(r"rank 0\s+recording \(late by (\d+) steps", late.stdout)
+    assert m and int(m.group(1)) > 10, late.stdout
+    late_cap = [c for c in captures(env["save"]) if c["window"]["late_by"] > 10]
+    assert len(late_cap) == 1 and len(trace_steps(late_cap[0])) == 2
+
     # what does not exist gets a clear error, not a silent success
     missing = ctl(env["run"], "capture", "--ranks", "1,7", "--steps", "1")
     assert missing.returncode == 1
@@ -116,7 +125,7 @@ def test_capture_records_the_same_steps_on_every_rank(env: dict[str, Any]) -> No
     nojob = ctl(env["run"], "capture", "--job", "nope", "--steps", "1")
     assert nojob.returncode == 1 and "no live job 'nope'" in nojob.stderr
     assert_ok(wait_all(procs))
-    assert len(captures(env["save"])) == 3  # the refused requests wrote nothing
+    assert len(captures(env["save"])) == 4  # the refused requests wrote nothing
 
 
 def test_training_without_daemon_then_daemon_appears_restarts_and_loses_nothing(env: dict[str, Any]) -> None:
@@ -148,8 +157,11 @@ def test_training_without_daemon_then_daemon_appears_restarts_and_loses_nothing(
         assert Path(part["path"]).is_dir()
 
     # and a new capture works with the restarted daemon
-    again = ctl(env["run"], "capture", "--steps", "2", "--wait")
+    again = ctl(env["run"], "capture", "--steps", "2", "--report", "--summary")
     assert again.returncode == 0 and "done: 2 of 2" in again.stdout, again.stdout + again.stderr
+    # --report: the capture's own report follows, both ranks in the across-ranks table
+    report = again.stdout.split("done: 2 of 2", 1)[1]
+    assert "across ranks" in report and re.search(r"^\s+1\s+2\s+[\d.]+", report, re.M), report
     listed = [c["capture_id"] for c in ctl_json(env["run"], "list")["captures"]]
     assert len(listed) == 2 and capture_id in listed
     for p in procs:
@@ -222,6 +234,30 @@ def test_no_daemon_and_stale_socket_are_reported_quickly(tmp_path: Path) -> None
     assert res.returncode == 4 and "did not answer within 1 s" in res.stderr
     assert time.monotonic() - t0 < 15
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_group_shared_socket_by_explicit_configuration(env: dict[str, Any]) -> None:
+    import grp
+
+    group = next((g for g in ("nogroup", "daemon", "users") if _has_group(g)), None)
+    if group is None:
+        pytest.skip("no spare group on this machine")
+    daemon(env, "--group", group)
+    gid = grp.getgrnam(group).gr_gid
+    st_dir, st_sock = env["run"].stat(), (env["run"] / "profd.sock").stat()
+    assert (stat.S_IMODE(st_dir.st_mode), st_dir.st_gid) == (0o710, gid)
+    assert (stat.S_IMODE(st_sock.st_mode), st_sock.st_gid) == (0o660, gid)
+    assert ctl(env["run"], "status").returncode == 0
+
+
+def _has_group(name: str) -> bool:
+    import grp
+
+    try:
+        grp.getgrnam(name)
+        return True
+    except KeyError:
+        return False
 
 
 def test_socket_is_owner_only_and_one_daemon_per_runtime_dir(env: dict[str, Any]) -> None:

@@ -111,6 +111,7 @@ class Capture(Command):
                             "(implies --wait)")
         parser.add_argument("--html", metavar="FILE", help="with --report: also write the HTML report here")
         parser.add_argument("--top", type=int, default=10, help="with --report: operators per table (default 10)")
+        parser.add_argument("--summary", action="store_true", help="with --report: only the across-ranks table")
 
     def message(self, args: argparse.Namespace) -> dict[str, Any]:
         try:

@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         status = json.loads((trig / "capture.status" / f"rank{rank}.json").read_text())["latest"]
         print(f"[demo] {trig / 'capture.status' / f'rank{rank}.json'}: {status['state']}, window "
               f"{_fmt_window(status.get('window'))}, seen {status['detect_latency_ms']} ms after the write")
+    html = out / "report.html"
+    print(f"[demo] $ ondemandctl report {save} --summary --html {html}")
+    subprocess.run([sys.executable, "-m", "ondemand_prof.ctl", "report", str(save), "--summary", "--html",
+                    str(html)])
     print("[demo] open a trace in https://ui.perfetto.dev, or: tensorboard --logdir", save)
     return rc
 

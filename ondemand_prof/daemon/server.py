@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
 import zmq
 
 from .. import __version__
@@ -55,6 +56,16 @@ def pid_alive(pid: int, thorough: bool = False) -> bool:
     return True
 
 
+def _daemon_pid(pid_file: Path) -> int | None:
+    """The pid in a pid file when that process is alive and is an ondemand-profd."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        cmdline = " ".join(psutil.Process(pid).cmdline())
+    except (OSError, ValueError, psutil.Error):
+        return None
+    return pid if "ondemand" in cmdline and "daemon" in cmdline or "ondemand-profd" in cmdline else None
+
+
 class DaemonError(RuntimeError):
     pass
 
@@ -70,6 +81,7 @@ class Daemon:
         self.started = time.monotonic()
         self.started_wall = time.time()
         self._stop = False
+        self._bound = False
         self._next_pid_check = 0.0
         self._watch_due: set[str] = set()
         self._beats = 0
@@ -108,6 +120,7 @@ class Daemon:
         if self.group:
             os.chown(path, -1, grp.getgrnam(self.group).gr_gid)
         self._sock = sock
+        self._bound = True
         (self.runtime_dir / "profd.pid").write_text(f"{os.getpid()}\n")
         log.info("ondemand-profd %s listening on %s (state in %s)", __version__, url, self.state_dir)
 
@@ -142,6 +155,10 @@ class Daemon:
                 raise DaemonError(f"another ondemand-profd (pid {pid}) is serving {path}")
         finally:
             ctx.destroy(linger=0)
+        holder = _daemon_pid(self.runtime_dir / "profd.pid")
+        if holder is not None and holder != os.getpid():
+            raise DaemonError(f"ondemand-profd pid {holder} holds {path} but did not answer within 0.5 s; stop it "
+                              "first")
         path.unlink()  # a stale socket from a daemon that died
 
     def close(self) -> None:
@@ -153,13 +170,13 @@ class Daemon:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        for name in ("profd.sock", "profd.pid"):
-            try:
-                pid_file = self.runtime_dir / "profd.pid"
-                if name == "profd.sock" or pid_file.read_text().strip() == str(os.getpid()):
+        if self._bound:  # never remove the socket or pid file of another daemon
+            self._bound = False
+            for name in ("profd.sock", "profd.pid"):
+                try:
                     (self.runtime_dir / name).unlink()
-            except OSError:
-                pass
+                except OSError:
+                    pass
 
     # ------------------------------------------------------------------------------------------------------
     # Loop
@@ -430,7 +447,7 @@ def run(runtime_dir: Path, state_dir: Path, *, group: str | None = None) -> int:
         daemon.open()
     except (DaemonError, ProtocolError, OSError, zmq.ZMQError) as exc:
         log.error("ondemand-profd: cannot start: %s", exc)
-        daemon.close() if daemon._sock is not None else None
+        daemon.close()
         return 1
     signal.signal(signal.SIGTERM, daemon.stop)
     signal.signal(signal.SIGINT, daemon.stop)

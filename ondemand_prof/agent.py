@@ -28,9 +28,10 @@ log = logging.getLogger("ondemand_prof.agent")
 
 SAMPLE_S = 0.005  # step-clock resolution; also the agent's idle wake-up period
 SETTLE_S = 0.02  # let a writer finish ("echo > capture" truncates, then writes) before reading
-# An empty file is either "touch capture" or a writer caught between truncating and writing. Without a
-# close event from inotify to tell them apart, wait this long (a loaded host can stall a writer for tens of ms).
+# An empty file is either "touch capture" or a writer caught between truncating and writing. inotify tells
+# them apart (the writer has not closed the file yet); polling cannot, and waits EMPTY_SETTLE_S instead.
 EMPTY_SETTLE_S = 0.25
+WRITER_STALL_S = 10.0  # an empty file a writer holds open longer than this is taken as it is
 RECHECK_S = 0.5  # stat the trigger even without an inotify event, in case one was missed
 INOTIFY_SPREAD_S = 0.05  # how much later than the first rank another rank may see an inotify event
 LEAD_MARGIN_S = 0.05  # scheduling slack (a loaded host delays agent threads)
@@ -155,9 +156,11 @@ class Agent:
 
     def _empty_is_final(self, mtime: float) -> bool:
         age = time.time() - mtime
-        if age < 0 or age >= EMPTY_SETTLE_S:
-            return True  # a clock skewed into the future, or nobody wrote to it since
-        return age >= SETTLE_S and self.watcher.closed_after(mtime)
+        if age < 0:
+            return True  # a clock skewed into the future
+        if self.watcher.mode == "inotify":
+            return age >= (WRITER_STALL_S if self.watcher.writer_open else SETTLE_S)
+        return age >= EMPTY_SETTLE_S
 
     def _handle_trigger(self, trig: Trigger) -> None:
         prof = self.prof

@@ -168,10 +168,10 @@ class DirWatcher:
         self.mode = "poll"
         self.poll_s = poll_s
         self._observer: Any = None
-        # the last inotify event on the trigger file, so that an empty file can be told apart from one that a
-        # writer has truncated and not yet written ("echo ... > capture" is open(O_TRUNC), write, close)
-        self.last_event: str | None = None
-        self.last_closed_at = 0.0
+        # whether a writer has the trigger open: a modification (a truncate, a write) not yet followed by its
+        # close, so that an empty file is told apart from one a writer has truncated and not yet written
+        # ("echo ... > capture" is open(O_TRUNC), write, close; a loaded host can stall it in between)
+        self.writer_open = False
         if poll_s > 0:
             return
         if is_network_fs(directory):
@@ -203,14 +203,12 @@ class DirWatcher:
                         self.poll_s)
 
     def note_event(self, event_type: str) -> None:
-        if event_type == "closed":
-            self.last_closed_at = time.time()
-        self.last_event = event_type
+        # our own reads ("opened", "closed_no_write") and touch's "attrib" say nothing about a writer
+        if event_type in ("modified", "created"):
+            self.writer_open = True
+        elif event_type in ("closed", "deleted", "moved"):
+            self.writer_open = False
         self.event.set()
-
-    def closed_after(self, mtime: float) -> bool:
-        """True when the last event on the trigger was a writer closing it, at or after `mtime`."""
-        return self.mode == "inotify" and self.last_event == "closed" and self.last_closed_at >= mtime
 
     def stop(self) -> None:
         if self._observer is not None:

@@ -31,7 +31,7 @@ SETTLE_S = 0.02  # let a writer finish ("echo > capture" truncates, then writes)
 # An empty file is either "touch capture" or a writer caught between truncating and writing. inotify tells
 # them apart (the writer has not closed the file yet); polling cannot, and waits EMPTY_SETTLE_S instead.
 EMPTY_SETTLE_S = 0.25
-WRITER_STALL_S = 10.0  # an empty file a writer holds open longer than this is taken as it is
+WRITER_STALL_S = 10.0  # a trigger a writer holds open longer than this is taken as it is
 RECHECK_S = 0.5  # stat the trigger even without an inotify event, in case one was missed
 INOTIFY_SPREAD_S = 0.05  # how much later than the first rank another rank may see an inotify event
 LEAD_MARGIN_S = 0.05  # scheduling slack (a loaded host delays agent threads)
@@ -101,7 +101,8 @@ class Agent:
                 self._sample_clock()
                 if fired:
                     self._event.clear()
-                    check_at = min(check_at, now + SETTLE_S)
+                    # inotify says when a writer is done (its close): look at once; polling cannot, so settle
+                    check_at = min(check_at, now if self.watcher.mode == "inotify" else now + SETTLE_S)
                 if now >= check_at:
                     check_at = now + poll
                     retry = self._check_trigger()
@@ -148,19 +149,26 @@ class Agent:
             return False
         if stat_key(self.trigger_path) != before:
             return True  # being written right now
-        if trig.data == {} and not self._empty_is_final(trig.mtime):
-            return True  # possibly truncated and not yet written
+        if not self._writer_done(trig):
+            return True  # a writer is between truncating and writing, or its events are still on the way
         self._last_version = trig.version
         self._handle_trigger(trig)
         return False
 
-    def _empty_is_final(self, mtime: float) -> bool:
-        age = time.time() - mtime
-        if age < 0:
-            return True  # a clock skewed into the future
+    def _writer_done(self, trig: Trigger) -> bool:
+        """Whether whoever wrote this version of the trigger is done with it.
+
+        With inotify: no writer holds the file (a truncate or write not yet followed by its close), and the
+        events of this version have arrived (a loaded host can deliver them late; until then the watcher's
+        state is the previous writer's). Polling cannot see writers: an empty file (touch, or a writer
+        caught after truncating) counts once it stayed empty for EMPTY_SETTLE_S.
+        """
+        age = time.time() - trig.mtime
+        if not trig.regular or age < 0 or age >= WRITER_STALL_S:
+            return True  # nothing a writer fills, a clock skewed into the future, or a writer that never finishes
         if self.watcher.mode == "inotify":
-            return age >= (WRITER_STALL_S if self.watcher.writer_open else SETTLE_S)
-        return age >= EMPTY_SETTLE_S
+            return not self.watcher.writer_open and self.watcher.last_event_at >= trig.mtime
+        return trig.data != {} or age >= EMPTY_SETTLE_S
 
     def _handle_trigger(self, trig: Trigger) -> None:
         prof = self.prof

@@ -72,6 +72,7 @@ class Trigger:
     mtime: float
     data: dict[str, Any] | None  # None when error
     error: str | None
+    regular: bool = True  # a regular file (not a symlink, a directory, ...): something a writer may still fill
 
 
 def stat_key(path: Path) -> tuple[int, int, int, int] | None:
@@ -95,11 +96,11 @@ def read_trigger(path: Path) -> Trigger | None:
     base = f"{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{st.st_size}"
     version = hashlib.sha1(base.encode()).hexdigest()[:16]
     if stat.S_ISLNK(st.st_mode):
-        return Trigger(version, st.st_mtime, None, f"{path} is a symbolic link; write a regular file")
+        return Trigger(version, st.st_mtime, None, f"{path} is a symbolic link; write a regular file", regular=False)
     if stat.S_ISDIR(st.st_mode):
-        return Trigger(version, st.st_mtime, None, f"{path} is a directory; write a regular file")
+        return Trigger(version, st.st_mtime, None, f"{path} is a directory; write a regular file", regular=False)
     if not stat.S_ISREG(st.st_mode):
-        return Trigger(version, st.st_mtime, None, f"{path} is not a regular file")
+        return Trigger(version, st.st_mtime, None, f"{path} is not a regular file", regular=False)
     if st.st_size > MAX_TRIGGER_BYTES:
         return Trigger(version, st.st_mtime, None,
                        f"{path} is {st.st_size} bytes; a trigger holds at most {MAX_TRIGGER_BYTES} bytes of JSON")
@@ -172,6 +173,7 @@ class DirWatcher:
         # close, so that an empty file is told apart from one a writer has truncated and not yet written
         # ("echo ... > capture" is open(O_TRUNC), write, close; a loaded host can stall it in between)
         self.writer_open = False
+        self.last_event_at = 0.0  # wall time the last event on the trigger (other than our own reads) arrived
         if poll_s > 0:
             return
         if is_network_fs(directory):
@@ -203,11 +205,13 @@ class DirWatcher:
                         self.poll_s)
 
     def note_event(self, event_type: str) -> None:
-        # our own reads ("opened", "closed_no_write") and touch's "attrib" say nothing about a writer
+        if event_type in ("opened", "closed_no_write"):
+            return  # readers, such as our own agent: they neither change the trigger nor finish a write
         if event_type in ("modified", "created"):
             self.writer_open = True
         elif event_type in ("closed", "deleted", "moved"):
             self.writer_open = False
+        self.last_event_at = time.time()
         self.event.set()
 
     def stop(self) -> None:

@@ -21,10 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         cmd.add_arguments(p)
         p.add_argument("--json", action="store_true", help="machine-readable output")
-        p.add_argument("--runtime-dir", type=Path, default=None,
-                       help=f"the daemon's runtime directory (env {RUNTIME_ENV}; default {default_runtime_dir()})")
-        p.add_argument("--connect-timeout", type=float, default=5.0,
-                       help="seconds to wait for the daemon's answer (default 5)")
+        if cmd.needs_daemon:
+            p.add_argument("--runtime-dir", type=Path, default=None,
+                           help=f"the daemon's runtime directory (env {RUNTIME_ENV}; default {default_runtime_dir()})")
+            p.add_argument("--connect-timeout", type=float, default=5.0,
+                           help="seconds to wait for the daemon's answer (default 5)")
         p.set_defaults(cmd=cmd)
     return parser
 

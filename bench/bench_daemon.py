@@ -66,6 +66,9 @@ class SimAgent:
 
     def schedule(self, window: Any, listener: Any) -> None:
         listener("scheduled", {"window": [window.start, window.end], "current_step": self.prof.current_step})
+        # a real rank reports "done" some steps later; reporting it now keeps the daemon's set of running
+        # captures as small as a real host's (a stand-in that never finishes would grow it with every capture)
+        listener("done", {"path": "/tmp/ondemand_prof-bench/none", "status": "ok"})
 
     def wake(self) -> None:
         pass

@@ -113,6 +113,7 @@ class RecordStore:
         os.chmod(self.dir, 0o700)
         self.records: dict[str, CaptureRecord] = {}
         self.dirty: set[str] = set()
+        self._running: set[str] = set()
         self._load()
 
     def _load(self) -> None:
@@ -120,6 +121,8 @@ class RecordStore:
             try:
                 data = json.loads(path.read_text())
                 self.records[data["capture_id"]] = CaptureRecord(data)
+                if data.get("status") == "running":
+                    self._running.add(data["capture_id"])
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("ondemand-profd: skipping unreadable capture record %s: %s", path, exc)
         if self.records:
@@ -127,6 +130,8 @@ class RecordStore:
 
     def add(self, record: CaptureRecord) -> None:
         self.records[record.capture_id] = record
+        if record.status == "running":
+            self._running.add(record.capture_id)
         self.save(record)
         self._prune()
 
@@ -148,7 +153,11 @@ class RecordStore:
             log.error("ondemand-profd: cannot save capture record %s: %s", record.capture_id, exc)
 
     def running(self) -> list[CaptureRecord]:
-        return [r for r in self.records.values() if r.status == "running"]
+        """Captures still in progress (kept as a set: the daemon asks twice a second, records may be 1000)."""
+        done = [cid for cid in self._running if self.records.get(cid) is None or
+                self.records[cid].status != "running"]
+        self._running.difference_update(done)
+        return [self.records[cid] for cid in self._running]
 
     def find(self, capture_id: str) -> CaptureRecord:
         """By id or unique id prefix; KeyError says why not."""

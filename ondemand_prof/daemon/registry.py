@@ -97,7 +97,7 @@ class Registry:
             del self._route_of[(info.job, info.host, info.rank)]
         return info
 
-    def expire(self, now: float, pid_alive: Callable[[int, bool], bool], *, check_pids: bool = True,
+    def expire(self, now: float, pid_alive: Callable[[int, bool], bool],
                timeout: float = RANK_TIMEOUT_S) -> list[tuple[RankInfo, str]]:
         """Drop ranks whose heartbeats stopped or whose process is gone; returns them with the reason.
 
@@ -108,7 +108,7 @@ class Registry:
             silent = now - info.last_seen
             if silent > timeout:
                 reason = f"no heartbeat for {silent:.1f} s"
-            elif check_pids and info.pid_visible and not pid_alive(info.pid, silent > 1.5 * HEARTBEAT_S):
+            elif info.pid_visible and not pid_alive(info.pid, silent > 1.5 * HEARTBEAT_S):
                 reason = f"process {info.pid} on {info.host} exited"
             else:
                 continue

@@ -272,14 +272,13 @@ class Daemon:
     def housekeeping(self, now: float) -> None:
         assert self.store is not None
         wall = time.time()
-        check_pids = now >= self._next_pid_check
-        if check_pids:
+        if now >= self._next_pid_check:  # every rank is looked at twice a second, not at every tick
             self._next_pid_check = now + PID_CHECK_S
-        for info, reason in self.registry.expire(now, pid_alive, check_pids=check_pids):
-            log.warning("ondemand-profd: rank %d of job %s left: %s", info.rank, info.job, reason)
-            self._fail_parts(info, f"rank {info.rank} is gone: {reason}", wall)
-        if now - self.started > RANK_TIMEOUT_S + HEARTBEAT_S:
-            self._fail_orphans(wall)
+            for info, reason in self.registry.expire(now, pid_alive):
+                log.warning("ondemand-profd: rank %d of job %s left: %s", info.rank, info.job, reason)
+                self._fail_parts(info, f"rank {info.rank} is gone: {reason}", wall)
+            if now - self.started > RANK_TIMEOUT_S + HEARTBEAT_S and self.store.running():
+                self._fail_orphans(wall)
         self.store.flush()
         if self._watches:
             keep = []

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from . import __version__
-from .protocol import HEARTBEAT_S, RANK_MESSAGES, ProtocolError, decode, default_runtime_dir, encode, endpoint
+from .protocol import HEARTBEAT_S, ProtocolError, decode, default_runtime_dir, encode, endpoint
 from .requests import RequestError, parse_request
 from .window import Window
 

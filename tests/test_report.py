@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, assert_ok, base_env, captures, ctl, run_ranks, trace_steps
+from conftest import assert_ok, base_env, captures, ctl, run_ranks, trace_steps
 from ondemand_prof.report import build_report
 from ondemand_prof.report.analyze import RankAnalyzer
 from ondemand_prof.report.tracefile import TraceReader

@@ -83,7 +83,7 @@ class DaemonLink:
         """Called by the agent every loop (5 ms): take messages, send queued events, heartbeat once a second."""
         zmq = self._zmq
         for _ in range(100):
-            if not self._sock.getsockopt(_EVENTS) & _POLLIN:  # cheaper than a failed recv every 5 ms
+            if not int(self._sock.getsockopt(_EVENTS)) & _POLLIN:  # cheaper than a failed recv every 5 ms
                 break
             try:
                 frame = self._sock.recv(zmq.NOBLOCK)

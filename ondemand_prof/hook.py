@@ -175,7 +175,9 @@ class OnDemandProfiler:
     def _leave_idle(self) -> None:
         # _step before _counter: the agent thread reads current_step at any moment, and must never see the
         # stale _step of when idling began (its step clock would take that for the loop going backwards)
-        self._step = _counter_value(self._counter) - 1
+        counter = self._counter
+        assert counter is not None
+        self._step = _counter_value(counter) - 1
         self._counter = None
         self.__dict__.pop("step", None)
 

@@ -88,7 +88,7 @@ def disk_problem(save_root: Path, min_free_mb: int) -> str | None:
 
 def remove_stale_staging(save_root: Path, host: str) -> list[Path]:
     """Staging dirs left by crashed processes of this host (their pid is gone) are removed at start-up."""
-    removed = []
+    removed: list[Path] = []
     if not save_root.is_dir():
         return removed
     for entry in save_root.glob(f".{host}_*{STAGING_SUFFIX}"):

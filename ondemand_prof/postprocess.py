@@ -64,7 +64,7 @@ def rewrite(trace: dict[str, Any], *, keep_steps: Iterable[int] | None, level: s
             rank: int, world_size: int) -> dict[str, int]:
     """Apply steps 1-4 of the module docstring in place; returns counts of what was dropped."""
     keep = None if keep_steps is None else set(keep_steps)
-    dropped = defaultdict(int)
+    dropped: defaultdict[str, int] = defaultdict(int)
     out = []
     for ev in trace.get("traceEvents", []):
         step = step_of(ev)

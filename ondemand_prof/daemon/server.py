@@ -197,7 +197,7 @@ class Daemon:
         notify("READY=1\nSTATUS=serving " + str(socket_path(self.runtime_dir)))
         while not self._stop:
             timeout = max(0.0, next_tick - time.monotonic())
-            if poller.poll(timeout * 1000):
+            if poller.poll(int(timeout * 1000)):
                 woke = time.monotonic()
                 for _ in range(10_000):  # drain, but let housekeeping run under a flood
                     try:

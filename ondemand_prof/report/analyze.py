@@ -187,15 +187,16 @@ class RankAnalyzer:
                 row[0] += 1
                 row[1] += t.dur[i]
                 row[2] += selfs[i]
-        ops, annotations = [], []
+        ops: list[dict[str, Any]] = []
+        annotations: list[dict[str, Any]] = []
         for (nid, is_op), (calls, total, self_us) in agg.items():
             name = self.name_list[nid]
-            row = {"name": name, "calls": int(calls), "total_us": total, "self_us": self_us,
-                   "avg_us": total / calls, "comm": is_comm(name)}
+            entry = {"name": name, "calls": int(calls), "total_us": total, "self_us": self_us,
+                     "avg_us": total / calls, "comm": is_comm(name)}
             if is_op:
-                ops.append(row)
+                ops.append(entry)
             elif not name.startswith("ProfilerStep#"):
-                annotations.append(row)
+                annotations.append(entry)
         return ops, annotations
 
     def _kernels(self) -> list[dict[str, Any]]:

@@ -194,6 +194,21 @@ def test_fixture_ascend_profiler_output(tmp_path: Path) -> None:
     assert r["top_kernels"][0]["name"] == "MatMulV2" and r["top_kernels"][1]["comm"] is True
     assert r["memory"]["devices"][0]["peak_allocated"] == 1536 * 2**20  # the GE row is another component
     assert set(r["files_used"]) == {"step_trace_time.csv", "op_statistic.csv", "memory_record.csv"}
+    # without op_statistic.csv the kernels come from kernel_details.csv, per operator type
+    d2 = fixture_ascend_output(tmp_path / "other", 5)
+    out = d2 / "ASCEND_PROFILER_OUTPUT"
+    (out / "op_statistic.csv").unlink()
+    with open(out / "kernel_details.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["Step Id", "Model ID", "Task ID", "Stream ID", "Name", "Type", "Accelerator Core",
+                    "Start Time(us)", "Duration(us)", "Wait Time(us)", "Block Dim"])
+        w.writerows([[3, 0, 1, 2, "aclnnMatmul_MatMulV2", "MatMulV2", "AI_CORE", 10, 120, 0, 8],
+                     [3, 0, 2, 2, "aclnnMatmul_MatMulV2", "MatMulV2", "AI_CORE", 200, 80, 0, 8],
+                     [3, 0, 3, 3, "hcom_allReduce__1", "hcom_allReduce_", "COMMUNICATION", 300, 500, 0, 0]])
+    (r2,) = build_report([d2])["captures"][0]["ranks"]
+    kernels = {k["name"]: k for k in r2["top_kernels"]}
+    assert kernels["MatMulV2"]["calls"] == 2 and kernels["MatMulV2"]["total_us"] == 200
+    assert kernels["hcom_allReduce_"]["comm"] is True and "kernel_details.csv" in r2["files_used"]
 
 
 # ----------------------------------------------------------------------------------------------------------

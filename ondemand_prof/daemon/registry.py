@@ -146,8 +146,11 @@ class Registry:
         missing = [r for r in ranks if r not in live]
         if missing:
             world = max((r.world_size for r in live.values()), default=0)
+            hint = ""
+            if any(r < world for r in missing):
+                hint = "; ranks on other hosts register with their own host's ondemand-profd"
             raise ValueError(f"rank(s) {_spans(missing)} of job {job!r} are not registered; live ranks: "
-                             f"{_spans(sorted(live)) or 'none'} (world size {world})")
+                             f"{_spans(sorted(live)) or 'none'} (world size {world}){hint}")
         return [live[r] for r in ranks]
 
 

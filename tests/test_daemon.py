@@ -164,6 +164,15 @@ def test_training_without_daemon_then_daemon_appears_restarts_and_loses_nothing(
     assert "across ranks" in report and re.search(r"^\s+1\s+2\s+[\d.]+", report, re.M), report
     listed = [c["capture_id"] for c in ctl_json(env["run"], "list")["captures"]]
     assert len(listed) == 2 and capture_id in listed
+    # --wait that runs out of time says which ranks are still working, exits 5, and show follows up
+    slow = ctl(env["run"], "capture", "--steps", "150", "--wait", "--timeout", "1")
+    assert slow.returncode == 5 and "timed out waiting; still running on rank(s) 0, 1" in slow.stdout, slow.stdout
+    newest = ctl_json(env["run"], "list", "--limit", "1")["captures"][0]
+    assert newest["status"] == "running"
+    shown = ctl(env["run"], "show", newest["capture_id"])
+    assert shown.returncode == 0 and "running: rank(s) 0, 1 still working" in shown.stdout, shown.stdout
+    bad = ctl(env["run"], "status", "--job", "nope")
+    assert bad.returncode == 1 and "no live job 'nope'" in bad.stderr
     for p in procs:
         p.terminate()
 
@@ -298,6 +307,7 @@ def test_systemd_unit_verifies_and_readiness_is_notified(env: dict[str, Any], tm
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         s.bind(notify_path)
         s.settimeout(30)
-        daemon(env, extra_env={"NOTIFY_SOCKET": notify_path})
+        daemon(env, extra_env={"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "400000"})
         assert s.recv(4096).startswith(b"READY=1")
+        assert s.recv(4096) == b"WATCHDOG=1"  # pings at half of WatchdogSec
     os.unlink(notify_path)

@@ -206,14 +206,14 @@ def progress_text(part: dict[str, Any]) -> str:
     return state
 
 
-def result_text(record: dict[str, Any], finished: bool) -> str:
+def result_text(record: dict[str, Any], finished: bool, waited: bool = True) -> str:
     parts = sorted(record["parts"].values(), key=lambda p: p["rank"])
     done = [p for p in parts if p["state"] == "done"]
     here = socket.gethostname()
     if not finished:
-        pending = [str(p["rank"]) for p in parts if p["state"] not in FINAL]
-        head = f"timed out waiting; still running on rank(s) {', '.join(pending)} " \
-               f"(ondemandctl show {record['capture_id']})\n"
+        pending = ", ".join(str(p["rank"]) for p in parts if p["state"] not in FINAL)
+        head = (f"timed out waiting; still running on rank(s) {pending} (ondemandctl show {record['capture_id']})\n"
+                if waited else f"running: rank(s) {pending} still working\n")
     else:
         head = f"{record['status']}: {len(done)} of {len(parts)} rank(s) wrote a trace\n"
     lines = [head]
@@ -275,7 +275,7 @@ class Show(Command):
                 f"  steps {_window(data['window'])}  request {data['request']}\n")
         for part in sorted(data["parts"].values(), key=lambda p: p["rank"]):
             text += f"  rank {part['rank']:<4} {progress_text(part)}\n"
-        return text + result_text(data, data["status"] != "running")
+        return text + result_text(data, data["status"] != "running", waited=False)
 
     def exit_code(self, data: Any) -> int:
         return exit_for(data) if data["status"] != "running" else EXIT_OK

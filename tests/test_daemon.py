@@ -171,6 +171,10 @@ def test_training_without_daemon_then_daemon_appears_restarts_and_loses_nothing(
     assert newest["status"] == "running"
     shown = ctl(env["run"], "show", newest["capture_id"])
     assert shown.returncode == 0 and "running: rank(s) 0, 1 still working" in shown.stdout, shown.stdout
+    # a second capture while that window holds the profiler: each rank refuses it as busy, naming the window
+    busy = ctl(env["run"], "capture", "--steps", "2", "--wait")
+    assert busy.returncode == 1 and "failed: 0 of 2 rank(s) wrote a trace" in busy.stdout, busy.stdout
+    assert re.search(r"rank 1\s+rejected: busy: window \[\d+, \d+\) \(daemon, " + newest["capture_id"], busy.stdout)
     bad = ctl(env["run"], "status", "--job", "nope")
     assert bad.returncode == 1 and "no live job 'nope'" in bad.stderr
     for p in procs:

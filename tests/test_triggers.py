@@ -138,8 +138,9 @@ BAD_TRIGGERS = [
 
 def test_bad_triggers_get_a_clear_status_and_nothing_else(dirs) -> None:
     save, trig, steps = dirs
-    procs = start_ranks(["--steps", "400", "--step-sleep", "0.01", "--status-file", str(steps),
-                         *trigger_args(save, trig)])
+    stop = save.parent / "stop"  # the run lasts as long as the checks take, however loaded the host
+    procs = start_ranks(["--steps", "100000", "--step-sleep", "0.01", "--status-file", str(steps),
+                         "--stop-file", str(stop), *trigger_args(save, trig)])
     wait_for(lambda: last_step(steps) >= 5, what="training to start")
     path = trig / "capture"
     for name, write, message in BAD_TRIGGERS:
@@ -151,6 +152,7 @@ def test_bad_triggers_get_a_clear_status_and_nothing_else(dirs) -> None:
         status = wait_for(lambda: (s := rank_status(trig, 0)) and s["latest"]["state"] == "rejected"
                           and message in s["latest"]["error"] and s, timeout=20, what=name)
         assert status["latest"]["error"], name
+    stop.touch()
     assert_ok(wait_all(procs))
     assert captures(save) == []
 

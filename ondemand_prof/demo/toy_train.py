@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kill-at-step", type=int, default=-1, help="SIGKILL this process at that step")
     parser.add_argument("--no-dist", action="store_true", help="do not join a process group even if WORLD_SIZE>1")
     parser.add_argument("--status-file", help="write a JSON line per step here (tests follow progress)")
+    parser.add_argument("--stop-file", help="end the loop once this file exists (one process; ranks in a "
+                        "process group would stop at different steps)")
     add_profile_args(parser)
     return parser
 
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     for it in range(args.first_step, args.first_step + args.steps):
         if it == args.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.stop_file and os.path.exists(args.stop_file):
+            break
         t0 = time.time()
         with record_function("forward"):
             x = torch.randn(64, args.hidden)

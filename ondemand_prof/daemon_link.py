@@ -124,14 +124,16 @@ class DaemonLink:
         self._send(encode("hb", **self._progress()))
 
     def _progress(self) -> dict[str, Any]:
-        began = self.agent.step_began()
         prof = self.agent.prof
-        out: dict[str, Any] = {"step": prof.current_step, "state": prof.state}
+        began = self.agent.step_began()
+        # the step and the time it began come from one clock sample, so the daemon can always extrapolate
+        # (the training thread may have moved on since; a step behind is harmless, no "began" is not)
+        out: dict[str, Any] = {"step": prof.current_step} if began is None else \
+            {"step": began[0], "began": round(began[1], 6)}
+        out["state"] = prof.state
         st = self.agent.step_time()
         if st:
             out["step_time"] = round(st, 6)
-        if began is not None and began[0] == out["step"]:
-            out["began"] = round(began[1], 6)
         return out
 
     def _register(self) -> None:

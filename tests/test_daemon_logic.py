@@ -33,6 +33,16 @@ def test_plan_starts_after_the_furthest_rank_with_lead_for_delivery() -> None:
     assert later["start_step"] == 45
 
 
+def test_heartbeat_progress_corrects_a_median_still_weighed_by_slow_first_steps() -> None:
+    reg = Registry()
+    msg = {"job": "j", "rank": 0, "world_size": 1, "host": "h", "pid": 1}
+    reg.register(b"r0", {**msg, "step": 2, "step_time": 0.5, "began": 100.0}, 0.0, 0.0, lambda pid, t: True)
+    # a second later the rank is 50 steps on (20 ms steps) but its median still says 0.5 s
+    info = reg.heartbeat(b"r0", {"step": 52, "step_time": 0.5, "began": 101.0}, 1.0)
+    assert info is not None and info.observed_step_time == pytest.approx(0.02)
+    assert info.estimated_step(101.2) == 62  # not 52: the faster of the two rates
+
+
 def test_absolute_start_names_the_ranks_that_will_be_late() -> None:
     plan = plan_window([rank(0, 10), rank(1, 20)], 100.0, start=None, start_step=21, steps=2)
     assert (plan["start_step"], plan["end_step"]) == (21, 23)

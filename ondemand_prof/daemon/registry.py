@@ -32,13 +32,19 @@ class RankInfo:
     registered_at: float = 0.0
     last_seen: float = 0.0
     pid_visible: bool = False  # the rank's pid exists in our pid namespace, so a vanished pid means it died
+    observed_step_time: float | None = None  # from the steps and times of the last two heartbeats
     extra: dict[str, Any] = field(default_factory=dict)
 
     def estimated_step(self, wall: float) -> int:
-        """The step this rank is probably running at wall time `wall` (extrapolated from its last heartbeat)."""
-        if not self.step_time or self.step_began_at is None:
+        """The step this rank is probably running at wall time `wall` (extrapolated from its last heartbeat).
+
+        Of the rank's own median step time and the rate seen between its last two heartbeats, the faster
+        one is used: guessing a rank further ahead than it is only puts the window a little later, while
+        guessing it behind (a median still weighed by slow first steps) makes it late."""
+        rates = [t for t in (self.step_time, self.observed_step_time) if t]
+        if not rates or self.step_began_at is None:
             return self.step
-        return self.step + max(0, int((wall - self.step_began_at) / self.step_time))
+        return self.step + max(0, int((wall - self.step_began_at) / min(rates)))
 
     def as_dict(self, now: float, wall: float) -> dict[str, Any]:
         return {"job": self.job, "rank": self.rank, "world_size": self.world_size, "host": self.host,
@@ -82,11 +88,15 @@ class Registry:
 
     @staticmethod
     def _update(info: RankInfo, msg: dict[str, Any]) -> None:
+        prev_step, prev_began = info.step, info.step_began_at
         info.step = msg["step"]
         st = msg.get("step_time")
         info.step_time = float(st) if isinstance(st, (int, float)) and not isinstance(st, bool) and st > 0 else None
         began = msg.get("began")
         info.step_began_at = float(began) if isinstance(began, (int, float)) and not isinstance(began, bool) else None
+        if prev_began is not None and info.step_began_at is not None and info.step > prev_step and \
+                info.step_began_at > prev_began:
+            info.observed_step_time = (info.step_began_at - prev_began) / (info.step - prev_step)
         state = msg.get("state")
         if isinstance(state, str) and len(state) <= 32:
             info.state = state

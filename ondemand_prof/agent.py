@@ -6,7 +6,6 @@ training thread through OnDemandProfiler.call_at_next_step().
 from __future__ import annotations
 
 import collections
-import datetime as _dt
 import logging
 import math
 import os
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .output import write_json_atomic
+from .output import iso_time, write_json_atomic
 from .requests import RequestError, absolute_start, parse_request
 from .triggers import STATUS_DIR, TRIGGER_NAME, DirWatcher, Trigger, claim_decision, default_trigger_dir, \
     ensure_dir, prune_decisions, read_trigger, stat_key
@@ -35,10 +34,6 @@ WRITER_STALL_S = 10.0  # a trigger a writer holds open longer than this is taken
 RECHECK_S = 0.5  # stat the trigger even without an inotify event, in case one was missed
 INOTIFY_SPREAD_S = 0.05  # how much later than the first rank another rank may see an inotify event
 LEAD_MARGIN_S = 0.05  # scheduling slack (a loaded host delays agent threads)
-
-
-def _iso(t: float | None = None) -> str:
-    return _dt.datetime.fromtimestamp(time.time() if t is None else t).astimezone().isoformat(timespec="milliseconds")
 
 
 class Agent:
@@ -177,7 +172,7 @@ class Agent:
         latency = max(0.0, time.time() - trig.mtime)
         self.last_detect_latency_s = latency
         base = {"trigger": trig.version, "rank": ident.rank, "host": ident.host, "pid": ident.pid,
-                "written_at": _iso(trig.mtime), "seen_at": _iso(), "seen_at_step": now_step,
+                "written_at": iso_time(trig.mtime), "seen_at": iso_time(), "seen_at_step": now_step,
                 "detect_latency_ms": round(latency * 1000, 1), "watch": self.watcher.mode}
         if trig.error:
             self._status(base, "rejected", {"error": trig.error})
@@ -196,7 +191,7 @@ class Agent:
             start = max(start, now_step + self._lead_steps())
         decision = claim_decision(self.status_dir, trig.version, {
             "start_step": start, "end_step": start + request.steps, "anchor_step": anchor,
-            "decided_by_rank": ident.rank, "decided_at": _iso(),
+            "decided_by_rank": ident.rank, "decided_at": iso_time(),
         })
         prune_decisions(self.status_dir)
         ranks = request.ranks if request.ranks is not None else self.config.ranks
@@ -256,9 +251,9 @@ class Agent:
                 entry = self._recent[base["trigger"]] = {**base, "history": []}
                 while len(self._recent) > 8:
                     self._recent.popitem(last=False)
-            entry["history"].append({"state": event, "at": _iso(),
+            entry["history"].append({"state": event, "at": iso_time(),
                                      **{k: v for k, v in info.items() if k != "capture_id"}})
-            entry.update({k: v for k, v in info.items() if k != "capture_id"}, state=event, updated_at=_iso())
+            entry.update({k: v for k, v in info.items() if k != "capture_id"}, state=event, updated_at=iso_time())
             if event in ("rejected", "failed"):
                 log.warning("ondemand_prof: trigger %s %s on rank %s: %s", base["trigger"], event, base["rank"],
                             info.get("error"))

@@ -28,7 +28,7 @@ from . import __version__
 from .backends import Backend, Identity, Session, select_backend
 from .config import ConfigError, ProfileConfig, config_from_args, config_from_env, config_from_mapping, \
     default_job_id
-from .output import ExportJob, Exporter, capture_dir_name, disk_problem, now_iso, remove_stale_staging, \
+from .output import ExportJob, Exporter, capture_dir_name, disk_problem, iso_time, remove_stale_staging, \
     staging_path, writable_problem
 from .window import Phase, Window, WindowOptions, plan_begin, recorded_steps
 
@@ -340,7 +340,7 @@ class OnDemandProfiler:
         staging = staging_path(self._save_root, final_name)
         self._save_root.mkdir(parents=True, exist_ok=True)
         session = backend.open(window, ident, staging)
-        active = _Active(window, session, final_name, "warmup", now_iso(), listener=queued.listener,
+        active = _Active(window, session, final_name, "warmup", iso_time(), listener=queued.listener,
                          moved_by=queued.late_by)
         self._active = active
         self._tell(active.listener, "started", window, step=step,
@@ -412,7 +412,7 @@ class OnDemandProfiler:
                        "warmup_steps": self.config.warmup_steps},
             "options": window.options.as_dict(),
             "backend": {"name": backend.name, **backend.versions(), **info},
-            "timings": {"window_began_at": active.began_at, "window_ended_at": now_iso(),
+            "timings": {"window_began_at": active.began_at, "window_ended_at": iso_time(),
                         "collect_s": round(collect_s, 4)},
         }
 

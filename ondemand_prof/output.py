@@ -112,8 +112,11 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="milliseconds")
+def iso_time(t: float | None = None) -> str:
+    """Local time with offset, to the millisecond, of epoch seconds `t` (now by default): every timestamp we
+    write (metadata, status files, capture records) has this one form."""
+    return _dt.datetime.fromtimestamp(time.time() if t is None else t).astimezone().isoformat(
+        timespec="milliseconds")
 
 
 @dataclass
@@ -203,7 +206,7 @@ def publish(job: ExportJob) -> dict[str, Any]:
         out_dir = staging
     meta["timings"] = dict(meta.get("timings", {}), export_s=round(time.monotonic() - started, 4),
                            queued_s=round(started - job.submitted_at, 4))
-    meta["published_at"] = now_iso()
+    meta["published_at"] = iso_time()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         meta["files"] = {str(p.relative_to(out_dir)): p.stat().st_size for p in sorted(out_dir.rglob("*"))

@@ -11,7 +11,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..output import write_json_atomic
+from ..output import iso_time, write_json_atomic
 
 log = logging.getLogger("ondemand_prof.daemon")
 
@@ -24,10 +24,6 @@ KEEP_RECORDS = 1000
 def new_capture_id(wall: float) -> str:
     stamp = _dt.datetime.fromtimestamp(wall).strftime("%Y%m%d-%H%M%S")
     return f"{stamp}-{secrets.token_hex(3)}"
-
-
-def iso(wall: float) -> str:
-    return _dt.datetime.fromtimestamp(wall).astimezone().isoformat(timespec="milliseconds")
 
 
 class CaptureRecord:
@@ -43,8 +39,8 @@ class CaptureRecord:
     def new(cls, capture_id: str, job: str, request: dict[str, Any], plan: dict[str, Any],
             targets: Iterable[dict[str, Any]], wall: float) -> "CaptureRecord":
         parts = {str(t["rank"]): {"rank": t["rank"], "host": t["host"], "pid": t["pid"], "state": "sent",
-                                  "history": [{"state": "sent", "at": iso(wall)}]} for t in targets}
-        return cls({"capture_id": capture_id, "job": job, "created_at": iso(wall), "request": request,
+                                  "history": [{"state": "sent", "at": iso_time(wall)}]} for t in targets}
+        return cls({"capture_id": capture_id, "job": job, "created_at": iso_time(wall), "request": request,
                     "window": [plan["start_step"], plan["end_step"]], "plan": plan, "status": "running",
                     "parts": parts})
 
@@ -69,7 +65,7 @@ class CaptureRecord:
         if state in FINAL:
             self.open_parts -= 1
         part["state"] = state
-        part["history"].append({"state": state, "at": iso(wall)})
+        part["history"].append({"state": state, "at": iso_time(wall)})
         for key in ("path", "error", "late_by", "steps", "window", "status", "current_step"):
             if info.get(key) is not None:
                 part[key] = info[key]
@@ -88,7 +84,7 @@ class CaptureRecord:
         states = [p["state"] for p in self.data["parts"].values()]
         done = states.count("done")
         self.data["status"] = "done" if done == len(states) else ("partial" if done else "failed")
-        self.data.setdefault("finished_at", iso(_now()))
+        self.data.setdefault("finished_at", iso_time())
 
     def summary(self) -> dict[str, Any]:
         parts = self.data["parts"].values()
@@ -97,12 +93,6 @@ class CaptureRecord:
             counts[p["state"]] = counts.get(p["state"], 0) + 1
         return {k: self.data[k] for k in ("capture_id", "job", "created_at", "window", "status")} | {
             "ranks": len(self.data["parts"]), "states": counts, "request": self.data["request"]}
-
-
-def _now() -> float:
-    import time
-
-    return time.time()
 
 
 class RecordStore:

@@ -19,10 +19,11 @@ import zmq
 
 from .. import __version__
 from ..config import ProfileConfig
+from ..output import iso_time
 from ..protocol import (CLI_MESSAGES, HEARTBEAT_S, PROTOCOL_VERSION, RANK_MESSAGES, RANK_TIMEOUT_S, ProtocolError, decode, encode,
                         endpoint, reply_error, reply_ok, socket_path)
 from ..requests import RequestError, parse_request
-from .records import FINAL, CaptureRecord, RecordStore, iso, new_capture_id
+from .records import FINAL, CaptureRecord, RecordStore, new_capture_id
 from .registry import RankInfo, Registry, plan_window
 from .sdnotify import notify, watchdog_interval
 
@@ -380,7 +381,7 @@ class Daemon:
                 if not job or name == job}
         if job and not jobs:
             raise ValueError(f"no live job {job!r}; live jobs: {', '.join(self.registry.jobs()) or 'none'}")
-        daemon = {"pid": os.getpid(), "version": __version__, "host": self.host, "started_at": iso(self.started_wall),
+        daemon = {"pid": os.getpid(), "version": __version__, "host": self.host, "started_at": iso_time(self.started_wall),
                   "uptime_s": round(now - self.started, 1), "runtime_dir": str(self.runtime_dir),
                   "state_dir": str(self.state_dir), "captures": len(self.store.records),
                   "running_captures": len(self.store.running())}

@@ -96,19 +96,26 @@ def remove_stale_staging(save_root: Path, host: str) -> list[Path]:
             pid = int(entry.name[len(host) + 2:].split("_", 1)[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int, thorough: bool = False) -> bool:
+    """Whether a process runs; `thorough` also rules out a zombie (a killed rank its launcher has not reaped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
+    if thorough:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+        except (OSError, IndexError):
+            return True  # no /proc here: trust kill()
     return True
 
 

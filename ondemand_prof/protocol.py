@@ -27,6 +27,9 @@ STATE_ENV = "ONDEMAND_PROF_STATE_DIR"
 # sun_path is 108 bytes on Linux; ZMQ needs the whole "ipc://" endpoint's path to fit
 MAX_SOCKET_PATH = 107
 
+# what happens to a rank's part of a capture ends in one of these (the daemon records it, the CLI shows it)
+FINAL_STATES = ("done", "failed", "rejected")
+
 HEARTBEAT_S = 1.0  # a rank's heartbeat period
 RANK_TIMEOUT_S = 3.5  # no heartbeat for this long: the rank is gone
 

@@ -11,10 +11,10 @@ import time
 from typing import Any, TextIO
 
 from ..config import EXPORT_TYPES, LEVELS
+from ..protocol import FINAL_STATES
 from ..window import parse_rank_spec
 from .client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, Client, CtlError, dumps
 
-FINAL = ("done", "failed", "rejected")
 
 
 class Command:
@@ -211,7 +211,7 @@ def result_text(record: dict[str, Any], finished: bool, waited: bool = True) -> 
     done = [p for p in parts if p["state"] == "done"]
     here = socket.gethostname()
     if not finished:
-        pending = ", ".join(str(p["rank"]) for p in parts if p["state"] not in FINAL)
+        pending = ", ".join(str(p["rank"]) for p in parts if p["state"] not in FINAL_STATES)
         head = (f"timed out waiting; still running on rank(s) {pending} (ondemandctl show {record['capture_id']})\n"
                 if waited else f"running: rank(s) {pending} still working\n")
     else:

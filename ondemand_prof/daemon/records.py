@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..output import iso_time, write_json_atomic
+from ..protocol import FINAL_STATES
 
 log = logging.getLogger("ondemand_prof.daemon")
 
-# a rank's part of a capture moves through these; the last three are final
+# a rank's part of a capture moves through these; the last three are final (FINAL_STATES)
 PART_STATES = ("sent", "received", "scheduled", "recording", "writing", "done", "failed", "rejected")
-FINAL = ("done", "failed", "rejected")
 KEEP_RECORDS = 1000
 
 
@@ -33,7 +33,7 @@ class CaptureRecord:
         self.data = data
         self.version = 0  # bumped on every change; "watch" replies when it moves
         # counted once here and kept up to date, so an event costs O(1) however many ranks a capture has
-        self.open_parts = sum(p["state"] not in FINAL for p in data["parts"].values())
+        self.open_parts = sum(p["state"] not in FINAL_STATES for p in data["parts"].values())
 
     @classmethod
     def new(cls, capture_id: str, job: str, request: dict[str, Any], plan: dict[str, Any],
@@ -60,9 +60,9 @@ class CaptureRecord:
         part = self.part(rank)
         if part is None or state not in PART_STATES:
             return False
-        if part["state"] in FINAL or PART_STATES.index(state) <= PART_STATES.index(part["state"]):
+        if part["state"] in FINAL_STATES or PART_STATES.index(state) <= PART_STATES.index(part["state"]):
             return False  # late, repeated or out of order: a part only moves forward
-        if state in FINAL:
+        if state in FINAL_STATES:
             self.open_parts -= 1
         part["state"] = state
         part["history"].append({"state": state, "at": iso_time(wall)})
@@ -76,7 +76,7 @@ class CaptureRecord:
 
     def fail_rank(self, rank: int, error: str, wall: float) -> bool:
         part = self.part(rank)
-        if part is None or part["state"] in FINAL:
+        if part is None or part["state"] in FINAL_STATES:
             return False
         return self.update(rank, "failed", {"error": error}, wall)
 

@@ -19,11 +19,11 @@ import zmq
 
 from .. import __version__
 from ..config import ProfileConfig
-from ..output import iso_time
-from ..protocol import (CLI_MESSAGES, HEARTBEAT_S, PROTOCOL_VERSION, RANK_MESSAGES, RANK_TIMEOUT_S, ProtocolError, decode, encode,
-                        endpoint, reply_error, reply_ok, socket_path)
+from ..output import iso_time, pid_alive
+from ..protocol import (CLI_MESSAGES, FINAL_STATES, HEARTBEAT_S, PROTOCOL_VERSION, RANK_MESSAGES, RANK_TIMEOUT_S,
+                        ProtocolError, decode, encode, endpoint, reply_error, reply_ok, socket_path)
 from ..requests import RequestError, parse_request
-from .records import FINAL, CaptureRecord, RecordStore, new_capture_id
+from .records import CaptureRecord, RecordStore, new_capture_id
 from .registry import RankInfo, Registry, plan_window
 from .sdnotify import notify, watchdog_interval
 
@@ -40,29 +40,19 @@ PID_CHECK_S = 0.5  # how often the pids of local ranks are checked (a SIGKILLed 
 _PERMISSIVE = ProfileConfig(max_window_steps=1_000_000)
 
 
-def pid_alive(pid: int, thorough: bool = False) -> bool:
-    """Whether a process runs; `thorough` also rules out a zombie (a killed rank its launcher has not reaped)."""
+def _read_pid(pid_file: Path) -> int | None:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    if thorough:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-        except (OSError, IndexError):
-            return True  # no /proc here: trust kill()
-    return True
+        return int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _daemon_pid(pid_file: Path) -> int | None:
     """The pid in a pid file when that process is alive and is an ondemand-profd."""
+    pid = _read_pid(pid_file)
     try:
-        pid = int(pid_file.read_text().strip())
-        cmdline = " ".join(psutil.Process(pid).cmdline())
-    except (OSError, ValueError, psutil.Error):
+        cmdline = " ".join(psutil.Process(pid).cmdline()) if pid is not None else ""
+    except psutil.Error:
         return None
     return pid if "ondemand" in cmdline and "daemon" in cmdline or "ondemand-profd" in cmdline else None
 
@@ -151,9 +141,8 @@ class Daemon:
             s.connect(url)
             s.send(encode("status", id="probe", brief=True))
             if s.poll(500):
-                pid = (self.runtime_dir / "profd.pid").read_text().strip() if \
-                    (self.runtime_dir / "profd.pid").exists() else "?"
-                raise DaemonError(f"another ondemand-profd (pid {pid}) is serving {path}")
+                pid = _read_pid(self.runtime_dir / "profd.pid")
+                raise DaemonError(f"another ondemand-profd (pid {pid if pid is not None else '?'}) is serving {path}")
         finally:
             ctx.destroy(linger=0)
         holder = _daemon_pid(self.runtime_dir / "profd.pid")
@@ -304,7 +293,7 @@ class Daemon:
         live = {(r.job, r.rank, r.pid) for r in self.registry.by_route.values()}
         for record in self.store.running():
             for part in record.data["parts"].values():
-                if part["state"] not in FINAL and (record.data["job"], part["rank"], part["pid"]) not in live:
+                if part["state"] not in FINAL_STATES and (record.data["job"], part["rank"], part["pid"]) not in live:
                     if record.fail_rank(part["rank"], f"rank {part['rank']} (pid {part['pid']}) is no longer "
                                                       "registered", wall):
                         self._changed(record)

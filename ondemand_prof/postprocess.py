@@ -23,9 +23,10 @@ import os
 import re
 import sqlite3
 import sys
+from array import array
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 
@@ -105,25 +106,33 @@ def steps_table(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def thread_self_times(ts: Sequence[float], dur: Sequence[float]) -> array:
+    """Self time of each event of one thread, in the given order: its duration minus its direct children's.
+
+    The definition of torch's key_averages() self CPU time; shared by this exporter and the reports."""
+    selfs = array("d", dur)
+    stack: list[tuple[int, float]] = []  # (index, end) of the enclosing events
+    for i in sorted(range(len(ts)), key=lambda i: (ts[i], -dur[i])):
+        start = ts[i]
+        while stack and stack[-1][1] <= start:
+            stack.pop()
+        if stack:
+            selfs[stack[-1][0]] -= dur[i]
+        stack.append((i, start + dur[i]))
+    return selfs
+
+
 def self_times(events: list[dict[str, Any]]) -> dict[int, float]:
-    """Self time of each CPU-tree event (by index): its duration minus its direct children's, per thread."""
+    """Self time of each CPU-tree event (by index), per thread."""
     by_thread: dict[tuple[Any, Any], list[int]] = defaultdict(list)
     for i, ev in enumerate(events):
         if ev.get("ph") == "X" and ev.get("cat") in CPU_TREE_CATS:
             by_thread[(ev.get("pid"), ev.get("tid"))].append(i)
     result: dict[int, float] = {}
     for idxs in by_thread.values():
-        idxs.sort(key=lambda i: (float(events[i]["ts"]), -float(events[i].get("dur", 0.0))))
-        stack: list[tuple[int, float]] = []  # (index, end)
-        for i in idxs:
-            ev = events[i]
-            ts, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
-            while stack and stack[-1][1] <= ts:
-                stack.pop()
-            result[i] = dur
-            if stack:
-                result[stack[-1][0]] -= dur
-            stack.append((i, ts + dur))
+        selfs = thread_self_times([float(events[i]["ts"]) for i in idxs],
+                                  [float(events[i].get("dur", 0.0)) for i in idxs])
+        result.update(zip(idxs, selfs))
     return result
 
 

@@ -21,9 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
-CPU_TREE_CATS = frozenset({"cpu_op", "user_annotation"})
-DEVICE_COMPUTE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+from ..postprocess import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
+
 # collectives: NCCL kernels, gloo/NCCL/HCCL ranges torch records, c10d ops, and the ranges around them
 COMM_RE = re.compile(r"nccl|gloo|hccl|hcom|c10d::|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|"
                      r"all_?to_?all|broadcast|barrier", re.IGNORECASE)
@@ -103,7 +102,7 @@ class RankAnalyzer:
                         m = STEP_RE.match(name)
                         if m:
                             self.steps.append((int(m.group(1)), ts, dur, key))
-                elif cat in DEVICE_COMPUTE_CATS:
+                elif cat in DEVICE_CATS:
                     self.dev_ts.append(ts)
                     self.dev_dur.append(dur)
                     self.dev_name.append(name_id(name))
@@ -169,18 +168,8 @@ class RankAnalyzer:
     def _operators(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         agg: dict[tuple[int, bool], list[float]] = {}
         for t in self.threads.values():
-            n = len(t.ts)
-            order = sorted(range(n), key=lambda i: (t.ts[i], -t.dur[i]))
-            selfs = array("d", t.dur)
-            stack: list[tuple[int, float]] = []
-            for i in order:
-                ts = t.ts[i]
-                while stack and stack[-1][1] <= ts:
-                    stack.pop()
-                if stack:
-                    selfs[stack[-1][0]] -= t.dur[i]
-                stack.append((i, ts + t.dur[i]))
-            for i in range(n):
+            selfs = thread_self_times(t.ts, t.dur)
+            for i in range(len(t.ts)):
                 row = agg.get((t.name[i], bool(t.is_op[i])))
                 if row is None:
                     row = agg[(t.name[i], bool(t.is_op[i]))] = [0, 0.0, 0.0]
@@ -274,12 +263,17 @@ class RankAnalyzer:
         main = self.mem_devices.index((devices[0]["device_type"], devices[0]["device_id"]))
         idx = [i for i in range(len(self.mem_ts)) if self.mem_dev[i] == main]
         idx.sort(key=lambda i: self.mem_ts[i])
-        series = [(self.mem_ts[i], self.mem_alloc[i]) for i in idx]
-        if len(series) > MEMORY_POINTS:  # keep each bucket's peak, so the chart never hides one
-            size = len(series) / MEMORY_POINTS
-            series = [max(series[int(k * size):int((k + 1) * size)] or [series[-1]], key=lambda p: p[1])
-                      for k in range(MEMORY_POINTS)]
+        series = peak_downsample([(self.mem_ts[i], self.mem_alloc[i]) for i in idx])
         return {"devices": devices, "series_device": devices[0]["device_type"], "series": series}
+
+
+def peak_downsample(series: list[tuple[float, float]], points: int = MEMORY_POINTS) -> list[tuple[float, float]]:
+    """At most `points` (time, value) samples, keeping each bucket's peak so that a chart never hides one."""
+    if len(series) <= points:
+        return series
+    size = len(series) / points
+    return [max(series[int(k * size):int((k + 1) * size)] or [series[-1]], key=lambda p: p[1])
+            for k in range(points)]
 
 
 def _merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -20,7 +20,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Iterator
 
-from .analyze import RankAnalyzer, is_comm
+from .analyze import RankAnalyzer, is_comm, peak_downsample
 from .tracefile import TraceError, TraceReader
 
 log = logging.getLogger("ondemand_prof.report")
@@ -278,7 +278,7 @@ def _read_ascend(path: Path, top: int) -> dict[str, Any]:
         out["memory"] = {"devices": [{"device_type": "npu", "device_id": None, "peak_allocated": peak_alloc * 2**20,
                                       "peak_reserved": peak_res * 2**20, "allocs": None, "alloc_bytes": None,
                                       "frees": None, "freed_bytes": None}],
-                         "series_device": "npu", "series": series[:: max(1, len(series) // 1000)]}
+                         "series_device": "npu", "series": peak_downsample(series)}
     if not used:
         out["error"] = f"{root} has none of step_trace_time.csv, op_statistic.csv, kernel_details.csv, memory_record.csv"
     out["files_used"] = used

@@ -27,7 +27,6 @@ DAEMON_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
     "registered": {},
     "error": {},
 }
-_EVENTS, _POLLIN = 15, 1  # zmq.EVENTS, zmq.POLLIN as plain ints (no enum conversion on the agent's 5 ms loop)
 RECENT = 16  # the last events of this many captures are replayed at registration (a restarted daemon learns them)
 
 
@@ -48,6 +47,8 @@ class DaemonLink:
         import zmq
 
         self._zmq = zmq
+        # plain ints, read once: no enum conversion on the agent's 5 ms loop
+        self._events, self._pollin = int(zmq.EVENTS), int(zmq.POLLIN)
         self.agent = agent
         self.runtime_dir = runtime_dir or (Path(agent.config.runtime_dir).expanduser() if agent.config.runtime_dir
                                            else default_runtime_dir())
@@ -83,7 +84,7 @@ class DaemonLink:
         """Called by the agent every loop (5 ms): take messages, send queued events, heartbeat once a second."""
         zmq = self._zmq
         for _ in range(100):
-            if not int(self._sock.getsockopt(_EVENTS)) & _POLLIN:  # cheaper than a failed recv every 5 ms
+            if not int(self._sock.getsockopt(self._events)) & self._pollin:  # cheaper than a failed recv every 5 ms
                 break
             try:
                 frame = self._sock.recv(zmq.NOBLOCK)

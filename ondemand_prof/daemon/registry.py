@@ -4,7 +4,7 @@ times are passed in, pid checks are a function the caller supplies."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from ..protocol import HEARTBEAT_S, RANK_TIMEOUT_S
@@ -33,7 +33,6 @@ class RankInfo:
     last_seen: float = 0.0
     pid_visible: bool = False  # the rank's pid exists in our pid namespace, so a vanished pid means it died
     observed_step_time: float | None = None  # from the steps and times of the last two heartbeats
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def estimated_step(self, wall: float) -> int:
         """The step this rank is probably running at wall time `wall` (extrapolated from its last heartbeat).

@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ..postprocess import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
+from ..rank.postprocess import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
 
 # collectives: NCCL kernels, gloo/NCCL/HCCL ranges torch records, c10d ops, and the ranges around them
 COMM_RE = re.compile(r"nccl|gloo|hccl|hcom|c10d::|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|"

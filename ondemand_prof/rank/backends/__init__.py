@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from ..window import Window
+from ...core.window import Window
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +43,23 @@ class Identity:
         }
 
 
+@dataclass(frozen=True)
+class Written:
+    """What an Export wrote: the directory to publish, and the raw Chrome trace in it to post-process (None
+    when the backend's own tools already wrote its final files, as torch_npu's analyse does)."""
+
+    directory: Path
+    raw_trace: Path | None = None
+
+
 @dataclass
 class Export:
     """What a finished window hands to the background worker.
 
-    write(staging_dir) writes the backend's files and returns the trace file (or the backend's own output
-    directory, for torch_npu); it runs off the training thread.
+    write(staging_dir) writes the backend's files (off the training thread) and says what it wrote.
     """
 
-    write: Callable[[Path], Path]
-    kind: str  # "kineto" (a Chrome trace we post-process) or "ascend" (torch_npu's own directory)
+    write: Callable[[Path], Written]
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -72,9 +79,6 @@ class Backend(Protocol):
     def open(self, window: Window, identity: Identity, staging: Path | None = None) -> Session: ...
 
     def versions(self) -> dict[str, str]: ...
-
-    @property
-    def supports_warmup(self) -> bool: ...
 
 
 def npu_available() -> bool:

@@ -74,6 +74,11 @@ class Agent:
         self._event.set()
         self._thread.join(timeout=5)
         self.watcher.stop()
+        if self._thread.is_alive():
+            # status files and the daemon socket belong to the agent thread: never touch them beside it
+            log.warning("ondemand_prof: the agent thread did not stop within 5 s; its last status updates are "
+                        "not written")
+            return
         self._flush_status()
         for ext in self.extensions:
             try:

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .. import __version__
 from ..core.files import iso_time, pid_alive
@@ -32,8 +32,9 @@ class BadRequest(Exception):
 
 
 class Service:
-    def __init__(self, store: RecordStore, *, host: str, runtime_dir: Path, state_dir: Path,
-                 pid_check: Callable[[int, bool], bool] = pid_alive) -> None:
+    def __init__(self, store: RecordStore, commands: Mapping[str, Any], *, host: str, runtime_dir: Path,
+                 state_dir: Path, pid_check: Callable[[int, bool], bool] = pid_alive) -> None:
+        """`commands`: message type -> an object whose execute(service, route, msg) serves it (host/commands.py)."""
         self.store = store
         self.host = host
         self.runtime_dir = runtime_dir
@@ -46,9 +47,7 @@ class Service:
         self.watches: list[tuple[bytes, Any, str, float]] = []  # (route, request id, capture id, deadline)
         self._watch_due: set[str] = set()
         self._next_pid_check = 0.0
-        from .commands import DAEMON_COMMANDS  # the commands' daemon ends; commands import this module
-
-        self.commands = DAEMON_COMMANDS
+        self.commands = commands
         self.rank_handlers: dict[str, Callable[[bytes, dict[str, Any]], bytes | None]] = {
             "register": self.on_register, "hb": self.on_heartbeat, "event": self.on_event, "bye": self.on_bye}
 

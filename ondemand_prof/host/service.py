@@ -87,7 +87,10 @@ class Service:
     # From ranks
 
     def on_register(self, route: bytes, msg: dict[str, Any]) -> bytes:
-        info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check)
+        try:
+            info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         log.info("ondemand-profd: rank %d/%d of job %s registered (host %s, pid %d, step %d)", info.rank,
                  info.world_size, info.job, info.host, info.pid, info.step)
         for item in msg.get("recent") or []:  # what happened to our captures while we could not hear it

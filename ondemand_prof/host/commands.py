@@ -337,9 +337,8 @@ class List(Command):
         return _table(rows, ["ID", "CREATED", "JOB", "STEPS", "DONE", "STATUS"])
 
 
-class Show(Command):
-    name = "show"
-    help = "one capture: the request, the window, and each rank's result"
+class OneCapture(Command):
+    """A command about one capture, named by its id or any unique part of it."""
 
     fields = {"capture_id": (str,)}
 
@@ -348,6 +347,11 @@ class Show(Command):
 
     def message(self, args: argparse.Namespace) -> dict[str, Any]:
         return {"capture_id": args.capture_id}
+
+
+class Show(OneCapture):
+    name = "show"
+    help = "one capture: the request, the window, and each rank's result"
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         record = service.find(msg["capture_id"])
@@ -386,16 +390,9 @@ class Watch(Command):
         return None
 
 
-class Cancel(Command):
+class Cancel(OneCapture):
     name = "cancel"
     help = "stop a scheduled or running capture on every rank (what was recorded so far is written, marked cancelled)"
-    fields = {"capture_id": (str,)}
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("capture_id", help="capture id, or any unique part of it")
-
-    def message(self, args: argparse.Namespace) -> dict[str, Any]:
-        return {"capture_id": args.capture_id}
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         record = service.find(msg["capture_id"])

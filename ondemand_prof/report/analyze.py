@@ -30,7 +30,8 @@ from typing import Any, Iterable
 
 from ..postprocess import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
 from .tracefile import TraceError, TraceReader
-from .classify import CATEGORY_ALIASES, DEVICE_PROCESSES, LAUNCH_CATS, LAUNCH_FLOWS, device_name, is_comm, kernel_group
+from .classify import (CATEGORY_ALIASES, DEVICE_PROCESSES, LAUNCH_CATS, LAUNCH_FLOWS, device_name, is_comm,
+                       kernel_group)
 
 MEMORY_POINTS = 1000
 SHARES = ("compute", "comm", "overlap", "idle")
@@ -49,12 +50,13 @@ class StepRow:
     overlap_us: float = 0.0
     idle_us: float = 0.0
     comm_total_us: float = 0.0
+    kernel_us: float = 0.0   # summed durations of the device events that belong to the step
 
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "start_us": self.ts, "dur_ms": self.dur_us / 1000,
                 "window_ms": self.window_us / 1000, "compute_ms": self.compute_us / 1000,
                 "comm_ms": self.comm_us / 1000, "overlap_ms": self.overlap_us / 1000, "idle_ms": self.idle_us / 1000,
-                "comm_total_ms": self.comm_total_us / 1000}
+                "comm_total_ms": self.comm_total_us / 1000, "kernel_ms": self.kernel_us / 1000}
 
 
 @dataclass
@@ -408,11 +410,13 @@ def _device_rows(steps: list[tuple[int, float, float, Any]], dev: _Timed, member
     """The split of each step's device window (see the module docstring) into compute, comm, overlap, idle."""
     first: dict[int, float] = {}
     last_end: dict[int, float] = {}
+    summed: dict[int, float] = defaultdict(float)
     for i in range(len(dev.ts)):
         k = member[i]
         if k >= 0:
             first[k] = min(first.get(k, dev.ts[i]), dev.ts[i])
             last_end[k] = max(last_end.get(k, 0.0), dev.ts[i] + dev.dur[i])
+            summed[k] += dev.dur[i]
     bounds: dict[int, tuple[float, float]] = {}
     present = sorted(first)
     for j, k in enumerate(present):
@@ -428,7 +432,7 @@ def _device_rows(steps: list[tuple[int, float, float, Any]], dev: _Timed, member
         both = _length(_intersect(c, m))
         lc, lm = _length(c), _length(m)
         rows.append(StepRow(number, ts, dur, hi - lo, lc - both, lm - both, both, max(0.0, (hi - lo) - (lc + lm - both)),
-                            lm))
+                            lm, summed.get(k, 0.0)))
     return rows
 
 

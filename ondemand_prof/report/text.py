@@ -33,6 +33,10 @@ def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
 
 
+def _rank(r: dict[str, Any]) -> str:
+    return "?" if r.get("rank") is None else str(r["rank"])
+
+
 def _window(w: Any) -> str:
     if isinstance(w, dict):
         steps = w.get("recorded_steps") or []
@@ -106,7 +110,7 @@ def _group_text(group: dict[str, Any], top: int, per_rank: bool) -> str:
             vs = ""
             if group.get("median_step_ms") and r.get("step_ms_mean"):
                 vs = f"{100 * (r['step_ms_mean'] - group['median_step_ms']) / group['median_step_ms']:+.1f}%"
-            rows.append([str(r.get("rank", "?")), str(len(r.get("steps") or [])), _f(r.get("step_ms_mean")),
+            rows.append([_rank(r), str(len(r.get("steps") or [])), _f(r.get("step_ms_mean")),
                          _f(r.get("step_ms_max")), *shares_text(r), vs or "-", mark])
         text += "\nacross ranks (mean over the recorded steps; the shares add up to 100%)\n"
         text += _table(rows, ["RANK", "STEPS", "STEP MS", "MAX MS", "COMPUTE %", "COMM %", "OVERLAP %", "IDLE %",
@@ -124,7 +128,7 @@ def _group_text(group: dict[str, Any], top: int, per_rank: bool) -> str:
 
 
 def _rank_text(r: dict[str, Any], top: int) -> str:
-    text = f"\n-- rank {r.get('rank', '?')}  {r['path']}\n"
+    text = f"\n-- rank {_rank(r)}  {r['path']}\n"
     for w in r.get("warnings") or []:
         text += f"  warning: {w}\n"
     text += _steps_text(r)

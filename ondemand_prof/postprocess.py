@@ -96,6 +96,8 @@ def rewrite(trace: dict[str, Any], *, keep_steps: Iterable[int] | None, level: s
     info = trace.get("distributedInfo")
     if not isinstance(info, dict) or "rank" not in info:
         trace["distributedInfo"] = {"backend": collective_backend(out), "rank": rank, "world_size": world_size}
+    elif info.get("backend") in (None, "none"):  # the placeholder written before torch.distributed was up
+        info["backend"] = collective_backend(out)
     return dict(dropped)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import html
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 from .analyze import SHARES
@@ -61,6 +63,10 @@ def _e(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
+def _rank(r: dict[str, Any]) -> str:
+    return "?" if r.get("rank") is None else _e(r["rank"])
+
+
 def _num(x: float | None, d: int = 2) -> str:
     return "-" if x is None else f"{x:.{d}f}"
 
@@ -84,7 +90,12 @@ def render_html(report: dict[str, Any]) -> str:
 
 
 def _title(group: dict[str, Any]) -> str:
-    return f"Capture {_e(group['capture_id'])}" if group.get("capture_id") else "Traces"
+    if group.get("capture_id"):
+        return f"Capture {_e(group['capture_id'])}"
+    members = group["ranks"] or group["failed"]
+    kinds = {"ascend": "torch_npu output", "db": "Databases"}
+    where = os.path.commonpath([str(Path(m["path"]).parent) for m in members]) if members else ""
+    return f"{kinds.get((group['ranks'] or [{}])[0].get('kind'), 'Traces')} in <code>{_e(where)}</code>"
 
 
 def _index(groups: list[dict[str, Any]]) -> str:
@@ -143,7 +154,7 @@ def _ranks_table(group: dict[str, Any]) -> str:
         if median and r.get("step_ms_mean"):
             vs = f"{100 * (r['step_ms_mean'] - median) / median:+.1f}%"
         is_slow = len(ranks) > 1 and r.get("rank") == slow
-        rows.append(f'<tr{" class=slowest" if is_slow else ""}><td>{_e(r.get("rank"))}'
+        rows.append(f'<tr{" class=slowest" if is_slow else ""}><td>{_rank(r)}'
                     f'{" (slowest)" if is_slow else ""}</td><td class=num>{len(r.get("steps") or [])}</td>'
                     f'<td class=num>{_num(r.get("step_ms_mean"))}</td><td class=num>{_num(r.get("step_ms_max"))}</td>'
                     + "".join(f"<td class=num>{v}</td>" for v in shares_text(r)) + f'<td class=num>{vs}</td></tr>')
@@ -173,10 +184,10 @@ def _split_chart(ranks: list[dict[str, Any]]) -> str:
             w = bar * (r.get(f"{key}_pct") or 0) / 100
             ms = r["step_ms_mean"] * (r.get(f"{key}_pct") or 0) / 100
             parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row_h - 6}" fill="{PALETTE[key]}">'
-                         f'<title>rank {_e(r.get("rank"))} {SHARE_LABELS[key]}: {ms:.2f} ms '
+                         f'<title>rank {_rank(r)} {SHARE_LABELS[key]}: {ms:.2f} ms '
                          f'({r.get(f"{key}_pct") or 0:.1f}%)</title></rect>')
             x += w
-        parts.append(f'<text x="4" y="{y + 11}">rank {_e(r.get("rank"))}</text>'
+        parts.append(f'<text x="4" y="{y + 11}">rank {_rank(r)}</text>'
                      f'<text x="{left + bar + 4:.1f}" y="{y + 11}">{r["step_ms_mean"]:.1f} ms</text>')
     height = 12 + len(timed) * row_h
     legend = "".join(f'<span style="background:{PALETTE[k]}"></span>{SHARE_LABELS[k]}' for k in SHARES)
@@ -190,7 +201,7 @@ def _operator_view(group: dict[str, Any], gid: str) -> str:
         rid = f"{gid}-r{r.get('rank')}"
         ops = r.get("top_self") or []
         kernels = r.get("top_kernels") or []
-        out.append(f"<h3>Rank {_e(r.get('rank'))}</h3>")
+        out.append(f"<h3>Rank {_rank(r)}</h3>")
         if ops:
             out.append(_bar_chart([(o["name"], o["self_us"] / 1000) for o in ops], f"op-chart-{rid}",
                                   "self time, ms"))
@@ -222,13 +233,14 @@ def _ops_table(ops: list[dict[str, Any]]) -> str:
 def _bar_chart(items: list[tuple[str, float]], cid: str, unit: str) -> str:
     if not items:
         return ""
-    width, row_h, label_w = 860, 18, 330
+    width, row_h, label_chars = 860, 18, 48
+    label_w = 7 * label_chars  # 11px labels are under 7px a character: the longest one fits left of the bars
     top = max(v for _, v in items) or 1.0
     scale = (width - label_w - 80) / top
     parts = []
     for i, (name, value) in enumerate(items):
         y = 4 + i * row_h
-        label = short_name(name, 52)
+        label = short_name(name, label_chars)
         parts.append(f'<text x="{label_w - 6}" y="{y + 12}" text-anchor="end"><title>{_e(name)}</title>{_e(label)}'
                      '</text>'
                      f'<rect x="{label_w}" y="{y + 2}" width="{max(1.0, value * scale):.1f}" height="{row_h - 5}" '
@@ -253,7 +265,7 @@ def _memory_view(group: dict[str, Any], gid: str) -> str:
         sy = (height - 2 * 20) / peak
         pts = " ".join(f"{pad + (t - t0) * sx:.1f},{height - 20 - v * sy:.1f}" for t, v in series)
         d = mem["devices"][0]
-        out.append(f"<h3>Rank {_e(r.get('rank'))}: allocated memory on {_e(mem.get('series_device'))}</h3>"
+        out.append(f"<h3>Rank {_rank(r)}: allocated memory on {_e(mem.get('series_device'))}</h3>"
                    f'<p>Peak allocated {d["peak_allocated"] / 2**20:.1f} MiB, peak reserved '
                    f'{(d["peak_reserved"] or 0) / 2**20:.1f} MiB'
                    + (f', {d["allocs"]} allocations ({d["alloc_bytes"] / 2**20:.1f} MiB), {d["frees"]} frees'
@@ -286,13 +298,13 @@ def _timeline_view(group: dict[str, Any], gid: str) -> str:
     parts = []
     for i, (r, steps) in enumerate(lanes):
         y = 20 + i * lane_h
-        parts.append(f'<text x="4" y="{y + 14}">rank {_e(r.get("rank"))}</text>')
+        parts.append(f'<text x="4" y="{y + 14}">rank {_rank(r)}</text>')
         for s in steps:
             x = left + (s["start_us"] - t0) * scale
             w = max(1.0, s["dur_ms"] * 1000 * scale)
             comm_w = min(w, w * (s.get("comm_total_ms") or 0) / s["window_ms"]) if s.get("window_ms") else 0
             parts.append(f'<g><rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{lane_h - 8}" fill="{PALETTE["compute"]}"'
-                         f' fill-opacity="0.35" stroke="#4e79a7"><title>rank {_e(r.get("rank"))} step {s["step"]}: '
+                         f' fill-opacity="0.35" stroke="#4e79a7"><title>rank {_rank(r)} step {s["step"]}: '
                          f'{s["dur_ms"]:.2f} ms (communication {s.get("comm_total_ms") or 0:.2f} ms, exposed '
                          f'{s["comm_ms"]:.2f} ms)</title></rect>'
                          f'<rect x="{x:.1f}" y="{y + lane_h - 12}" width="{comm_w:.1f}" height="4" '
@@ -323,7 +335,7 @@ def _open_traces(group: dict[str, Any]) -> str:
     items = []
     for r in group["ranks"]:
         trace = r.get("trace") or r.get("db") or r["path"]
-        items.append(f"<li>rank {_e(r.get('rank'))}: <code>{_e(trace)}</code></li>")
+        items.append(f"<li>rank {_rank(r)}: <code>{_e(trace)}</code></li>")
     return ("<h3>Open the traces</h3><p>In <a href=\"https://ui.perfetto.dev\">ui.perfetto.dev</a>: "
             "<em>Open trace file</em> and pick the file (it is read in your browser, nothing is uploaded); or "
             "<code>tensorboard --logdir &lt;save path&gt;</code>; or HTA's <code>TraceAnalysis(trace_dir=...)</code>."

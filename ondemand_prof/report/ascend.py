@@ -112,6 +112,7 @@ def _step_trace(root: Path, out: dict[str, Any], used: list[str]) -> None:
                             _num(row.get("Communication"))))
     out["steps"] = [r.as_dict() for r in rows]
     out["basis"] = "device"
+    out["split_from"] = "step_trace_time.csv"
     for key in ("step_ms_mean", "step_ms_max", "compute_pct", "comm_pct", "overlap_pct", "idle_pct"):
         out.pop(key, None)
     out.update(step_summary(rows))

@@ -151,7 +151,9 @@ def _steps_text(r: dict[str, Any]) -> str:
         return "  no ProfilerStep#N steps in this trace\n"
     rows = [[str(s["step"]), _f(s["dur_ms"]), _f(s["window_ms"]), _f(s["compute_ms"]), _f(s["comm_ms"]),
              _f(s["overlap_ms"]), _f(s["idle_ms"])] for s in steps]
-    if r.get("basis") == "device":
+    if r.get("split_from"):
+        basis = f"torch_npu's {r['split_from']}: COMPUTE excludes OVERLAP, COMM is the exposed communication"
+    elif r.get("basis") == "device":
         how = r.get("kernel_steps") or {}
         basis = ("device kernels, each in the step that launched it; WINDOW: from the step's first kernel to the "
                  "next step's" + (f"; {how['by_time']} kernel(s) without a launch in the file placed by time"

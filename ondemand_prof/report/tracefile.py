@@ -53,6 +53,7 @@ class TraceReader:
             buf = self._read(fh)
             if not buf.strip():
                 raise TraceError(f"{self.path} is empty")
+            buf = buf.lstrip("\ufeff")  # a byte-order mark some Windows tools write
             bare = buf.lstrip().startswith("[")
             if bare:  # JSON Array Format
                 self.array_format = True

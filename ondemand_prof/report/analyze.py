@@ -105,7 +105,8 @@ class RankAnalyzer:
         self.dev = _Timed()        # kernels, memcpy, memset
         self.launches = _Timed()   # runtime calls that launch them (correlation id -> CPU time)
         self.loose = _Timed()      # complete events without a category (torch_npu): sorted out by process name
-        self.flows = _Timed()      # torch_npu's op -> task flows (corr: flow id, comm: 1 = the task's end)
+        # torch_npu's operator -> device task flows: id, time, and whether this end is the task's (else the op's)
+        self.flow_id, self.flow_ts, self.flow_at_task = array("q"), array("d"), array("b")
         self.pids: dict[Any, int] = {}
         self.process_names: dict[Any, str] = {}
         self.mem: dict[tuple[Any, Any], dict[str, Any]] = {}
@@ -182,7 +183,9 @@ class RankAnalyzer:
             fid, ts = int(ev["id"]), float(ev["ts"])
         except (KeyError, TypeError, ValueError):
             return
-        self.flows.add(ts, 0.0, 0, fid, comm=ph == "f")
+        self.flow_id.append(fid)
+        self.flow_ts.append(ts)
+        self.flow_at_task.append(ph == "f")
 
     def _memory(self, ev: dict[str, Any]) -> None:
         a = ev.get("args") or {}
@@ -247,18 +250,19 @@ class RankAnalyzer:
         if not len(self.loose.ts):
             return
         by_index = {i: self.process_names.get(pid, "") for pid, i in self.pids.items()}
-        fl = self.flows
-        flow_at = {fl.ts[i]: fl.corr[i] for i in range(len(fl.ts)) if fl.comm[i]}  # a task's start -> its flow
-        for i in range(len(fl.ts)):
-            if not fl.comm[i]:
-                self.launches.add(fl.ts[i], 0.0, 0, fl.corr[i])
+        ids, times, at_task = self.flow_id, self.flow_ts, self.flow_at_task
+        flow_at = {times[i]: ids[i] for i in range(len(ids)) if at_task[i]}  # a task's start -> its flow's id
+        for i in range(len(ids)):
+            if not at_task[i]:  # the operator's end of the flow: the launch
+                self.launches.add(times[i], 0.0, 0, ids[i])
         lo = self.loose
         for i in range(len(lo.ts)):
             process = by_index.get(lo.pid[i], "")
             if process in DEVICE_PROCESSES:
                 self.dev.add(lo.ts[i], lo.dur[i], lo.name[i], flow_at.get(lo.ts[i], -1),
                              comm=DEVICE_PROCESSES[process] or lo.comm[i])
-        self.loose, self.flows = _Timed(), _Timed()
+        self.loose = _Timed()
+        self.flow_id, self.flow_ts, self.flow_at_task = array("q"), array("d"), array("b")
 
     def _operators(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         agg: dict[tuple[int, bool], list[float]] = {}

@@ -266,10 +266,7 @@ def _memory_view(group: dict[str, Any], gid: str) -> str:
         pts = " ".join(f"{pad + (t - t0) * sx:.1f},{height - 20 - v * sy:.1f}" for t, v in series)
         d = mem["devices"][0]
         out.append(f"<h3>Rank {_rank(r)}: allocated memory on {_e(mem.get('series_device'))}</h3>"
-                   f'<p>Peak allocated {d["peak_allocated"] / 2**20:.1f} MiB, peak reserved '
-                   f'{(d["peak_reserved"] or 0) / 2**20:.1f} MiB'
-                   + (f', {d["allocs"]} allocations ({d["alloc_bytes"] / 2**20:.1f} MiB), {d["frees"]} frees'
-                      if d.get("allocs") is not None else "") + "</p>"
+                   + _memory_summary(mem) +
                    f'<svg class="chart" id="mem-chart-{_e(rid)}" width="{width}" height="{height}" role="img">'
                    f'<line x1="{pad}" y1="{height - 20}" x2="{width - pad}" y2="{height - 20}" stroke="#999"/>'
                    f'<line x1="{pad}" y1="20" x2="{pad}" y2="{height - 20}" stroke="#999"/>'
@@ -280,6 +277,22 @@ def _memory_view(group: dict[str, Any], gid: str) -> str:
         return ("<p class=muted>No memory events in these captures. Capture with <code>--with-memory</code> "
                 "(ondemandctl) or <code>--profile-with-memory</code>.</p>")
     return "".join(out)
+
+
+def _memory_summary(mem: dict[str, Any]) -> str:
+    d = mem["devices"][0]
+    text = f'<p>Peak allocated {d["peak_allocated"] / 2**20:.1f} MiB'
+    if d.get("peak_reserved") is not None:
+        text += f', peak reserved {d["peak_reserved"] / 2**20:.1f} MiB'
+    if d.get("allocs") is not None:
+        text += f', {d["allocs"]} allocations ({d["alloc_bytes"] / 2**20:.1f} MiB), {d["frees"]} frees'
+    if d.get("derived"):
+        text += " (the trace records only allocation sizes: the curve starts at 0 where the capture began)"
+    others = [o for o in mem["devices"][1:] if o.get("component")]
+    if others:  # torch_npu's other memory components, listed beside the allocator's
+        text += ". Other components: " + ", ".join(
+            f'{_e(o["component"])} on {_e(o["device"])} peak {o["peak_allocated"] / 2**20:.1f} MiB' for o in others)
+    return text + ".</p>"
 
 
 def _timeline_view(group: dict[str, Any], gid: str) -> str:

@@ -65,11 +65,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--mb", type=float, default=50)
+    ap.add_argument("--make", metavar="DIR", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.make:
+        make_ranks(Path(args.make), args.ranks, args.mb)
+        return
     cores = os.cpu_count() or 1
     work = Path(tempfile.mkdtemp(prefix="odp-bench-parallel-"))
     try:
-        paths = make_ranks(work, args.ranks, args.mb)
+        # the traces are made in another process: Linux carries a process's peak RSS over to the children it
+        # starts, so a bench process that held a trace would inflate every measured RSS
+        subprocess.run([sys.executable, __file__, "--make", str(work), "--ranks", str(args.ranks), "--mb",
+                        str(args.mb)], check=True, timeout=1800)
+        paths = sorted(work.glob("rank*.pt.trace.json"), key=lambda p: int(p.name[4:].split(".")[0]))
         size = paths[0].stat().st_size / 2**20
         rows = [("1 rank, 1 process", measure(paths[:1], 1)),
                 (f"{args.ranks} ranks, 1 process", measure(paths, 1)),

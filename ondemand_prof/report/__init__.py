@@ -51,7 +51,7 @@ def build_report(paths: Iterable[Path], top: int = 15, workers: int | None = Non
 
 def read_all(todo: list[tuple[str, Path]], top: int, workers: int | None = None) -> list[dict[str, Any]]:
     """read_source for each (kind, path), in a process pool when there is more than one and more than one core."""
-    n = min(len(todo), workers or os.cpu_count() or 1)
+    n = min(len(todo), workers or usable_cores())
     if n <= 1:
         return [read_source(kind, src, top) for kind, src in todo]
     # forkserver: workers start from a clean process, not a fork of a caller that may hold threads and locks
@@ -62,6 +62,14 @@ def read_all(todo: list[tuple[str, Path]], top: int, workers: int | None = None)
     except (OSError, RuntimeError) as exc:  # no semaphores or no processes here: read them one by one
         log.warning("reading %d ranks in this process (no process pool: %s)", len(todo), exc)
         return [read_source(kind, src, top) for kind, src in todo]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, e.g. a container's cpuset), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def summarize_group(key: tuple[Any, Any], members: list[dict[str, Any]]) -> dict[str, Any]:

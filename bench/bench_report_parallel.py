@@ -88,8 +88,8 @@ def main() -> None:
             print(f"{name:<40} {r['s']:>8.1f} {r['s'] / r['ranks']:>9.2f} {r['cpu_s']:>10.1f} {r['rss_mb']:>7.0f} "
                   f"{r['load']:>9.1f}")
         one, serial, pooled = (r["s"] for _, r in rows)
-        print(f"{args.ranks} ranks take {pooled / one:.1f}x one rank's time with the pool ({serial / one:.1f}x without);"
-              f" speed-up of the pool: {serial / pooled:.2f}x on {cores} core(s)")
+        print(f"{args.ranks} ranks take {pooled / one:.1f}x one rank's time with the pool "
+              f"({serial / one:.1f}x without); speed-up of the pool: {serial / pooled:.2f}x on {cores} core(s)")
         assert rows[2][1]["ranks"] == args.ranks and rows[2][1]["steps"] == rows[1][1]["steps"]
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -258,7 +258,8 @@ def test_torch_npu_level0_kernel_details_type_na(tmp_path: Path) -> None:
 # What a person reads
 
 def test_text_json_and_html_of_real_traces(tmp_path: Path) -> None:
-    for name in ("hta_sampled_rank-0.json.gz", "hta_sampled_rank-1.json.gz", "kineto_resnet50_2021-06.pt.trace.json.gz"):
+    for name in ("hta_sampled_rank-0.json.gz", "hta_sampled_rank-1.json.gz",
+                 "kineto_resnet50_2021-06.pt.trace.json.gz"):
         shutil.copy(REAL / name, tmp_path / name)
     top = ascend_dir(tmp_path / "npu", {"trace_view.json": "mstt_trace_view.json.gz"})
     report = build_report([tmp_path, top], top=15, workers=2)

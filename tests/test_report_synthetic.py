@@ -165,14 +165,16 @@ def test_synthetic_torch_npu_memory_components_and_timeline(tmp_path: Path) -> N
         w.writerow(["Component", "Timestamp(us)", "Total Allocated(MB)", "Total Reserved(MB)", "Total Active(MB)",
                     "Stream Ptr", "Device Type"])
         for t, pta, ge in ((10, 100, 50), (20, 400, 50), (30, 250, 80), (40, 300, 80)):  # interleaved components
-            w.writerows([["PTA", t, pta, 512, pta, "", "NPU:0"], ["PTA+GE", t + 1, pta + ge, 600, pta + ge, "", "NPU:0"],
+            w.writerows([["PTA", t, pta, 512, pta, "", "NPU:0"],
+                         ["PTA+GE", t + 1, pta + ge, 600, pta + ge, "", "NPU:0"],
                          ["GE", t + 2, ge, ge, ge, "", "NPU:0"], ["APP", t + 3, 1000, 1000, 1000, "", "NPU:0"]])
     with open(out / "step_trace_time.csv", "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["Device_id", "Step", "Computing", "Communication(Not Overlapped)", "Overlapped",
                     "Communication", "Free", "Stage", "Bubble", "Communication(Not Overlapped and Exclude Receive)",
                     "Preparing"])
-        w.writerows([[0, 7, 9000, 1000, 2000, 3000, 1000, 0, 0, 1000, 0], [0, 8, 9500, 500, 2000, 2500, 0, 0, 0, 500, 0]])
+        w.writerows([[0, 7, 9000, 1000, 2000, 3000, 1000, 0, 0, 1000, 0],
+                     [0, 8, 9500, 500, 2000, 2500, 0, 0, 0, 500, 0]])
     r = one_rank(out.parent)
     mem = r["memory"]
     assert [v / 2**20 for _, v in mem["series"]] == [100, 400, 250, 300]  # PTA alone: no zig-zag

@@ -178,7 +178,8 @@ class RankAnalyzer:
             self.launches.add(ts, 0.0, 0, correlation)
 
     def _flow(self, ev: dict[str, Any], ph: str) -> None:
-        """torch_npu links an operator to the device tasks it launched by a flow: start at the op, finish at the task."""
+        """torch_npu links an operator to each device task it launched by a flow: it starts at the op and finishes
+        at the task."""
         try:
             fid, ts = int(ev["id"]), float(ev["ts"])
         except (KeyError, TypeError, ValueError):
@@ -435,8 +436,8 @@ def _device_rows(steps: list[tuple[int, float, float, Any]], dev: _Timed, member
         c, m = _clip(compute, lo, hi), _clip(comm, lo, hi)
         both = _length(_intersect(c, m))
         lc, lm = _length(c), _length(m)
-        rows.append(StepRow(number, ts, dur, hi - lo, lc - both, lm - both, both, max(0.0, (hi - lo) - (lc + lm - both)),
-                            lm, summed.get(k, 0.0)))
+        idle = max(0.0, (hi - lo) - (lc + lm - both))
+        rows.append(StepRow(number, ts, dur, hi - lo, lc - both, lm - both, both, idle, lm, summed.get(k, 0.0)))
     return rows
 
 

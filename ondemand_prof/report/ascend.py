@@ -18,21 +18,19 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import re
 import sqlite3
 from array import array
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from .analyze import RankAnalyzer, StepRow, analyze_trace_file, peak_downsample, step_summary
-from .classify import COMM_CORE_TYPES, is_comm, kernel_group
+from .classify import COMM_CORE_TYPES, RANK_IN_NAME, is_comm, kernel_group
 
 log = logging.getLogger("ondemand_prof.report")
 
 ASCEND_DIR = "ASCEND_PROFILER_OUTPUT"
 NPU_DB_GLOB = "ascend_pytorch_profiler*.db"
 ALLOCATOR = "PTA"  # torch_npu's caching allocator: the memory users manage from PyTorch
-_RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 _MB = 2 ** 20
 
 
@@ -58,6 +56,7 @@ def read_ascend(path: Path, top: int) -> dict[str, Any]:
         out["error"] = (f"{root} has none of trace_view.json, {NPU_DB_GLOB}, step_trace_time.csv, op_statistic.csv, "
                         "kernel_details.csv, memory_record.csv")
     out["files_used"] = used
+    log.debug("%s: read %s", root, ", ".join(used) or "nothing")
     return out
 
 
@@ -74,7 +73,7 @@ def _rank(top_dir: Path) -> int | None:
         suffix = f.stem.rsplit("_", 1)[1]
         if suffix.isdigit():
             return int(suffix)
-    m = _RANK_IN_NAME.search(str(top_dir))
+    m = RANK_IN_NAME.search(str(top_dir))
     return int(m.group(1)) if m else None
 
 
@@ -204,11 +203,16 @@ def npu_memory(rows: Iterable[tuple[str, float, float, float, str]]) -> dict[str
 # ----------------------------------------------------------------------------------------------------------
 # db export
 
+def sqlite_tables(con: sqlite3.Connection) -> set[str]:
+    return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
 def is_npu_db(path: Path) -> bool:
+    """torch_npu's db export (as opposed to our profile.db or any other SQLite file)."""
     try:
         con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
-            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            tables = sqlite_tables(con)
         finally:
             con.close()
     except sqlite3.Error:
@@ -220,7 +224,7 @@ def npu_db_result(db: Path, top: int) -> dict[str, Any]:
     """torch_npu's db replayed through the same analysis as a trace (ns -> us)."""
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
-        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        tables = sqlite_tables(con)
         strings = dict(con.execute("SELECT id, value FROM STRING_IDS"))
         an = RankAnalyzer()
         _db_steps_and_ops(con, tables, strings, an)
@@ -237,7 +241,8 @@ def npu_db_result(db: Path, top: int) -> dict[str, Any]:
         con.close()
 
 
-def _db_steps_and_ops(con: sqlite3.Connection, tables: set[str], strings: dict[int, str], an: RankAnalyzer) -> None:
+def _db_steps_and_ops(con: sqlite3.Connection, tables: set[str], strings: dict[int, str],
+                      an: RankAnalyzer) -> None:
     events: list[dict[str, Any]] = []
     has_steps = "STEP_TIME" in tables and con.execute("SELECT COUNT(*) FROM STEP_TIME").fetchone()[0] > 0
     if has_steps:

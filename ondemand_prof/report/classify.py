@@ -33,6 +33,9 @@ COMM_CORE_TYPES = frozenset({"HCCL", "COMMUNICATION"})
 # per-call suffix HCCL puts on a kernel name: hcom_allReduce__885_0_1 -> hcom_allReduce_
 _HCOM_SUFFIX = re.compile(r"^(hcom_[A-Za-z]+_)_\d+(?:_\d+)*$")
 
+# a rank in a file or directory name (worker_rank3.json, rank-1.pt.trace.json)
+RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+
 # c10::DeviceType values that appear in [memory] events
 DEVICE_TYPES = {0: "CPU", 1: "cuda", 2: "mkldnn", 6: "hip", 9: "xla", 12: "xpu", 13: "mps", 15: "hpu", 19: "mtia",
                 20: "npu"}

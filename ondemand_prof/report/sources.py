@@ -12,21 +12,19 @@ input: a report covers everything that can be read.
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
-import re
 import sqlite3
 from pathlib import Path
 from typing import Any, Iterator
 
 from .analyze import RankAnalyzer, analyze_trace_file
-from .ascend import ASCEND_DIR, is_npu_db, npu_db_result, read_ascend
+from .ascend import ASCEND_DIR, is_npu_db, npu_db_result, read_ascend, sqlite_tables
+from .classify import RANK_IN_NAME
 
 log = logging.getLogger("ondemand_prof.report")
 
 TRACE_GLOBS = ("trace/*.json", "trace/*.json.gz", "*.pt.trace.json", "*.pt.trace.json.gz")
-_RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 
 
 def find_sources(path: Path) -> tuple[list[tuple[str, Path]], list[dict[str, str]]]:
@@ -122,7 +120,7 @@ def _read_capture(path: Path, top: int) -> dict[str, Any]:
 
 def _read_trace_file(path: Path, top: int) -> dict[str, Any]:
     out = _base(path, "trace")
-    m = _RANK_IN_NAME.search(path.name)
+    m = RANK_IN_NAME.search(path.name)
     if m:
         out["rank"] = int(m.group(1))
     analyze_trace_file(path, out, top)
@@ -143,7 +141,7 @@ def _db_result(db: Path, top: int) -> dict[str, Any]:
     """Our SQLite export (postprocess.DB_SCHEMA) replayed as events through the same analysis."""
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
-        tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        tables = sqlite_tables(con)
         if not {"events", "meta"} <= tables:
             raise ValueError(f"{db.name} is neither our profile.db nor torch_npu's ascend_pytorch_profiler db "
                              f"(its tables: {', '.join(sorted(tables)[:8]) or 'none'})")

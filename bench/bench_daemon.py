@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 import psutil  # noqa: E402
 import zmq  # noqa: E402
 
-from ondemand_prof.backends import Identity  # noqa: E402
-from ondemand_prof.config import ProfileConfig  # noqa: E402
-from ondemand_prof.ctl.client import Client  # noqa: E402
-from ondemand_prof.daemon_link import DaemonLink  # noqa: E402
+from ondemand_prof.rank.backends import Identity  # noqa: E402
+from ondemand_prof.core.options import ProfileConfig  # noqa: E402
+from ondemand_prof.host.client import Client  # noqa: E402
+from ondemand_prof.rank.daemon_link import DaemonLink  # noqa: E402
 
 STEP_S = 0.01
 

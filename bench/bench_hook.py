@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from ondemand_prof import OnDemandProfiler, ProfileConfig  # noqa: E402
-from ondemand_prof.window import Window, WindowOptions  # noqa: E402
+from ondemand_prof.core.window import Window, WindowOptions  # noqa: E402
 
 
 class Empty:

@@ -2,10 +2,10 @@
 
 __version__ = "0.1.0"
 
-from .config import ConfigError, ProfileConfig, add_profile_args, config_from_args, config_from_env, \
+from .core.options import ConfigError, ProfileConfig, add_profile_args, config_from_args, config_from_env, \
     config_from_mapping  # noqa: E402
-from .hook import OnDemandProfiler  # noqa: E402
-from .window import Window, WindowOptions  # noqa: E402
+from .rank.hook import OnDemandProfiler  # noqa: E402
+from .core.window import Window, WindowOptions  # noqa: E402
 
 __all__ = [
     "__version__",

@@ -76,15 +76,16 @@ def assert_ok(results: list[tuple[int, str, str]]) -> None:
 
 
 def captures(save_path: Path) -> list[dict[str, Any]]:
-    """Published capture directories (hidden staging dirs excluded), each metadata plus its 'dir'."""
+    """Published rank directories ({save}/{capture}/{rank dir}/, hidden staging dirs excluded), each metadata
+    plus its 'dir' and its capture 'folder'."""
     out = []
     if not save_path.is_dir():
         return out
-    for d in sorted(save_path.iterdir()):
+    for d in sorted(p for folder in save_path.iterdir() if folder.is_dir() for p in folder.iterdir()):
         if d.name.startswith(".") or not d.is_dir():
             continue
         meta = json.loads((d / "metadata.json").read_text())
-        meta["dir"] = d
+        meta.update(dir=d, folder=d.parent)
         out.append(meta)
     return out
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import run_ranks
 from ondemand_prof import ConfigError, OnDemandProfiler, ProfileConfig, add_profile_args, config_from_args, \
     config_from_mapping
-from ondemand_prof.config import config_from_env
+from ondemand_prof.core.options import config_from_env
 
 
 def parse(*argv: str) -> ProfileConfig:
@@ -80,25 +80,70 @@ def test_environment_overrides(monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--profile-level", "level9"], "invalid --profile-level 'level9': expected one of level_none, level0, level1, "
-                                    "level2"),
-    (["--profile-export-type", "csv"], "invalid --profile-export-type 'csv': expected one of text, db"),
+    (["--profile-level", "level9"], "argument --profile-level: invalid value 'level9': expected one of level_none, "
+                                    "level0, level1, level2"),
+    (["--profile-export-type", "csv"], "argument --profile-export-type: invalid value 'csv': expected one of text, db"),
     (["--profile-step-start", "5", "--profile-step-end", "5"],
      "invalid --profile-step-end 5: expected -1 or a step greater than --profile-step-start (5)"),
-    (["--profile-step-start", "-2"], "invalid --profile-step-start -2: expected a step >= 0"),
-    (["--profile-ranks", "0", "x"], "invalid --profile-ranks ['0', 'x']: expected a list of integer ranks (-1 = all)"),
-    (["--profile-signal", "SIGKILL"], "invalid --profile-signal 'SIGKILL': SIGKILL is reserved"),
+    (["--profile-step-start", "-2"], "argument --profile-step-start: invalid value '-2': expected 0 or more"),
+    (["--profile-ranks", "0", "x"], "invalid --profile-ranks ['0', 'x']: bad rank 'x': expected an integer"),
+    (["--profile-ranks", "0-20000000"], "invalid --profile-ranks ['0-20000000']: rank 20000000 is out of range"),
+    (["--profile-signal", "SIGKILL"], "argument --profile-signal: invalid value 'SIGKILL': SIGKILL is reserved"),
+    (["--profile-trigger-poll", "nan"], "argument --profile-trigger-poll: invalid value 'nan': expected a finite"),
 ])
-def test_bad_flags_name_flag_value_and_accepted(argv, message):
-    with pytest.raises(ConfigError) as err:
-        parse(*argv)
-    assert str(err.value).startswith(message)
-    assert "\n" not in str(err.value)
+def test_bad_flags_are_one_argparse_error_naming_flag_value_and_accepted(argv, message, capsys):
+    """Like any argparse program: one 'error:' line after the usage, exit 2, no traceback."""
+    parser = add_profile_args(argparse.ArgumentParser(prog="train.py"))
+    with pytest.raises(SystemExit) as exit_:
+        config_from_args(parser.parse_args(argv), parser)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("train.py: error: " + message), err[-1]
+    assert sum("error:" in line for line in err) == 1 and err[0].startswith("usage: train.py")
+
+
+def test_ranges_in_profile_ranks_and_minus_one_in_env(monkeypatch):
+    assert parse("--profile-ranks", "0-3,8").ranks == (0, 1, 2, 3, 8)
+    assert config_from_mapping({"profile_ranks": "0-1"}).ranks == (0, 1)
+    monkeypatch.setenv("ONDEMAND_PROF_RANKS", "2,-1")
+    assert config_from_env().ranks == (-1,)
+
+
+def test_unknown_env_var_is_named_with_the_closest_known_one(monkeypatch, caplog):
+    monkeypatch.setenv("ONDEMAND_PROF_LEVLE", "level1")
+    with caplog.at_level("WARNING"):
+        config_from_env()
+    assert "unknown environment variable ONDEMAND_PROF_LEVLE ignored (did you mean ONDEMAND_PROF_LEVEL?)" \
+        in caplog.text
+
+
+def test_adding_an_option_is_one_table_entry(monkeypatch):
+    """A new window option, declared once, appears as a training flag, a YAML key, an env var, a request field,
+    an ondemandctl capture flag, and reaches torch.profiler through its backend mapping."""
+    from ondemand_prof.core import options as o
+    from ondemand_prof.core.requests import parse_request
+    from ondemand_prof.rank.backends.torch_backend import torch_profile_kwargs
+
+    new = o.Option("with_flops", "profile_with_flops", o.parse_bool, False, "Count FLOPs.", ours=True, window=True,
+                   torch="kwarg:with_flops", npu="kwarg:with_flops")
+    table = (*o.OPTIONS, new)
+    config_cls = o.make_config_class(table)
+    window_cls = o.make_window_options_class(table)
+    train = o.add_profile_args(argparse.ArgumentParser(), table)
+    assert train.parse_args(["--profile-with-flops"]).profile_with_flops is True
+    monkeypatch.setenv("ONDEMAND_PROF_WITH_FLOPS", "1")
+    assert o._build({}, config_cls(), options=table).with_flops is True
+    assert parse_request({"with_flops": True}, table).options == {"with_flops": True}
+    ctl = argparse.ArgumentParser()
+    o.add_window_flags(ctl, table)
+    assert o.window_overrides(ctl.parse_args(["--no-with-flops"]), table) == {"with_flops": False}
+    kwargs = torch_profile_kwargs(window_cls(with_flops=True), cuda=False, table=table)
+    assert kwargs["with_flops"] is True and kwargs["with_stack"] is False
 
 
 @pytest.mark.parametrize("data,message", [
     ({"training": {"profile_level": "high"}}, "invalid training.profile_level 'high': expected one of"),
-    ({"training": {"profile_ranks": "all"}}, "invalid training.profile_ranks 'all': expected a list of integer"),
+    ({"training": {"profile_ranks": "all"}}, "invalid training.profile_ranks 'all': bad rank 'all': expected an integer"),
     ({"training": {"profile_step_strat": 3}}, "unknown key training.profile_step_strat"),
     ({"training": {"profile_step_start": 4, "profile_step_end": 2}},
      "invalid training.profile_step_end 2: expected -1 or a step greater than training.profile_step_start (4)"),
@@ -138,5 +183,5 @@ def test_training_script_prints_one_clear_line(tmp_path):
     ((rc, out, err),) = run_ranks(["--steps", "1", "--profile", "--profile-level", "level9"])
     assert rc == 2
     assert err.count("error:") == 1
-    assert err.strip().splitlines()[-1] == ("error: invalid --profile-level 'level9': expected one of level_none, level0, level1, "
-                           "level2")
+    assert err.strip().splitlines()[-1].endswith(
+        "error: argument --profile-level: invalid value 'level9': expected one of level_none, level0, level1, level2")

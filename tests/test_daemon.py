@@ -112,7 +112,7 @@ def test_capture_records_the_same_steps_on_every_rank(env: dict[str, Any]) -> No
     # a start step already passed: accepted with a warning; the rank starts at once and says how late
     late = ctl(env["run"], "capture", "--ranks", "0", "--start-step", "1", "--steps", "2", "--wait")
     assert late.returncode == 0, late.stdout + late.stderr
-    assert "rank(s) [0] are already past the start step" in late.stdout
+    assert "rank(s) 0 are already past the start step" in late.stdout
     m = re.search(r"rank 0\s+recording \(late by (\d+) steps", late.stdout)
     assert m and int(m.group(1)) > 10, late.stdout
     late_cap = [c for c in captures(env["save"]) if c["window"]["late_by"] > 10]
@@ -121,7 +121,7 @@ def test_capture_records_the_same_steps_on_every_rank(env: dict[str, Any]) -> No
     # what does not exist gets a clear error, not a silent success
     missing = ctl(env["run"], "capture", "--ranks", "1,7", "--steps", "1")
     assert missing.returncode == 1
-    assert "rank(s) 7 of job" in missing.stderr and "live ranks: 0-2" in missing.stderr
+    assert "rank 7 is out of range (ranks are 0 to 2; world size 3)" in missing.stderr
     nojob = ctl(env["run"], "capture", "--job", "nope", "--steps", "1")
     assert nojob.returncode == 1 and "no live job 'nope'" in nojob.stderr
     assert_ok(wait_all(procs))
@@ -171,10 +171,17 @@ def test_training_without_daemon_then_daemon_appears_restarts_and_loses_nothing(
     assert newest["status"] == "running"
     shown = ctl(env["run"], "show", newest["capture_id"])
     assert shown.returncode == 0 and "running: rank(s) 0, 1 still working" in shown.stdout, shown.stdout
-    # a second capture while that window holds the profiler: each rank refuses it as busy, naming the window
-    busy = ctl(env["run"], "capture", "--steps", "2", "--wait")
+    # an absolute start inside that window: each rank refuses it as busy, naming the window
+    long_window = newest["window"]
+    busy = ctl(env["run"], "capture", "--start-step", str(long_window[1] - 1), "--steps", "2", "--wait")
     assert busy.returncode == 1 and "failed: 0 of 2 rank(s) wrote a trace" in busy.stdout, busy.stdout
     assert re.search(r"rank 1\s+rejected: busy: window \[\d+, \d+\) \(daemon, " + newest["capture_id"], busy.stdout)
+    # a relative one: the daemon knows the window each rank runs and plans the new capture after it, saying so
+    after = ctl(env["run"], "capture", "--steps", "2", "--wait")
+    assert after.returncode == 0 and f"note: planned after window(s) {newest['capture_id']}" in after.stdout, \
+        after.stdout
+    after_window = ctl_json(env["run"], "list", "--limit", "1")["captures"][0]["window"]
+    assert after_window[0] >= long_window[1], (after_window, long_window)
     bad = ctl(env["run"], "status", "--job", "nope")
     assert bad.returncode == 1 and "no live job 'nope'" in bad.stderr
     for p in procs:

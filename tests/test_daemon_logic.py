@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from ondemand_prof.daemon.records import CaptureRecord
-from ondemand_prof.daemon.registry import RankInfo, Registry, plan_window
-from ondemand_prof.protocol import CLI_MESSAGES, ProtocolError, decode, encode
+from ondemand_prof.host.records import CaptureRecord
+from ondemand_prof.host.registry import RankInfo, Registry, plan_window
+from ondemand_prof.core.protocol import ProtocolError, decode, encode
+from ondemand_prof.host.commands import CLI_MESSAGES
 
 
 def rank(r: int, step: int, step_time: float | None = 0.1, began: float = 100.0) -> RankInfo:
@@ -41,6 +42,18 @@ def test_heartbeat_progress_corrects_a_median_still_weighed_by_slow_first_steps(
     info = reg.heartbeat(b"r0", {"step": 52, "step_time": 0.5, "began": 101.0}, 1.0)
     assert info is not None and info.observed_step_time == pytest.approx(0.02)
     assert info.estimated_step(101.2) == 62  # not 52: the faster of the two rates
+
+
+def test_plan_goes_after_windows_already_on_the_ranks() -> None:
+    busy = rank(1, 12)
+    busy.windows = [{"capture_id": "file-abc", "start": 14, "end": 40, "source": "file", "state": "scheduled"}]
+    plan = plan_window([rank(0, 10), busy], 100.0, start=None, start_step=None, steps=2)
+    assert (plan["start_step"], plan["end_step"]) == (40, 42)
+    assert plan["note"] == ("planned after window(s) file-abc already scheduled or running on rank(s) 1 "
+                            "(from step 15 to 40)")
+    busy.windows[0]["end"] = None
+    with pytest.raises(ValueError, match=r"rank 1 records an open-ended window \[14, close\)"):
+        plan_window([busy], 100.0, start=None, start_step=None, steps=2)
 
 
 def test_absolute_start_names_the_ranks_that_will_be_late() -> None:
@@ -75,14 +88,14 @@ def test_registry_selects_live_ranks_and_names_missing_ones() -> None:
 
 def test_record_settles_to_done_partial_or_failed_and_never_moves_back() -> None:
     plan = {"start_step": 5, "end_step": 7}
-    rec = CaptureRecord.new("c1", "j", {"steps": 2}, plan, [{"rank": r, "host": "h", "pid": r} for r in (0, 1)], 0.0)
+    rec = CaptureRecord.new("c1", "j", {"steps": 2}, plan, {}, [{"rank": r, "host": "h", "pid": r} for r in (0, 1)], 0.0)
     assert rec.update(0, "recording", {"late_by": 1}, 1.0)
     assert not rec.update(0, "scheduled", {}, 2.0)  # a late "scheduled" after "recording" is ignored
     assert rec.update(0, "done", {"path": "/p0"}, 3.0) and rec.status == "running"
     assert rec.fail_rank(1, "rank 1 is gone", 4.0)
     assert rec.status == "partial" and rec.part(0)["late_by"] == 1
     assert not rec.update(1, "done", {}, 5.0)  # final is final
-    all_failed = CaptureRecord.new("c2", "j", {}, plan, [{"rank": 0, "host": "h", "pid": 0}], 0.0)
+    all_failed = CaptureRecord.new("c2", "j", {}, plan, {}, [{"rank": 0, "host": "h", "pid": 0}], 0.0)
     all_failed.update(0, "rejected", {"error": "busy"}, 1.0)
     assert all_failed.status == "failed"
 

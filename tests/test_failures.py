@@ -9,7 +9,7 @@ import torch
 
 from conftest import captures
 from ondemand_prof import OnDemandProfiler, ProfileConfig
-from ondemand_prof.backends.torch_backend import TorchBackend
+from ondemand_prof.rank.backends.torch_backend import TorchBackend
 
 
 class ExplodingBackend(TorchBackend):
@@ -59,7 +59,7 @@ def test_repeated_failures_disable_the_hook_with_one_line(tmp_path: Path, caplog
     backend = ExplodingBackend("warmup")
     cfg = ProfileConfig(save_path=str(tmp_path), ondemand=False, min_free_mb=0)
     prof = OnDemandProfiler(cfg, backend=backend)
-    from ondemand_prof.window import Window
+    from ondemand_prof.core.window import Window
 
     with caplog.at_level(logging.ERROR, logger="ondemand_prof"):
         for i in range(5):

@@ -1,5 +1,6 @@
 """Our published traces in HTA (HolisticTraceAnalysis, the `test` extra): two real gloo ranks through our own
-export, read by HTA's TraceAnalysis, which finds each file's rank with a regex on the raw text."""
+export, their capture folder read by HTA's TraceAnalysis, which finds each file's rank with a regex on the raw
+text."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import gzip
 import json
 import logging
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,16 +21,15 @@ def test_hta_sees_each_rank_of_our_traces(tmp_path: Path) -> None:
     assert_ok(run_ranks(["--steps", "8", "--profile", "--profile-step-start", "3", "--profile-step-end", "5",
                          "--profile-ranks", "-1", "--profile-save-path", str(save), "--profile-min-free-mb", "0"],
                         world=2))
-    folder = tmp_path / "hta"
-    folder.mkdir()
-    for cap in captures(save):
-        trace = cap["dir"] / cap["trace_file"]
+    caps = captures(save)
+    (folder,) = {cap["folder"] for cap in caps}  # one capture folder: the ranks' traces side by side
+    for cap in caps:
+        trace = (cap["dir"] / cap["trace_file"]).resolve()
         text = (gzip.decompress(trace.read_bytes()) if trace.name.endswith(".gz") else trace.read_bytes()).decode()
         assert re.search(r'"rank":\s+(\d+)', text).group(1) == str(cap["rank"])  # HTA's own regex
         data = json.loads(text)
         assert data["distributedInfo"]["backend"] == "gloo"  # the job's collectives are gloo:*
-        assert (cap["dir"] / data["traceName"]).resolve() == trace.resolve()  # not the deleted staging file
-        shutil.copy(trace, folder / trace.name)
+        assert (folder / data["traceName"]).resolve() == trace  # not the deleted staging file
     logging.getLogger("hta").setLevel(logging.ERROR)
     analysis = hta.TraceAnalysis(trace_dir=str(folder))
     assert sorted(analysis.t.traces) == [0, 1]

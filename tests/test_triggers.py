@@ -219,7 +219,7 @@ def test_signal_storm_opens_one_window(dirs) -> None:
 
 
 def test_default_trigger_dirs_differ_between_jobs() -> None:
-    from ondemand_prof.triggers import default_trigger_dir
+    from ondemand_prof.rank.triggers import default_trigger_dir
 
     a, b = default_trigger_dir("port29500"), default_trigger_dir("port29501")
     assert a != b and a.parent == b.parent and a.parent.name == f"ondemand_prof-{os.getuid()}"

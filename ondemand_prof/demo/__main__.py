@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     base_env = dict(os.environ, ONDEMAND_PROF_RUNTIME_DIR=str(run_dir), OMP_NUM_THREADS="1",
                     ONDEMAND_PROF_LOG="WARNING")
     print(f"[demo] $ ondemand-profd --runtime-dir {run_dir} --state-dir {out / 'state'}")
-    daemon = subprocess.Popen([sys.executable, "-m", "ondemand_prof.daemon", "--runtime-dir", str(run_dir),
+    daemon = subprocess.Popen([sys.executable, "-m", "ondemand_prof.host.profd", "--runtime-dir", str(run_dir),
                                "--state-dir", str(out / "state"), "--log-level", "WARNING"], env=base_env)
-    ctl = [sys.executable, "-m", "ondemand_prof.ctl"]
+    ctl = [sys.executable, "-m", "ondemand_prof.host.ctl"]
     train = [sys.executable, "-m", "ondemand_prof.demo.toy_train", "--steps", str(args.steps), "--step-sleep", "0.03",
              "--profile", "--profile-step-start", "5", "--profile-step-end", "8", "--profile-ranks", "-1",
              "--profile-save-path", str(save), "--profile-trigger-dir", str(trig), "--profile-min-free-mb", "0"]
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{_fmt_window(status.get('window'))}, seen {status['detect_latency_ms']} ms after the write")
     html = out / "report.html"
     print(f"[demo] $ ondemandctl report {save} --summary --html {html}")
-    subprocess.run([sys.executable, "-m", "ondemand_prof.ctl", "report", str(save), "--summary", "--html",
+    subprocess.run([sys.executable, "-m", "ondemand_prof.host.ctl", "report", str(save), "--summary", "--html",
                     str(html)])
     print("[demo] open a trace in https://ui.perfetto.dev, or: tensorboard --logdir", save)
     return rc

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s rank" + os.environ.get("RANK", "0") + " %(name)s: %(message)s")
     world = 1 if args.no_dist else int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        config = config_from_mapping(args.config) if args.config else config_from_args(args)
+        config = config_from_mapping(args.config) if args.config else config_from_args(args, parser)
         prof = OnDemandProfiler(config, first_step=args.first_step)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

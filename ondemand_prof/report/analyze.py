@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..postprocess import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
-from .tracefile import TraceError, TraceReader
+from ..rank.postprocess import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
 from .classify import (CATEGORY_ALIASES, DEVICE_PROCESSES, LAUNCH_CATS, LAUNCH_FLOWS, device_name, is_comm,
                        kernel_group)
+from .tracefile import TraceError, TraceReader
 
 MEMORY_POINTS = 1000
 SHARES = ("compute", "comm", "overlap", "idle")

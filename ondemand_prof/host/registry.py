@@ -7,7 +7,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from ..protocol import HEARTBEAT_S, RANK_TIMEOUT_S
+from ..core.protocol import HEARTBEAT_S, RANK_TIMEOUT_S
+from ..core.ranks import RankSpecError, parse_ranks, spans
+from ..core.requests import RequestError, WindowDefaults
+
+MAX_WINDOWS = 16  # windows a heartbeat may list (the running one and those queued)
 
 # Time from the daemon sending a window to the rank's training thread holding it: ZMQ delivery (< 1 ms),
 # the agent's 5 ms poll, and slack for a loaded host. The step running then must end before the window starts.
@@ -33,6 +37,8 @@ class RankInfo:
     last_seen: float = 0.0
     pid_visible: bool = False  # the rank's pid exists in our pid namespace, so a vanished pid means it died
     observed_step_time: float | None = None  # from the steps and times of the last two heartbeats
+    defaults: WindowDefaults | None = None  # what the rank's configuration fills into a request
+    windows: list[dict[str, Any]] | None = None  # running and queued windows, from the last heartbeat
 
     def estimated_step(self, wall: float) -> int:
         """The step this rank is probably running at wall time `wall` (extrapolated from its last heartbeat).
@@ -50,7 +56,7 @@ class RankInfo:
                 "pid": self.pid, "step": self.estimated_step(wall), "reported_step": self.step,
                 "step_time_s": self.step_time, "state": self.state, "local_rank": self.local_rank,
                 "save_root": self.save_root, "version": self.version, "last_seen_s": round(now - self.last_seen, 3),
-                "registered_at": self.registered_at}
+                "registered_at": self.registered_at, "windows": self.windows or []}
 
 
 class Registry:
@@ -64,6 +70,11 @@ class Registry:
                         pid=msg["pid"], step=msg["step"], local_rank=msg.get("local_rank"),
                         save_root=str(msg.get("save_root", "")), version=str(msg.get("version", "")),
                         registered_at=wall, last_seen=now)
+        if msg.get("defaults") is not None:
+            try:
+                info.defaults = WindowDefaults.from_wire(msg["defaults"])
+            except RequestError as exc:
+                raise ValueError(f"register: bad window defaults: {exc}") from None
         self._update(info, msg)
         info.pid_visible = pid_alive(info.pid, False)
         # a restarted rank (same job and rank, new process) replaces the old entry
@@ -99,6 +110,7 @@ class Registry:
         state = msg.get("state")
         if isinstance(state, str) and len(state) <= 32:
             info.state = state
+        info.windows = _windows(msg.get("windows"))
 
     def remove(self, route: bytes) -> RankInfo | None:
         info = self.by_route.pop(route, None)
@@ -158,8 +170,8 @@ class Registry:
             hint = ""
             if any(r < world for r in missing):
                 hint = "; ranks on other hosts register with their own host's ondemand-profd"
-            raise ValueError(f"rank(s) {_spans(missing)} of job {job!r} are not registered; live ranks: "
-                             f"{_spans(sorted(live)) or 'none'} (world size {world}){hint}")
+            raise ValueError(f"rank(s) {spans(missing)} of job {job!r} are not registered; live ranks: "
+                             f"{spans(sorted(live)) or 'none'} (world size {world}){hint}")
         return [live[r] for r in ranks]
 
 
@@ -168,7 +180,9 @@ def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, 
     """One absolute window [first, first + steps) that every target can begin on time.
 
     A relative start is counted from the furthest-ahead target's current step; the window is put at least
-    far enough ahead to cover delivery plus the step in flight, from each rank's measured step time.
+    far enough ahead to cover delivery plus the step in flight, from each rank's measured step time, and after
+    any window already running or scheduled on a target (a trigger file's too), which the plan says.
+    ValueError when a target records an open-ended window.
     """
     targets = list(targets)
     current = {t.rank: t.estimated_step(wall) for t in targets}
@@ -184,19 +198,44 @@ def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, 
     else:
         first = max(furthest + (start or 1), earliest)
         late = []
-    return {"start_step": first, "end_step": first + steps, "current_steps": current, "lead_steps": lead,
-            "late_ranks": late}
+    plan: dict[str, Any] = {"current_steps": current, "lead_steps": lead, "late_ranks": late}
+    blocking = [(t.rank, w) for t in targets for w in t.windows or [] if w["end"] is None or w["end"] > first]
+    if blocking and start_step is None:
+        open_ended = [(r, w) for r, w in blocking if w["end"] is None]
+        if open_ended:
+            rank, w = open_ended[0]
+            raise ValueError(f"rank {rank} records an open-ended window [{w['start']}, close) "
+                             f"({w['source']}, {w['capture_id']}); cancel it first")
+        after = max(w["end"] for _, w in blocking)
+        if after > first:
+            ids = sorted({w["capture_id"] for _, w in blocking})
+            plan["after"] = {"capture_ids": ids, "ranks": sorted({r for r, _ in blocking}), "moved_from": first}
+            plan["note"] = (f"planned after window(s) {', '.join(ids)} already scheduled or running on rank(s) "
+                            f"{spans(r for r, _ in blocking)} (from step {first} to {after})")
+            first = after
+    plan.update(start_step=first, end_step=first + steps)
+    return plan
 
 
-def _spans(ranks: Sequence[int]) -> str:
-    """[0,1,2,5] -> '0-2,5'."""
-    out: list[str] = []
-    ranks = sorted(set(ranks))
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out)
+def _windows(value: Any) -> list[dict[str, Any]] | None:
+    """The windows a heartbeat lists, checked for shape; anything malformed is dropped."""
+    if not isinstance(value, list):
+        return None
+    out = []
+    for w in value[:MAX_WINDOWS]:
+        if not isinstance(w, dict):
+            continue
+        start, end = w.get("start"), w.get("end")
+        if type(start) is not int or not (end is None or type(end) is int):
+            continue
+        out.append({"capture_id": str(w.get("capture_id", ""))[:128], "start": start, "end": end,
+                    "source": str(w.get("source", ""))[:32], "state": str(w.get("state", ""))[:32]})
+    return out
+
+
+def select_ranks(spec: Any, world_size: int) -> tuple[int, ...]:
+    """A request's rank list, bounded by the job's world size before anything is expanded."""
+    try:
+        return parse_ranks(spec, world_size=max(1, world_size))
+    except RankSpecError as exc:
+        raise ValueError(f"ranks: {exc}") from None

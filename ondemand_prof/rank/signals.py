@@ -9,31 +9,10 @@ import threading
 import time
 from typing import Any, Callable
 
-from .config import ConfigError
+from ..core.ranks import selects
+from ..core.requests import CaptureRequest, WindowDefaults, resolve
 
 log = logging.getLogger(__name__)
-
-# Signals a training job relies on for its own life; we refuse to take them over.
-_RESERVED = {"SIGINT", "SIGTERM", "SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT",
-             "SIGCHLD", "SIGPIPE"}
-
-
-def parse_signal(value: str, label: str = "--profile-signal") -> signal.Signals:
-    name = value.strip().upper()
-    if name.isdigit():
-        try:
-            sig = signal.Signals(int(name))
-        except ValueError:
-            raise ConfigError(f"invalid {label} {value!r}: expected a signal name such as SIGUSR2") from None
-    else:
-        if not name.startswith("SIG"):
-            name = "SIG" + name
-        sig = getattr(signal.Signals, name, None)
-        if sig is None:
-            raise ConfigError(f"invalid {label} {value!r}: expected a signal name such as SIGUSR2 or SIGUSR1")
-    if sig.name in _RESERVED:
-        raise ConfigError(f"invalid {label} {value!r}: {sig.name} is reserved; use SIGUSR1, SIGUSR2 or a SIGRTMIN+n")
-    return sig
 
 
 class SignalTrigger:
@@ -44,9 +23,9 @@ class SignalTrigger:
     a storm of signals opens one window and costs the training run next to nothing.
     """
 
-    def __init__(self, prof: Any, sig: signal.Signals, debounce_s: float = 1.0) -> None:
+    def __init__(self, prof: Any, name: str, debounce_s: float = 1.0) -> None:
         self.prof = prof
-        self.sig = sig
+        self.sig = signal.Signals[name]  # checked by the options table (core/options.py parse_signal)
         self.debounce_s = debounce_s
         self.received = 0
         self.suppressed = 0
@@ -84,31 +63,27 @@ class SignalTrigger:
         self.prof.call_at_next_step(self._open_window)
 
     def _open_window(self, step: int) -> None:
-        """On the training thread: the default window from the next step."""
-        from .window import Window, WindowOptions
-
+        """On the training thread: the default window from the next step, on the configured ranks."""
         prof = self.prof
-        config = prof.config
-        rank = prof.identity().rank
-        if not config.selects_rank(rank):
-            log.info("ondemand_prof: %s ignored on rank %d (not in --profile-ranks %s)", self.sig.name, rank,
-                     list(config.ranks))
+        ident = prof.identity()
+        if not selects(prof.config.ranks, ident.rank):
+            log.info("ondemand_prof: %s ignored on rank %d (not in --profile-ranks %s)", self.sig.name, ident.rank,
+                     list(prof.config.ranks))
             return
-        window = Window(step + 1, step + 1 + config.ondemand_steps, WindowOptions.from_config(config),
-                        source="signal", capture_id=f"signal-{os.getpid()}-{int(time.time() * 1000)}",
-                        requested={"signal": self.sig.name, "steps": config.ondemand_steps})
+        window = resolve(CaptureRequest(), WindowDefaults.from_config(prof.config), step + 1, source="signal",
+                         capture_id=f"signal-{os.getpid()}-{int(time.time() * 1000)}",
+                         extra={"signal": self.sig.name})
         agent = getattr(prof, "agent", None)
         listener: Callable[[str, dict[str, Any]], None] | None = None
         if agent is not None:
-            base = {"trigger": window.capture_id, "rank": rank, "host": prof.identity().host, "pid": os.getpid(),
-                    "seen_at_step": step, "request": dict(window.requested)}
-            listener = lambda event, info: agent._status(base, event, info)  # noqa: E731
+            listener = agent.status_listener({"trigger": window.capture_id, "rank": ident.rank, "host": ident.host,
+                                              "pid": os.getpid(), "seen_at_step": step,
+                                              "request": dict(window.requested)})
         ok, reason = prof.submit(window, listener)
         if ok:
             log.info("ondemand_prof: %s: window %s scheduled", self.sig.name, window.describe())
-            if listener:
-                listener("scheduled", {"window": [window.start, window.end], "current_step": step})
         else:
             log.info("ondemand_prof: %s ignored: %s", self.sig.name, reason)
-            if listener:
-                listener("rejected", {"window": [window.start, window.end], "error": reason})
+        if listener:
+            listener("scheduled" if ok else "rejected", {"window": [window.start, window.end], "current_step": step,
+                                                         **({} if ok else {"error": reason})})

@@ -11,13 +11,13 @@ import secrets
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..output import iso_time, write_json_atomic
-from ..protocol import FINAL_STATES
+from ..core.files import iso_time, write_json_atomic
+from ..core.protocol import FINAL_STATES
 
-log = logging.getLogger("ondemand_prof.daemon")
+log = logging.getLogger("ondemand_prof.host.profd")
 
 # a rank's part of a capture moves through these; the last three are final (FINAL_STATES)
-PART_STATES = ("sent", "received", "scheduled", "recording", "writing", "done", "failed", "rejected")
+PART_STATES = ("sent", "received", "scheduled", "recording", "writing", "done", "failed", "rejected", "cancelled")
 KEEP_RECORDS = 1000
 
 
@@ -36,12 +36,14 @@ class CaptureRecord:
         self.open_parts = sum(p["state"] not in FINAL_STATES for p in data["parts"].values())
 
     @classmethod
-    def new(cls, capture_id: str, job: str, request: dict[str, Any], plan: dict[str, Any],
+    def new(cls, capture_id: str, job: str, request: dict[str, Any], plan: dict[str, Any], options: dict[str, Any],
             targets: Iterable[dict[str, Any]], wall: float) -> "CaptureRecord":
+        """`plan` is the window as resolved (capped, moved after busy windows), which list and show report."""
         parts = {str(t["rank"]): {"rank": t["rank"], "host": t["host"], "pid": t["pid"], "state": "sent",
                                   "history": [{"state": "sent", "at": iso_time(wall)}]} for t in targets}
         return cls({"capture_id": capture_id, "job": job, "created_at": iso_time(wall), "request": request,
-                    "window": [plan["start_step"], plan["end_step"]], "plan": plan, "status": "running",
+                    "window": [plan["start_step"], plan["end_step"]], "plan": plan, "options": options,
+                    "status": "running",
                     "parts": parts})
 
     @property
@@ -66,7 +68,7 @@ class CaptureRecord:
             self.open_parts -= 1
         part["state"] = state
         part["history"].append({"state": state, "at": iso_time(wall)})
-        for key in ("path", "error", "late_by", "steps", "window", "status", "current_step"):
+        for key in ("path", "error", "late_by", "steps", "window", "status", "current_step", "note", "cancelled"):
             if info.get(key) is not None:
                 part[key] = info[key]
         if self.open_parts == 0:
@@ -83,7 +85,10 @@ class CaptureRecord:
     def _settle(self) -> None:
         states = [p["state"] for p in self.data["parts"].values()]
         done = states.count("done")
-        self.data["status"] = "done" if done == len(states) else ("partial" if done else "failed")
+        if self.data.get("cancel_requested"):
+            self.data["status"] = "cancelled"
+        else:
+            self.data["status"] = "done" if done == len(states) else ("partial" if done else "failed")
         self.data.setdefault("finished_at", iso_time())
 
     def summary(self) -> dict[str, Any]:
@@ -150,10 +155,10 @@ class RecordStore:
         return [self.records[cid] for cid in self._running]
 
     def find(self, capture_id: str) -> CaptureRecord:
-        """By id or unique id prefix; KeyError says why not."""
+        """By id or any unique part of it; KeyError says why not."""
         if capture_id in self.records:
             return self.records[capture_id]
-        matches = [r for k, r in self.records.items() if k.startswith(capture_id)] if capture_id else []
+        matches = [r for k, r in self.records.items() if capture_id in k] if capture_id else []
         if len(matches) == 1:
             return matches[0]
         if not matches:

@@ -14,15 +14,16 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
-from . import __version__
-from .protocol import HEARTBEAT_S, ProtocolError, decode, default_runtime_dir, encode, endpoint
-from .requests import RequestError, parse_request
-from .window import Window
+from .. import __version__
+from ..core.protocol import HEARTBEAT_S, ProtocolError, decode, default_runtime_dir, encode, endpoint
+from ..core.requests import WindowDefaults, window_from_wire
+from ..core.window import Window
 
 log = logging.getLogger("ondemand_prof")
 
 DAEMON_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
-    "capture": {"capture_id": (str,), "start_step": (int,), "end_step": (int,), "request": (dict,)},
+    "capture": {"window": (dict,)},
+    "cancel": {"capture_id": (str,)},
     "register": {},
     "registered": {},
     "error": {},
@@ -80,7 +81,7 @@ class DaemonLink:
     def socket(self) -> Any:
         return self._sock
 
-    def poll(self, agent: Any, now: float) -> None:
+    def poll(self, now: float) -> None:
         """Called by the agent every loop (5 ms): take messages, send queued events, heartbeat once a second."""
         zmq = self._zmq
         for _ in range(100):
@@ -102,7 +103,7 @@ class DaemonLink:
 
     def close(self) -> None:
         if self.registered:
-            self.poll(self.agent, 0.0)  # results that finished while the agent was stopping
+            self.poll(0.0)  # results that finished while the agent was stopping
             self._send(encode("bye"))
         self._sock.close(linger=0)
         if self._own_ctx:
@@ -132,6 +133,9 @@ class DaemonLink:
         out: dict[str, Any] = {"step": prof.current_step} if began is None else \
             {"step": began[0], "began": round(began[1], 6)}
         out["state"] = prof.state
+        windows = prof.scheduler.windows() if hasattr(prof, "scheduler") else []
+        if windows:  # the daemon plans new captures after these (file-triggered ones too)
+            out["windows"] = windows
         st = self.agent.step_time()
         if st:
             out["step_time"] = round(st, 6)
@@ -144,7 +148,8 @@ class DaemonLink:
             recent = [{"capture_id": cid, "event": ev, "info": info} for cid, (ev, info) in self._recent.items()]
         body = encode("register", job=ident.job_id, rank=ident.rank, world_size=ident.world_size, host=ident.host,
                       pid=ident.pid, local_rank=ident.local_rank, save_root=str(Path(prof.config.save_path).absolute()),
-                      version=__version__, recent=recent, **self._progress())
+                      version=__version__, recent=recent, defaults=WindowDefaults.from_config(prof.config).to_wire(),
+                      **self._progress())
         self.registered = self._send(body)
         if self.registered:
             log.info("ondemand_prof: registered with ondemand-profd at %s (job %s, rank %d)", self.url, ident.job_id,
@@ -162,25 +167,27 @@ class DaemonLink:
             self._next_beat = 0.0  # at once, not in a second
         elif kind == "capture":
             self._on_capture(msg)
+        elif kind == "cancel":
+            self._on_cancel(msg["capture_id"])
         elif kind == "error":
             log.warning("ondemand_prof: the daemon refused a message: %s", msg.get("error"))
 
     def _on_capture(self, msg: dict[str, Any]) -> None:
-        capture_id = msg["capture_id"]
+        """The daemon planned the window (steps, options, cap): take it as it is."""
+        wire = msg["window"]
+        capture_id = str(wire.get("capture_id") or "")
         listener = self._listener(capture_id)
-        request = dict(msg["request"])
-        request.pop("start", None)
         try:
-            steps = msg["end_step"] - msg["start_step"]
-            parsed = parse_request({**request, "start_step": msg["start_step"], "steps": steps}, self.agent.config)
-            window = Window(parsed.start_step or 0, (parsed.start_step or 0) + parsed.steps,
-                            parsed.window_options(self.agent.config), source="daemon", capture_id=capture_id,
-                            requested={**parsed.as_dict(), "via": "ondemand-profd"})
-        except (RequestError, ValueError) as exc:
+            window = window_from_wire(wire)
+        except ValueError as exc:
             listener("rejected", {"error": str(exc)})
             return
         listener("received", {"window": [window.start, window.end], "current_step": self.agent.prof.current_step})
         self.agent.schedule(window, listener)
+
+    def _on_cancel(self, capture_id: str) -> None:
+        prof = self.agent.prof
+        prof.call_at_next_step(lambda step: prof.cancel(capture_id, step))
 
     def _listener(self, capture_id: str) -> Any:
         def listen(event: str, info: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import zmq
 
-from ..protocol import MAX_REPLY_BYTES, ProtocolError, decode, encode, endpoint, socket_path
+from ..core.protocol import MAX_REPLY_BYTES, ProtocolError, decode, encode, endpoint, socket_path
 
 REPLIES: dict[str, dict[str, tuple[type, ...]]] = {"ok": {}, "error": {"error": (str,)}}
 

@@ -10,44 +10,25 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping
 
-from .config import ProfileConfig
-
-OPTION_FIELDS = ("level", "export_type", "data_simplification", "with_cpu", "with_stack", "with_memory",
-                 "record_shapes")
-
-
-@dataclass(frozen=True)
-class WindowOptions:
-    """The profiler options a window records with; a request may override any of them."""
-
-    level: str = "level0"
-    export_type: str = "text"
-    data_simplification: bool = False
-    with_cpu: bool = False
-    with_stack: bool = False
-    with_memory: bool = False
-    record_shapes: bool = False
-
-    @classmethod
-    def from_config(cls, config: ProfileConfig, **overrides: Any) -> "WindowOptions":
-        values = {name: getattr(config, name) for name in OPTION_FIELDS}
-        values.update(overrides)
-        return cls(**values)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
+from .options import WindowOptions
 
 @dataclass(frozen=True)
 class Window:
+    """A resolved window: absolute steps, the options it records with, and where it came from.
+
+    `requested` is what was asked (for metadata); `note` says what the planner changed (a capped length, a
+    start moved because the request came late), so that status files, `ondemandctl show` and metadata tell
+    the truth about what was recorded rather than repeat the request."""
+
     start: int
     end: int | None
-    options: WindowOptions = field(default_factory=WindowOptions)
+    options: Any = field(default_factory=WindowOptions)
     source: str = "static"
     capture_id: str = ""
     requested: Mapping[str, Any] = field(default_factory=dict)
+    note: str = ""
 
     def __post_init__(self) -> None:
         if self.start < 0:
@@ -67,6 +48,16 @@ class Window:
         a_end = float("inf") if self.end is None else self.end
         b_end = float("inf") if end is None else end
         return self.start < b_end and start < a_end
+
+    def to_wire(self) -> dict[str, Any]:
+        """The window as the daemon sends it to a rank (JSON); core.requests.window_from_wire is its only reader."""
+        return {"capture_id": self.capture_id, "start_step": self.start, "end_step": self.end,
+                "options": asdict(self.options), "source": self.source, "note": self.note,
+                "requested": dict(self.requested)}
+
+
+def _step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 10**12
 
 
 class Phase(enum.Enum):
@@ -98,12 +89,6 @@ def recorded_steps(window: Window, first: int, last_exclusive: int) -> list[int]
     """The steps a window actually recorded, given where recording began and stopped."""
     stop = last_exclusive if window.end is None else min(window.end, last_exclusive)
     return list(range(max(first, window.start), stop))
-
-
-def cap_window(start: int, steps: int, cap: int) -> tuple[int, int, bool]:
-    """(start, end, capped): a window of `steps` steps from `start`, no longer than `cap`."""
-    capped = steps > cap
-    return start, start + min(steps, cap), capped
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -151,45 +136,3 @@ class StepClock:
             return None
         rates.sort()
         return rates[len(rates) // 2]
-
-
-def parse_rank_spec(spec: str | int | Iterable[Any]) -> tuple[int, ...]:
-    """'0-3,7' / [0, 1] / -1 -> ranks; -1 means all. Raises ValueError with the bad part."""
-    if isinstance(spec, bool):
-        raise ValueError(f"bad rank {spec!r}")
-    if isinstance(spec, int):
-        items: Sequence[Any] = [spec]
-    elif isinstance(spec, str):
-        items = [p for p in spec.replace(" ", ",").split(",") if p]
-    else:
-        items = list(spec)
-    ranks: list[int] = []
-    for item in items:
-        if isinstance(item, bool):
-            raise ValueError(f"bad rank {item!r}")
-        if isinstance(item, int):
-            ranks.append(item)
-            continue
-        if not isinstance(item, str):
-            raise ValueError(f"bad rank {item!r}")
-        text = item.strip()
-        if "-" in text[1:]:
-            lo, hi = text.split("-", 1) if not text.startswith("-") else (text, "")
-            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
-                raise ValueError(f"bad rank range {text!r}: expected LOW-HIGH with LOW <= HIGH")
-            ranks.extend(range(int(lo), int(hi) + 1))
-            continue
-        try:
-            ranks.append(int(text))
-        except ValueError:
-            raise ValueError(f"bad rank {text!r}: expected an integer, a range like 0-7, or -1 for all") from None
-    if not ranks:
-        raise ValueError("no ranks given")
-    for rank in ranks:
-        if rank < -1:
-            raise ValueError(f"bad rank {rank}: expected >= 0, or -1 for all")
-    return tuple(dict.fromkeys(ranks))
-
-
-def selects(ranks: Sequence[int], rank: int) -> bool:
-    return -1 in ranks or rank in ranks

@@ -14,42 +14,48 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from ..window import Window, WindowOptions
-from . import Export, Identity
+from ...core.options import OPTIONS, Option, window_options
+from ...core.window import Window
+from .base import Export, Identity, Written
 
 log = logging.getLogger(__name__)
 
 _LEVEL_ATTR = {"level_none": "Level_none", "level0": "Level0", "level1": "Level1", "level2": "Level2"}
 
 
-def npu_profile_kwargs(npu_profiler: Any, options: WindowOptions) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(profile() kwargs without schedule/on_trace_ready, _ExperimentalConfig kwargs) for a window's options.
+def npu_profile_kwargs(npu_profiler: Any, options: Any, table: Sequence[Option] = OPTIONS
+                       ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(profile() kwargs without schedule/on_trace_ready, _ExperimentalConfig kwargs) for a window's options,
+    from each option's `npu` mapping in the options table.
 
     AiCoreNone at level_none/level0: any other AI Core metric there makes torch_npu print a warning and reset
     it (MindSpeed hard-codes PipeUtilization and gets that warning at level0).
     """
-    level = options.level
-    aic = "AiCoreNone" if level in ("level_none", "level0") else "PipeUtilization"
-    experimental = {
-        "profiler_level": getattr(npu_profiler.ProfilerLevel, _LEVEL_ATTR[level]),
-        "aic_metrics": getattr(npu_profiler.AiCMetrics, aic),
-        "data_simplification": options.data_simplification,
-        "export_type": npu_profiler.ExportType.Db if options.export_type == "db" else npu_profiler.ExportType.Text,
-    }
+    aic = "AiCoreNone" if options.level in ("level_none", "level0") else "PipeUtilization"
+    experimental: dict[str, Any] = {"aic_metrics": getattr(npu_profiler.AiCMetrics, aic)}
     activities = [npu_profiler.ProfilerActivity.NPU]
-    if options.with_cpu:
-        activities.insert(0, npu_profiler.ProfilerActivity.CPU)
-    profile = {
-        "activities": activities,
-        "record_shapes": options.record_shapes,
-        "profile_memory": options.with_memory,
-        "with_stack": options.with_stack,
-        "with_flops": False,
-        "with_modules": level == "level2",
-    }
-    return profile, experimental
+    profile: dict[str, Any] = {"record_shapes": False, "profile_memory": False, "with_stack": False,
+                               "with_flops": False, "with_modules": options.level == "level2"}
+    for opt in window_options(table):
+        value = getattr(options, opt.name)
+        kind, _, target = opt.npu.partition(":")
+        if kind == "kwarg":
+            profile[target] = bool(profile.get(target)) or bool(value)
+        elif kind == "experimental":
+            experimental[target] = _npu_value(npu_profiler, opt.name, value)
+        elif kind == "activity" and value:
+            activities.insert(0, getattr(npu_profiler.ProfilerActivity, target))
+    return {"activities": activities, **profile}, experimental
+
+
+def _npu_value(npu_profiler: Any, name: str, value: Any) -> Any:
+    if name == "level":
+        return getattr(npu_profiler.ProfilerLevel, _LEVEL_ATTR[value])
+    if name == "export_type":
+        return npu_profiler.ExportType.Db if value == "db" else npu_profiler.ExportType.Text
+    return value
 
 
 class NpuSession:
@@ -103,15 +109,15 @@ class NpuSession:
         torch_npu = self._torch_npu
         staging = self.staging
 
-        def write(_staging: Path) -> Path:
+        def write(_staging: Path) -> Written:
             outputs = sorted(staging.glob("*_ascend_pt"))
             if not outputs:
                 raise RuntimeError(f"torch_npu wrote no *_ascend_pt directory under {staging}")
             analyse = getattr(torch_npu.profiler, "analyse", None) or torch_npu.profiler.profiler.analyse
             analyse(str(outputs[-1]), max_process_number=max(1, min(4, (os.cpu_count() or 2) // 2)))
-            return outputs[-1]
+            return Written(outputs[-1])
 
-        return Export(write=write, kind="ascend", info={
+        return Export(write=write, info={
             "npu_profile_kwargs": {k: _plain(v) for k, v in self.profile_kwargs.items()},
             "npu_experimental_config": {k: _plain(v) for k, v in self.experimental_kwargs.items()},
         })
@@ -134,7 +140,6 @@ def _plain(value: Any) -> Any:
 
 class NpuBackend:
     name = "torch_npu"
-    supports_warmup = True
 
     def __init__(self) -> None:
         self._torch_npu = importlib.import_module("torch_npu")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..protocol import RUNTIME_ENV, default_runtime_dir
+from ..core.protocol import RUNTIME_ENV, default_runtime_dir
 from .client import EXIT_USAGE, Client, CtlError
 from .commands import COMMANDS
 
@@ -26,13 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"the daemon's runtime directory (env {RUNTIME_ENV}; default {default_runtime_dir()})")
             p.add_argument("--connect-timeout", type=float, default=5.0,
                            help="seconds to wait for the daemon's answer (default 5)")
-        p.set_defaults(cmd=cmd)
+        p.set_defaults(cmd=cmd, subparser=p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:  # the command's own usage, not the top-level one, says what it takes
+        args.subparser.error(f"unrecognized arguments: {' '.join(extra)}")
     cmd = args.cmd
     try:
         if not cmd.needs_daemon:
@@ -49,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_main() -> None:
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run_main()
 
 
 __all__ = ["main", "EXIT_USAGE"]

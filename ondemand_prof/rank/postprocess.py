@@ -1,6 +1,6 @@
 """Turn a raw Kineto trace into what we publish: the final trace, CSV summaries or a SQLite database.
 
-Runs in a child process (``python -m ondemand_prof.postprocess``) started by the background exporter, so the
+Runs in a child process (``python -m ondemand_prof.rank.postprocess``) started by the background exporter, so the
 JSON parse neither holds the training process's GIL nor grows its memory. Imports no torch.
 
 What the rewrite does, in order:
@@ -288,12 +288,10 @@ def process(spec: dict[str, Any]) -> dict[str, Any]:
     trace = load_trace(raw)
     dropped = rewrite(trace, keep_steps=spec.get("keep_steps"), level=spec["level"], simplify=spec["simplify"],
                       rank=spec["rank"], world_size=spec["world_size"])
-    trace_dir = out_dir / "trace"
-    trace_dir.mkdir(exist_ok=True)
-    trace_path = trace_dir / (spec["trace_name"] + (".gz" if spec["gzip"] else ""))
-    # kineto wrote the raw staging file's name, deleted below; out_dir is renamed when published, so the name is
-    # given relative to the capture directory
-    trace["traceName"] = str(trace_path.relative_to(out_dir))
+    trace_path = out_dir / (spec["trace_name"] + (".gz" if spec["gzip"] else ""))
+    # kineto wrote the raw staging file's name, deleted below; the trace is then moved into the capture folder
+    # (rank/layout.py), beside the other ranks' traces, where its name is its path
+    trace["traceName"] = trace_path.name
     dump_trace(trace, trace_path)
     raw.unlink()
     events = trace["traceEvents"]
@@ -311,7 +309,7 @@ def process(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ondemand_prof.postprocess")
+    parser = argparse.ArgumentParser(prog="python -m ondemand_prof.rank.postprocess")
     parser.add_argument("spec", help="JSON file with the post-processing spec")
     parser.add_argument("--nice", type=int, default=0, help="lower this process's priority by N")
     args = parser.parse_args(argv)

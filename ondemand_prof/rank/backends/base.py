@@ -1,4 +1,4 @@
-"""Profiler backends. A backend opens one Session per window; the hook drives it from the training thread.
+"""What every backend provides. A backend opens one Session per window; the hook drives it from the training thread.
 
 Session protocol (all calls on the training thread):
     warmup(step)  begin the backend without recording; `step` will be discarded
@@ -9,15 +9,13 @@ Session protocol (all calls on the training thread):
 
 from __future__ import annotations
 
-import importlib.util
-import logging
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from ..window import Window
+from ...core.window import Window
 
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,16 +41,23 @@ class Identity:
         }
 
 
+@dataclass(frozen=True)
+class Written:
+    """What an Export wrote: the directory to publish, and the raw Chrome trace in it to post-process (None
+    when the backend's own tools already wrote its final files, as torch_npu's analyse does)."""
+
+    directory: Path
+    raw_trace: Path | None = None
+
+
 @dataclass
 class Export:
     """What a finished window hands to the background worker.
 
-    write(staging_dir) writes the backend's files and returns the trace file (or the backend's own output
-    directory, for torch_npu); it runs off the training thread.
+    write(staging_dir) writes the backend's files (off the training thread) and says what it wrote.
     """
 
-    write: Callable[[Path], Path]
-    kind: str  # "kineto" (a Chrome trace we post-process) or "ascend" (torch_npu's own directory)
+    write: Callable[[Path], Written]
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -73,20 +78,4 @@ class Backend(Protocol):
 
     def versions(self) -> dict[str, str]: ...
 
-    @property
-    def supports_warmup(self) -> bool: ...
 
-
-def npu_available() -> bool:
-    """torch_npu is importable; we never import it unless it is installed."""
-    return importlib.util.find_spec("torch_npu") is not None
-
-
-def select_backend(prefer: str = "auto") -> Backend:
-    if prefer in ("npu",) or (prefer == "auto" and npu_available()):
-        from .npu import NpuBackend
-
-        return NpuBackend()
-    from .torch_backend import TorchBackend
-
-    return TorchBackend()

@@ -12,18 +12,16 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-from .output import iso_time, write_json_atomic
-from .requests import RequestError, absolute_start, parse_request
+from ..core.files import iso_time, write_json_atomic
+from ..core.ranks import selects
+from ..core.requests import RequestError, WindowDefaults, absolute_start, parse_request, resolve
+from ..core.window import StepClock, Window
 from .triggers import STATUS_DIR, TRIGGER_NAME, DirWatcher, Trigger, claim_decision, default_trigger_dir, \
     ensure_dir, prune_decisions, read_trigger, stat_key
-from .window import StepClock, Window, selects
 
-if TYPE_CHECKING:
-    from .hook import OnDemandProfiler
-
-log = logging.getLogger("ondemand_prof.agent")
+log = logging.getLogger("ondemand_prof.rank.agent")
 
 SAMPLE_S = 0.005  # step-clock resolution; also the agent's idle wake-up period
 SETTLE_S = 0.02  # let a writer finish ("echo > capture" truncates, then writes) before reading
@@ -37,7 +35,8 @@ LEAD_MARGIN_S = 0.05  # scheduling slack (a loaded host delays agent threads)
 
 
 class Agent:
-    def __init__(self, prof: "OnDemandProfiler") -> None:
+    def __init__(self, prof: Any) -> None:
+        """`prof`: the OnDemandProfiler this agent serves (rank/hook.py creates the agent)."""
         self.prof = prof
         self.config = prof.config
         self.clock = StepClock()
@@ -55,10 +54,9 @@ class Agent:
         self._last_version = existing.version if existing else None  # written before we started: not replayed
         self.watcher = DirWatcher(self.trigger_dir, self._event, self.config.trigger_poll_s)
         self._thread = threading.Thread(target=self._run, name="ondemand-prof-agent", daemon=True)
-        self.extensions: list[Any] = []  # e.g. the daemon link: .poll(agent, now) each loop, .close()
+        self.extensions: list[Any] = []  # e.g. the daemon link: .poll(now) each loop, .close()
         if self.config.daemon:
             self._link_daemon()
-        self.last_detect_latency_s: float | None = None
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -74,6 +72,11 @@ class Agent:
         self._event.set()
         self._thread.join(timeout=5)
         self.watcher.stop()
+        if self._thread.is_alive():
+            # status files and the daemon socket belong to the agent thread: never touch them beside it
+            log.warning("ondemand_prof: the agent thread did not stop within 5 s; its last status updates are "
+                        "not written")
+            return
         self._flush_status()
         for ext in self.extensions:
             try:
@@ -104,7 +107,7 @@ class Agent:
                     if retry:
                         check_at = now + SETTLE_S
                 for ext in self.extensions:
-                    ext.poll(self, now)
+                    ext.poll(now)
                 self._flush_status()
             except Exception:  # noqa: BLE001 - the agent must outlive any one bad event
                 log.exception("ondemand_prof: agent error")
@@ -170,17 +173,17 @@ class Agent:
         ident = prof.identity()
         now_step = prof.current_step
         latency = max(0.0, time.time() - trig.mtime)
-        self.last_detect_latency_s = latency
         base = {"trigger": trig.version, "rank": ident.rank, "host": ident.host, "pid": ident.pid,
                 "written_at": iso_time(trig.mtime), "seen_at": iso_time(), "seen_at_step": now_step,
                 "detect_latency_ms": round(latency * 1000, 1), "watch": self.watcher.mode}
+        listener = self.status_listener(base)
         if trig.error:
-            self._status(base, "rejected", {"error": trig.error})
+            listener("rejected", {"error": trig.error})
             return
         try:
-            request = parse_request(trig.data, self.config)
+            request = parse_request(trig.data)
         except RequestError as exc:
-            self._status(base, "rejected", {"error": str(exc), "request": trig.data})
+            listener("rejected", {"error": str(exc), "request": trig.data})
             return
         base["request"] = request.as_dict()
         anchor = self.clock.step_at(trig.mtime)
@@ -189,22 +192,24 @@ class Agent:
         start = absolute_start(request, anchor)
         if request.start_step is None:
             start = max(start, now_step + self._lead_steps())
+        # the first rank to see this version decides the window for all (ranks see the file at different steps)
         decision = claim_decision(self.status_dir, trig.version, {
-            "start_step": start, "end_step": start + request.steps, "anchor_step": anchor,
-            "decided_by_rank": ident.rank, "decided_at": iso_time(),
-        })
+            "start_step": start, "anchor_step": anchor, "decided_by_rank": ident.rank, "decided_at": iso_time()})
         prune_decisions(self.status_dir)
         ranks = request.ranks if request.ranks is not None else self.config.ranks
         if not selects(ranks, ident.rank):
-            self._status(base, "rejected", {"error": f"rank {ident.rank} not selected (ranks {list(ranks)})"})
+            listener("rejected", {"error": f"rank {ident.rank} not selected (ranks {list(ranks)})"})
             return
-        window = Window(decision["start_step"], decision["end_step"], request.window_options(self.config),
-                        source="file", capture_id=f"file-{trig.version}",
-                        requested={**request.as_dict(), "anchor_step": decision["anchor_step"],
-                                   "decided_by_rank": decision["decided_by_rank"]})
-        if request.capped_from is not None:
-            base["note"] = f"steps capped from {request.capped_from} to {request.steps} (--profile-max-window-steps)"
-        self.schedule(window, lambda event, info: self._status(base, event, info))
+        window = resolve(request, WindowDefaults.from_config(self.config), decision["start_step"], source="file",
+                         capture_id=f"file-{trig.version}",
+                         extra={"anchor_step": decision["anchor_step"], "decided_by_rank": decision["decided_by_rank"]})
+        if window.note:
+            base["note"] = window.note
+        self.schedule(window, listener)
+
+    def status_listener(self, base: dict[str, Any]) -> Callable[[str, dict[str, Any]], None]:
+        """A window listener that records what happens to a trigger in this rank's status file."""
+        return lambda event, info: self._status(base, event, info)
 
     def _lead_steps(self) -> int:
         """How far ahead the first rank to see a trigger schedules it, so that later ranks are in time."""

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..protocol import RUNTIME_ENV, STATE_ENV, default_runtime_dir, default_state_dir
+from ..core.protocol import RUNTIME_ENV, STATE_ENV, default_runtime_dir, default_state_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
-    from .server import run
+    from .transport import run
 
     return run(args.runtime_dir or default_runtime_dir(), args.state_dir or default_state_dir(), group=args.group)
 

@@ -28,7 +28,7 @@ STATE_ENV = "ONDEMAND_PROF_STATE_DIR"
 MAX_SOCKET_PATH = 107
 
 # what happens to a rank's part of a capture ends in one of these (the daemon records it, the CLI shows it)
-FINAL_STATES = ("done", "failed", "rejected")
+FINAL_STATES = ("done", "failed", "rejected", "cancelled")
 
 HEARTBEAT_S = 1.0  # a rank's heartbeat period
 RANK_TIMEOUT_S = 3.5  # no heartbeat for this long: the rank is gone
@@ -41,15 +41,6 @@ RANK_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
     "event": {"capture_id": (str,), "event": (str,), "info": (dict,)},
     "bye": {},
 }
-CLI_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
-    "status": {},
-    "capture": {"request": (dict,)},
-    "list": {},
-    "show": {"capture_id": (str,)},
-    "watch": {"capture_id": (str,), "seen": (int,)},
-}
-
-
 class ProtocolError(ValueError):
     """A message that cannot be taken; the text goes back to the sender as the error reply."""
 

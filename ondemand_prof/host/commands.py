@@ -1,26 +1,41 @@
-"""ondemandctl's commands, one small class each (the shape of circus's commands): its name and help, its
-flags, the message it sends, and how the console shows the reply. The daemon's side is in daemon/server.py."""
+"""ondemandctl's commands, one class each holding both ends (the shape of circus's commands): its name and
+help, its flags, the message it sends and the fields that message has, what the daemon executes for it
+(`execute`, run by host/service.py), and how the console shows the reply. The docstrings are the help."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import os
 import socket
 import sys
 import time
 from typing import Any, TextIO
 
-from ..config import EXPORT_TYPES, LEVELS
-from ..protocol import FINAL_STATES
-from ..window import parse_rank_spec
-from .client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, Client, CtlError, dumps
+from ..core.options import add_window_flags, window_overrides
+from ..core.protocol import FINAL_STATES, encode
+from ..core.ranks import RankSpecError, parse_ranks, spans
+from ..core.requests import RequestError, WindowDefaults, parse_request, resolve
+from .client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, dumps
+from .records import CaptureRecord, new_capture_id
+from .registry import plan_window, select_ranks
+from .service import MAX_WATCH_S, BadRequest, Service
 
+Fields = dict[str, tuple[type, ...]]
+log = logging.getLogger("ondemand_prof.daemon")
 
 
 class Command:
     name = ""
     help = ""
     needs_daemon = True
+    cli = True  # False: a message only ondemandctl's other commands send (watch)
+    fields: Fields = {}  # required message fields and their types (the transport checks them)
+
+    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        """The daemon's side: the reply's data, or None when the reply comes later. BadRequest for bad input."""
+        raise BadRequest(f"{self.name} is not a daemon command")
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         pass
@@ -69,6 +84,15 @@ class Status(Command):
     def message(self, args: argparse.Namespace) -> dict[str, Any]:
         return {"job": args.job} if args.job else {}
 
+    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        now, wall = time.monotonic(), time.time()
+        job = _opt_str(msg, "job")
+        live = service.registry.jobs()
+        if job and job not in live:
+            raise BadRequest(f"no live job {job!r}; live jobs: {', '.join(live) or 'none'}")
+        jobs = {name: [r.as_dict(now, wall) for r in ranks] for name, ranks in live.items() if not job or name == job}
+        return {"daemon": service.daemon_info(), "jobs": jobs if not msg.get("brief") else {}}
+
     def console(self, data: Any, args: argparse.Namespace) -> str:
         d = data["daemon"]
         text = (f"ondemand-profd {d['version']} pid {d['pid']} on {d['host']}, up {d['uptime_s']:.0f} s; "
@@ -96,13 +120,7 @@ class Capture(Command):
                            "step (default 1: as soon as every rank can; the daemon adds lead when needed)")
         where.add_argument("--start-step", type=int, help="absolute first step")
         parser.add_argument("--steps", type=int, default=2, help="number of steps to record (default 2)")
-        parser.add_argument("--level", choices=LEVELS, help="collection level (default: the rank's configuration)")
-        parser.add_argument("--export-type", choices=EXPORT_TYPES, help="text or db (default: the configuration)")
-        for flag, what in (("with-cpu", "CPU activity"), ("with-stack", "Python stacks"),
-                           ("with-memory", "memory events"), ("record-shapes", "operator input shapes"),
-                           ("data-simplification", "simplified output")):
-            parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None,
-                                help=f"{what} (default: the configuration)")
+        add_window_flags(parser)
         parser.add_argument("--id", dest="label", help="your label for this capture")
         parser.add_argument("--wait", action=argparse.BooleanOptionalAction, default=None,
                             help="follow progress until every rank is done (default: when output is a terminal)")
@@ -113,19 +131,22 @@ class Capture(Command):
         parser.add_argument("--top", type=int, default=10, help="with --report: operators per table (default 10)")
         parser.add_argument("--summary", action="store_true", help="with --report: only the across-ranks table")
 
+    fields = {"request": (dict,)}
+
     def message(self, args: argparse.Namespace) -> dict[str, Any]:
+        if args.html and not args.report:
+            raise CtlError("--html needs --report (it writes the report of what was captured)", EXIT_USAGE)
         try:
-            ranks = list(parse_rank_spec(args.ranks))
-        except ValueError as exc:
-            raise CtlError(f"--ranks {args.ranks!r}: {exc}", 2) from None
+            ranks = list(parse_ranks(args.ranks))
+        except RankSpecError as exc:
+            raise CtlError(f"--ranks {args.ranks!r}: {exc}", EXIT_USAGE) from None
         for flag in ("steps", "start", "start_step"):
             value = getattr(args, flag)
             if value is not None and value < (1 if flag == "steps" else 0):
                 raise CtlError(f"--{flag.replace('_', '-')} {value}: expected "
-                               f"{'1 or more' if flag == 'steps' else '0 or more'}", 2)
-        request: dict[str, Any] = {"ranks": ranks, "steps": args.steps}
-        for key in ("start", "start_step", "level", "export_type", "with_cpu", "with_stack", "with_memory",
-                    "record_shapes", "data_simplification"):
+                               f"{'1 or more' if flag == 'steps' else '0 or more'}", EXIT_USAGE)
+        request: dict[str, Any] = {"ranks": ranks, "steps": args.steps, **window_overrides(args)}
+        for key in ("start", "start_step"):
             if getattr(args, key) is not None:
                 request[key] = getattr(args, key)
         if args.label:
@@ -135,6 +156,40 @@ class Capture(Command):
             msg["job"] = args.job
         return msg
 
+    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        """Resolve the request once, here: targets, one aligned window after any already planned, the ranks'
+        own defaults and length cap; every target gets the same finished window."""
+        try:
+            request = parse_request(msg["request"])
+            job = service.registry.resolve_job(_opt_str(msg, "job"))
+            live = service.registry.jobs()[job]
+            world = max(r.world_size for r in live)
+            ranks = select_ranks(list(request.ranks) if request.ranks is not None else -1, world)
+            targets = service.registry.select(job, ranks)
+            defaults = _common_defaults(targets)
+            steps = min(defaults.steps if request.steps is None else request.steps, defaults.max_steps)
+            wall = time.time()
+            plan = plan_window(targets, wall, start=request.start, start_step=request.start_step, steps=steps)
+        except (RequestError, ValueError) as exc:
+            raise BadRequest(str(exc)) from None
+        capture_id = new_capture_id(wall)
+        windows = {t.rank: resolve(request, _with_cap(t.defaults or defaults, defaults.max_steps),
+                                   plan["start_step"], source="daemon", capture_id=capture_id,
+                                   extra={"via": "ondemand-profd"}) for t in targets}
+        first = windows[targets[0].rank]
+        plan["note"] = "; ".join(filter(None, [first.note, plan.get("note", "")]))
+        record = CaptureRecord.new(capture_id, job, request.as_dict(), plan, first.options.as_dict(),
+                                   [{"rank": t.rank, "host": t.host, "pid": t.pid} for t in targets], wall)
+        service.store.add(record)
+        for t in targets:
+            window = windows[t.rank]
+            if plan.get("after"):
+                window = dataclasses.replace(window, note=plan["note"])
+            service.send(t.route, encode("capture", window=window.to_wire()))
+        log.info("ondemand-profd: capture %s: job %s, %d rank(s), steps [%d, %d)%s", capture_id, job, len(targets),
+                 plan["start_step"], plan["end_step"], f" ({plan['note']})" if plan["note"] else "")
+        return {**record.data, "version": record.version}
+
     def run(self, client: Client, args: argparse.Namespace, out: TextIO) -> int:
         record = client.request("capture", **self.message(args))
         wait = args.report or (sys.stdout.isatty() if args.wait is None else args.wait)
@@ -143,9 +198,11 @@ class Capture(Command):
             out.write(f"capture {record['capture_id']}: job {record['job']}, {len(record['parts'])} rank(s), steps "
                       f"{_window(record['window'])} (ranks were at step {min(plan['current_steps'].values())}-"
                       f"{max(plan['current_steps'].values())}; lead {plan['lead_steps']} steps)\n")
+            if plan.get("note"):
+                out.write(f"  note: {plan['note']}\n")
             if plan.get("late_ranks"):
-                out.write(f"  warning: rank(s) {plan['late_ranks']} are already past the start step; they will "
-                          "start late and record fewer steps\n")
+                out.write(f"  warning: rank(s) {spans(plan['late_ranks'])} are already past the start step; they "
+                          "will start late and record fewer steps\n")
             out.flush()
         if not wait:
             if args.json:
@@ -248,6 +305,12 @@ class List(Command):
             msg["job"] = args.job
         return msg
 
+    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        limit = msg.get("limit", 20)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
+            raise BadRequest(f"field 'limit' must be an integer from 1 to 1000, got {limit!r}")
+        return {"captures": [r.summary() for r in service.store.newest(limit, _opt_str(msg, "job") or None)]}
+
     def console(self, data: Any, args: argparse.Namespace) -> str:
         caps = data["captures"]
         if not caps:
@@ -264,15 +327,25 @@ class Show(Command):
     name = "show"
     help = "one capture: the request, the window, and each rank's result"
 
+    fields = {"capture_id": (str,)}
+
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("capture_id", help="capture id (or a unique prefix) from ondemandctl list")
+        parser.add_argument("capture_id", help="capture id, or any unique part of it, from ondemandctl list")
 
     def message(self, args: argparse.Namespace) -> dict[str, Any]:
         return {"capture_id": args.capture_id}
 
+    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        record = service.find(msg["capture_id"])
+        return {**record.data, "version": record.version}
+
     def console(self, data: Any, args: argparse.Namespace) -> str:
         text = (f"capture {data['capture_id']}  job {data['job']}  created {data['created_at']}\n"
                 f"  steps {_window(data['window'])}  request {data['request']}\n")
+        if data.get("options"):
+            text += "  options " + ", ".join(f"{k}={v}" for k, v in sorted(data["options"].items())) + "\n"
+        if (data.get("plan") or {}).get("note"):
+            text += f"  note: {data['plan']['note']}\n"
         for part in sorted(data["parts"].values(), key=lambda p: p["rank"]):
             text += f"  rank {part['rank']:<4} {progress_text(part)}\n"
         return text + result_text(data, data["status"] != "running", waited=False)
@@ -281,7 +354,57 @@ class Show(Command):
         return exit_for(data) if data["status"] != "running" else EXIT_OK
 
 
-COMMANDS: list[Command] = [Status(), Capture(), List(), Show()]
+class Watch(Command):
+    """Long poll: reply when the capture changes from the version the caller has seen, or after timeout_s."""
+
+    name = "watch"
+    cli = False
+    fields = {"capture_id": (str,), "seen": (int,)}
+
+    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        record = service.find(msg["capture_id"])
+        timeout = msg.get("timeout_s", 5.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= MAX_WATCH_S:
+            raise BadRequest(f"field 'timeout_s' must be a number from 0 to {MAX_WATCH_S:g}, got {timeout!r}")
+        if record.version != msg["seen"] or record.status != "running" or timeout == 0:
+            return {**record.data, "version": record.version}
+        service.watch(route, msg.get("id"), record, timeout)
+        return None
+
+
+class Cancel(Command):
+    name = "cancel"
+    help = "stop a scheduled or running capture on every rank (what was recorded so far is written, marked cancelled)"
+    fields = {"capture_id": (str,)}
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("capture_id", help="capture id, or any unique part of it")
+
+    def message(self, args: argparse.Namespace) -> dict[str, Any]:
+        return {"capture_id": args.capture_id}
+
+    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        record = service.find(msg["capture_id"])
+        if record.status != "running":
+            raise BadRequest(f"capture {record.capture_id} is already {record.status}")
+        routes = {(r.job, r.rank, r.pid): r.route for r in service.registry.by_route.values()}
+        sent = []
+        for part in record.data["parts"].values():
+            route_ = routes.get((record.data["job"], part["rank"], part["pid"]))
+            if part["state"] not in FINAL_STATES and route_ is not None:
+                service.send(route_, encode("cancel", capture_id=record.capture_id))
+                sent.append(part["rank"])
+        record.data["cancel_requested"] = True
+        service.changed(record)
+        return {"capture_id": record.capture_id, "ranks": sent}
+
+    def console(self, data: Any, args: argparse.Namespace) -> str:
+        ranks = spans(data["ranks"]) or "none"
+        return (f"cancel sent to rank(s) {ranks} of capture {data['capture_id']}; "
+                f"follow it with: ondemandctl show {data['capture_id']}\n")
+
+
+COMMANDS: list[Command] = [Status(), Capture(), List(), Show(), Cancel()]
 
 
 class Report(Command):
@@ -328,3 +451,24 @@ def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> dic
 
 
 COMMANDS.append(Report())
+DAEMON_COMMANDS: dict[str, Command] = {c.name: c for c in [*COMMANDS, Watch()] if c.needs_daemon}
+CLI_MESSAGES: dict[str, Fields] = {name: c.fields for name, c in DAEMON_COMMANDS.items()}
+
+
+def _opt_str(msg: dict[str, Any], key: str) -> str | None:
+    value = msg.get(key)
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(f"field {key!r} must be a string")
+    return value
+
+
+def _common_defaults(targets: list[Any]) -> WindowDefaults:
+    """One length cap for all targets (the smallest), so that every rank records the same steps."""
+    known = [t.defaults for t in targets if t.defaults is not None]
+    if not known:
+        raise ValueError("the target ranks did not say their window defaults (an older ondemand_prof?)")
+    return dataclasses.replace(known[0], max_steps=min(d.max_steps for d in known))
+
+
+def _with_cap(defaults: WindowDefaults, max_steps: int) -> WindowDefaults:
+    return dataclasses.replace(defaults, max_steps=max_steps)

@@ -6,7 +6,7 @@ import logging
 import os
 import socket
 
-log = logging.getLogger("ondemand_prof.daemon")
+log = logging.getLogger("ondemand_prof.host.profd")
 
 
 def notify(state: str) -> bool:

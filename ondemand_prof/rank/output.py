@@ -1,18 +1,12 @@
-"""The on-disk output: directory names, disk checks, metadata, and the background exporter that publishes
-each window's directory atomically (written under a hidden staging name, renamed when complete).
+"""Publishing a finished window: disk checks, the background Exporter, post-processing in a child process, and
+the atomic rename into the capture layout (rank/layout.py owns every path).
 
-Layout of one window on one rank (torch backend):
-    {save_path}/{host}_{pid}_{YYYYmmddHHMMSSmmm}_pt/
-        trace/{host}_{pid}_rank{R}.pt.trace.json[.gz]   Chrome trace (Perfetto, TensorBoard, HTA)
-        metadata.json                                   who, what, which steps, status
-        step_summary.csv, operator_summary.csv          export_type=text
-        profile.db                                      export_type=db (schema: postprocess.DB_SCHEMA)
-The trace sits in its own folder because HTA reads every *.json in a folder as a trace.
+A backend's Export writes into the staging directory and says which file, if any, is a raw Chrome trace to
+post-process; the publisher has no backend branches.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import logging
 import os
@@ -26,23 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..core.files import iso_time, write_json_atomic
 from .backends import Export, Identity
-from .window import Window
+from .layout import METADATA_FILE, RankOutput
+from ..core.window import Window
 
 log = logging.getLogger(__name__)
 
-STAGING_SUFFIX = ".partial"
-METADATA_FILE = "metadata.json"
 POSTPROCESS_TIMEOUT_S = 1800
-
-
-def capture_dir_name(host: str, pid: int, when: _dt.datetime, suffix: str = "pt") -> str:
-    """The seed's naming: {host}_{pid}_{YYYYmmddHHMMSSmmm}_{suffix} (torch_npu uses suffix ascend_pt)."""
-    return f"{host}_{pid}_{when:%Y%m%d%H%M%S}{when.microsecond // 1000:03d}_{suffix}"
-
-
-def staging_path(save_root: Path, final_name: str) -> Path:
-    return save_root / f".{final_name}{STAGING_SUFFIX}"
 
 
 def existing_ancestor(path: Path) -> Path:
@@ -86,53 +71,12 @@ def disk_problem(save_root: Path, min_free_mb: int) -> str | None:
     return None
 
 
-def remove_stale_staging(save_root: Path, host: str) -> list[Path]:
-    """Staging dirs left by crashed processes of this host (their pid is gone) are removed at start-up."""
-    removed: list[Path] = []
-    if not save_root.is_dir():
-        return removed
-    for entry in save_root.glob(f".{host}_*{STAGING_SUFFIX}"):
-        try:
-            pid = int(entry.name[len(host) + 2:].split("_", 1)[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not pid_alive(pid):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
-
-
-def pid_alive(pid: int, thorough: bool = False) -> bool:
-    """Whether a process runs; `thorough` also rules out a zombie (a killed rank its launcher has not reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    if thorough:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-        except (OSError, IndexError):
-            return True  # no /proc here: trust kill()
-    return True
-
-
-def iso_time(t: float | None = None) -> str:
-    """Local time with offset, to the millisecond, of epoch seconds `t` (now by default): every timestamp we
-    write (metadata, status files, capture records) has this one form."""
-    return _dt.datetime.fromtimestamp(time.time() if t is None else t).astimezone().isoformat(
-        timespec="milliseconds")
-
-
 @dataclass
 class ExportJob:
     export: Export
     window: Window
     identity: Identity
-    save_root: Path
-    final_name: str
+    out: RankOutput
     metadata: dict[str, Any]
     recorded_steps: list[int]
     gzip: bool
@@ -185,56 +129,61 @@ class Exporter:
 def publish(job: ExportJob) -> dict[str, Any]:
     """Write one window's files and rename them into place. Returns the result the hook reports."""
     started = time.monotonic()
-    staging = staging_path(job.save_root, job.final_name)
+    staging = job.out.staging
     meta = dict(job.metadata)
     meta["window"] = dict(meta.get("window", {}), recorded_steps=job.recorded_steps)
-    meta.update(status="ok", error=None)
-    final = job.save_root / job.final_name
+    meta.update(status="ok", error=None, steps_in_trace=job.recorded_steps)
+    out_dir, trace = staging, None
     try:
         staging.mkdir(parents=True, exist_ok=True)
         written = job.export.write(staging)
-        if job.export.kind == "ascend":
-            final = job.save_root / written.name
-            out_dir = written
-            meta["steps_in_trace"] = job.recorded_steps
-        else:
-            out_dir = staging
-            result = run_postprocess(job, written, staging)
+        out_dir = written.directory
+        if written.raw_trace is not None:
+            result = run_postprocess(job, written.raw_trace, out_dir)
+            trace = out_dir / result["trace"]
             meta["steps_in_trace"] = result["steps_in_trace"]
             meta["postprocess"] = {"dropped": result["dropped"], "events": result["events"]}
-            meta["trace_file"] = result["trace"]
+            meta["trace_file"] = f"../{trace.name}"  # the capture folder holds every rank's trace (layout.py)
             if result["steps_in_trace"] != job.recorded_steps:
                 meta["status"] = "partial"
-                meta["error"] = (f"trace holds steps {result['steps_in_trace']}, "
-                                 f"expected {job.recorded_steps}")
+                meta["error"] = f"trace holds steps {result['steps_in_trace']}, expected {job.recorded_steps}"
     except Exception as exc:  # noqa: BLE001 - recorded in the metadata, never raised to training
         log.error("ondemand_prof: export of window %s failed: %s", job.window.describe(), exc)
-        meta.update(status="failed", error=f"{type(exc).__name__}: {exc}")
-        out_dir = staging
+        meta.update(status="failed", error=f"{type(exc).__name__}: {exc}", steps_in_trace=[])
     meta["timings"] = dict(meta.get("timings", {}), export_s=round(time.monotonic() - started, 4),
                            queued_s=round(started - job.submitted_at, 4))
+    return _rename_into_place(job, meta, out_dir, trace)
+
+
+def _rename_into_place(job: ExportJob, meta: dict[str, Any], out_dir: Path, trace: Path | None) -> dict[str, Any]:
+    """The trace first, then the rank directory: a rank directory with a final name is always complete."""
+    final = job.out.final(out_dir)
     meta["published_at"] = iso_time()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        meta["files"] = {str(p.relative_to(out_dir)): p.stat().st_size for p in sorted(out_dir.rglob("*"))
-                         if p.is_file()}
+        files = {str(p.relative_to(out_dir)): p.stat().st_size for p in sorted(out_dir.rglob("*")) if p.is_file()}
+        if trace is not None:
+            files = {name: size for name, size in files.items() if name != trace.name}
+            files[meta["trace_file"]] = trace.stat().st_size
+            os.rename(trace, job.out.folder / trace.name)
+        meta["files"] = files
         write_json_atomic(out_dir / METADATA_FILE, meta)
         os.rename(out_dir, final)
-        if out_dir != staging:
-            shutil.rmtree(staging, ignore_errors=True)
+        if out_dir != job.out.staging:
+            shutil.rmtree(job.out.staging, ignore_errors=True)
         meta["path"] = str(final)
         log.info("ondemand_prof: rank %s wrote %s (steps %s, %s)", job.identity.rank, final,
                  _steps_text(meta.get("steps_in_trace", [])), meta["status"])
     except OSError as exc:
         log.error("ondemand_prof: could not publish %s: %s", final, exc)
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(job.out.staging, ignore_errors=True)
         meta.update(status="failed", error=f"could not publish {final}: {exc}", path=None)
     return meta
 
 
 def run_postprocess(job: ExportJob, raw: Path, out_dir: Path) -> dict[str, Any]:
     ident = job.identity
-    trace_name = f"{ident.host}_{ident.pid}_rank{ident.rank}.pt.trace.json"
+    trace_name = job.out.trace_name
     spec = {
         "raw": str(raw), "out_dir": str(out_dir), "trace_name": trace_name, "keep_steps": job.recorded_steps,
         "level": job.window.options.level, "simplify": job.window.options.data_simplification, "gzip": job.gzip,
@@ -248,7 +197,7 @@ def run_postprocess(job: ExportJob, raw: Path, out_dir: Path) -> dict[str, Any]:
     package_parent = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = package_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.run(
-        [sys.executable, "-m", "ondemand_prof.postprocess", "--nice", "10", str(spec_path)],
+        [sys.executable, "-m", "ondemand_prof.rank.postprocess", "--nice", "10", str(spec_path)],
         capture_output=True, text=True, env=env, timeout=POSTPROCESS_TIMEOUT_S, check=False,
     )
     spec_path.unlink(missing_ok=True)
@@ -256,16 +205,6 @@ def run_postprocess(job: ExportJob, raw: Path, out_dir: Path) -> dict[str, Any]:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         raise RuntimeError(f"post-processing failed (exit {proc.returncode}): {tail[0]}")
     return json.loads(proc.stdout)
-
-
-def write_json_atomic(path: Path, data: Any, compact: bool = False) -> None:
-    """Readers see the old file or the new one, never a partial one (unique temp name: several writers)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    text = json.dumps(data, separators=(",", ":"), default=str) if compact else \
-        json.dumps(data, indent=2, sort_keys=True, default=str)
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text + "\n")
-    os.replace(tmp, path)
 
 
 def _steps_text(steps: list[int]) -> str:

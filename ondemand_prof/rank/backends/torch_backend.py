@@ -8,7 +8,7 @@ Level mapping (README "Levels"):
     level_none  CPU activity; the exported trace keeps only annotations (ProfilerStep#N, record_function ranges)
     level0      CPU operators + device kernels (CUDA when available)
     level1      level0 + FLOP counts and input shapes (collective sizes)
-    level2      level1 + module hierarchy + memory events
+    level2      level1 + memory events
 User flags (with_stack, with_memory, record_shapes) add to whatever the level turns on.
 """
 
@@ -17,34 +17,41 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from ..window import Window, WindowOptions
-from . import Export, Identity
+from ...core.options import OPTIONS, Option, window_options
+from ...core.window import Window
+from .base import Export, Identity, Written
 
 log = logging.getLogger(__name__)
 
-LEVEL_RANK = {"level_none": -1, "level0": 0, "level1": 1, "level2": 2}
+# what each level turns on for torch.profiler (README "Levels"); user flags add to it through the options table.
+# No with_modules: torch ignores it in eager mode (and warns).
+LEVEL_KWARGS: dict[str, dict[str, bool]] = {
+    "level_none": {},
+    "level0": {},
+    "level1": {"record_shapes": True, "with_flops": True},
+    "level2": {"record_shapes": True, "with_flops": True, "profile_memory": True},
+}
 
 
-def torch_profile_kwargs(options: WindowOptions, cuda: bool) -> dict[str, Any]:
-    """The torch.profiler.profile arguments a window's options map to (pure, tested directly)."""
+def torch_profile_kwargs(options: Any, cuda: bool, table: Sequence[Option] = OPTIONS) -> dict[str, Any]:
+    """The torch.profiler.profile arguments a window's options map to (pure, tested directly): the level's,
+    plus each window option whose `torch` mapping is "kwarg:NAME"."""
     from torch.profiler import ProfilerActivity
 
-    level = LEVEL_RANK[options.level]
     # CPU activity is always on: it carries the ProfilerStep#N labels and the op -> kernel links, and on a
     # machine without an accelerator nothing else would be recorded.
     activities = [ProfilerActivity.CPU]
-    if cuda and level >= 0:
+    if cuda and options.level != "level_none":
         activities.append(ProfilerActivity.CUDA)
-    return {
-        "activities": activities,
-        "record_shapes": options.record_shapes or level >= 1,
-        "with_flops": level >= 1,
-        "with_modules": level >= 2,
-        "profile_memory": options.with_memory or level >= 2,
-        "with_stack": options.with_stack,
-    }
+    kwargs = {"record_shapes": False, "profile_memory": False, "with_stack": False, "with_flops": False,
+              **LEVEL_KWARGS[options.level]}
+    for opt in window_options(table):
+        kind, _, target = opt.torch.partition(":")
+        if kind == "kwarg" and getattr(options, opt.name):
+            kwargs[target] = True
+    return {"activities": activities, **kwargs}
 
 
 class TorchSession:
@@ -87,12 +94,12 @@ class TorchSession:
         self._state = "done"
         prof = self._prof
 
-        def write(staging: Path) -> Path:
+        def write(staging: Path) -> Written:
             path = staging / "raw.pt.trace.json"
             prof.export_chrome_trace(str(path))
-            return path
+            return Written(staging, raw_trace=path)
 
-        return Export(write=write, kind="kineto", info={"torch_profile_kwargs": _describe(self.kwargs)})
+        return Export(write=write, info={"torch_profile_kwargs": _describe(self.kwargs)})
 
     def abort(self) -> None:
         try:
@@ -127,7 +134,6 @@ def _describe(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 class TorchBackend:
     name = "torch"
-    supports_warmup = True
 
     def __init__(self) -> None:
         import torch

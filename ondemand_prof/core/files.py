@@ -1,0 +1,45 @@
+"""Small file and process helpers every process uses: one timestamp form, atomic JSON writes, pid checks."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def iso_time(t: float | None = None) -> str:
+    """Local time with offset, to the millisecond, of epoch seconds `t` (now by default): every timestamp we
+    write (metadata, status files, capture records) has this one form."""
+    return _dt.datetime.fromtimestamp(time.time() if t is None else t).astimezone().isoformat(
+        timespec="milliseconds")
+
+
+def write_json_atomic(path: Path, data: Any, compact: bool = False) -> None:
+    """Readers see the old file or the new one, never a partial one (unique temp name: several writers)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    text = json.dumps(data, separators=(",", ":"), default=str) if compact else \
+        json.dumps(data, indent=2, sort_keys=True, default=str)
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text + "\n")
+    os.replace(tmp, path)
+
+
+def pid_alive(pid: int, thorough: bool = False) -> bool:
+    """Whether a process runs; `thorough` also rules out a zombie (a killed rank its launcher has not reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    if thorough:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+        except (OSError, IndexError):
+            return True  # no /proc here: trust kill()
+    return True

@@ -1,0 +1,475 @@
+"""Every profiler option, declared once, and everything derived from that one table.
+
+Each Option says its name, type, default, flag, YAML key, env var, whether a window request may set it, and what
+each backend does with it. From OPTIONS come: ProfileConfig (the job's configuration), WindowOptions (what one
+window records with), the argparse flags of the training script (add_profile_args) and of `ondemandctl capture`
+(add_window_flags), YAML and env parsing, and the request checks (core/requests.py). Adding an option is one
+entry here plus, for a window option, its backend mapping string. Names and defaults of the first twelve follow
+MindSpeed LLM (MCore flags, FSDP2 YAML keys). Pure: no I/O besides reading a YAML file when given a path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import logging
+import math
+import os
+import signal as _signal
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from .ranks import RankSpecError, parse_ranks, selects
+
+log = logging.getLogger(__name__)
+
+LEVELS = ("level_none", "level0", "level1", "level2")
+EXPORT_TYPES = ("text", "db")
+ENV_PREFIX = "ONDEMAND_PROF_"
+# environment variables of ours that are not profiler options (the daemon's, the CLI's, the tests')
+OTHER_ENV = {"ONDEMAND_PROF_STATE_DIR", "ONDEMAND_PROF_LOG", "ONDEMAND_PROF_FORK_SAVE", "ONDEMAND_PROF_AUTO"}
+# signals a training job relies on for its own life; we refuse to take them over
+RESERVED_SIGNALS = {"SIGINT", "SIGTERM", "SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT",
+                    "SIGCHLD", "SIGPIPE"}
+MAX_STEP = 10**12  # bounds every step number we accept, so arithmetic on it stays exact and small
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the flag/key, the value and what is accepted."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Value parsers. Each takes the raw value (a string from argv/env, or a YAML scalar/list) and the label of where
+# it came from, and returns the typed value or raises ConfigError. `strict` (requests: JSON values) refuses
+# the string forms that flags and env vars need ("1", "true").
+
+
+def _err(label: str, value: Any, accepted: str) -> ConfigError:
+    return ConfigError(f"invalid {label} {value!r}: expected {accepted}")
+
+
+def parse_bool(value: Any, label: str, strict: bool = False) -> bool:
+    if isinstance(value, bool):
+        return value
+    if not strict:
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        text = value.strip().lower() if isinstance(value, str) else None
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off", ""):
+            return False
+    raise _err(label, value, "true or false")
+
+
+def parse_int(value: Any, label: str, strict: bool = False) -> int:
+    if isinstance(value, bool):
+        raise _err(label, value, "an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and abs(value) <= MAX_STEP:
+        return int(value)
+    if isinstance(value, str) and not strict:
+        text = value.strip()
+        if text.lstrip("+-").isdigit() and len(text) <= 19:
+            return int(text)
+    raise _err(label, value, "an integer")
+
+
+def parse_float(value: Any, label: str, strict: bool = False) -> float:
+    if isinstance(value, bool):
+        raise _err(label, value, "a number")
+    number: float | None = None
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str) and not strict:
+        try:
+            number = float(value.strip())
+        except ValueError:
+            pass
+    if number is None or not math.isfinite(number):
+        raise _err(label, value, "a finite number")
+    return number
+
+
+def parse_rank_list(value: Any, label: str, strict: bool = False) -> tuple[int, ...]:
+    """The one rank grammar (core/ranks.py): 3, "0-3,7", "0 1", [0, "2-3"]; -1 anywhere means all ranks."""
+    try:
+        return parse_ranks(value)
+    except RankSpecError as exc:
+        raise ConfigError(f"invalid {label} {value!r}: {exc}") from None
+
+
+def parse_str(value: Any, label: str, strict: bool = False) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool) or (strict and not isinstance(value, str)):
+        raise _err(label, value, "a string")
+    return str(value)
+
+
+def parse_signal(value: Any, label: str = "--profile-signal", strict: bool = False) -> str:
+    """A signal name ('SIGUSR2', 'usr2', '12'); '' is off. Reserved signals are refused."""
+    text = parse_str(value, label, strict).strip().upper()
+    if not text:
+        return ""
+    if text.isdigit():
+        try:
+            sig = _signal.Signals(int(text))
+        except ValueError:
+            raise ConfigError(f"invalid {label} {value!r}: expected a signal name such as SIGUSR2") from None
+    else:
+        sig = getattr(_signal.Signals, text if text.startswith("SIG") else "SIG" + text, None)
+        if sig is None:
+            raise ConfigError(f"invalid {label} {value!r}: expected a signal name such as SIGUSR2 or SIGUSR1")
+    if sig.name in RESERVED_SIGNALS:
+        raise ConfigError(f"invalid {label} {value!r}: {sig.name} is reserved; use SIGUSR1, SIGUSR2 or a "
+                          "SIGRTMIN+n")
+    return sig.name
+
+
+def choice(choices: Sequence[str]) -> Callable[..., str]:
+    def parse(value: Any, label: str, strict: bool = False) -> str:
+        text = value.strip().lower() if isinstance(value, str) and not strict else value
+        if text not in choices:
+            raise _err(label, value, "one of " + ", ".join(choices))
+        return text
+
+    parse.choices = tuple(choices)  # type: ignore[attr-defined]
+    return parse
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    """One profiler option.
+
+    torch / npu: what the backend does with a window option. "kwarg:NAME" turns on that keyword of
+    torch.profiler.profile / torch_npu.profiler.profile (or-ed with what the level turns on); "experimental:NAME"
+    sets that field of torch_npu's _ExperimentalConfig; "activity:CPU" adds the CPU activity; "level" is the
+    level table (README "Levels"); "postprocess" is done by our post-processing child; "always" means the
+    backend always does it. bounds: (lo, hi) for numbers, inclusive.
+    """
+
+    name: str  # ProfileConfig attribute
+    key: str  # YAML key under training:, also the argparse dest (Megatron's names)
+    parse: Callable[..., Any]
+    default: Any
+    help: str
+    env: str = ""  # ONDEMAND_PROF_<env>; derived from key when empty
+    yaml_default: Any = None  # FSDP2 YAML default when it differs from the MCore default
+    ours: bool = False  # not a MindSpeed option
+    window: bool = False  # a window request (trigger file, ondemandctl capture) may set it
+    torch: str = ""
+    npu: str = ""
+    bounds: tuple[float, float] | None = None
+    negatable: bool = False  # the flag has a --no- form (bools that default to on)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    @property
+    def env_var(self) -> str:
+        return ENV_PREFIX + (self.env or self.key.removeprefix("profile_").upper())
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        return getattr(self.parse, "choices", None)
+
+    def value(self, raw: Any, label: str, strict: bool = False) -> Any:
+        """Parse and bound one value; ConfigError names `label`."""
+        parsed = self.parse(raw, label, strict)
+        if self.bounds is not None and not self.bounds[0] <= parsed <= self.bounds[1]:
+            lo, hi = self.bounds
+            accepted = f"{lo:g} or more" if hi >= MAX_STEP else f"{lo:g} to {hi:g}"
+            raise ConfigError(f"invalid {label} {raw!r}: expected {accepted}")
+        return parsed
+
+
+_B = parse_bool
+OPTIONS: tuple[Option, ...] = (
+    Option("enabled", "profile", _B, False, "Enable the static profiling window.", env="ENABLE"),
+    Option("step_start", "profile_step_start", parse_int, 0, "First step recorded (inclusive).",
+           bounds=(0, MAX_STEP)),
+    Option("step_end", "profile_step_end", parse_int, -1,
+           "Step at which recording stops (exclusive); -1 = until close().", bounds=(-1, MAX_STEP)),
+    Option("ranks", "profile_ranks", parse_rank_list, (0,),
+           "Ranks that profile: a list or ranges like 0-3,8; -1 anywhere = all ranks.", yaml_default=(-1,)),
+    Option("level", "profile_level", choice(LEVELS), "level0", "Collection level: " + ", ".join(LEVELS) + ".",
+           window=True, torch="level", npu="experimental:profiler_level"),
+    Option("export_type", "profile_export_type", choice(EXPORT_TYPES), "text", "Export format: text or db.",
+           window=True, torch="postprocess", npu="experimental:export_type"),
+    Option("data_simplification", "profile_data_simplification", _B, False, "Shrink the output (see README).",
+           window=True, torch="postprocess", npu="experimental:data_simplification"),
+    Option("with_cpu", "profile_with_cpu", _B, False, "Also collect CPU activity (NPU; always on for torch).",
+           window=True, torch="always", npu="activity:CPU"),
+    Option("with_stack", "profile_with_stack", _B, False, "Record Python call stacks.",
+           window=True, torch="kwarg:with_stack", npu="kwarg:with_stack"),
+    Option("with_memory", "profile_with_memory", _B, False, "Record memory allocation and release events.",
+           window=True, torch="kwarg:profile_memory", npu="kwarg:profile_memory"),
+    Option("record_shapes", "profile_record_shapes", _B, False, "Record operator input shapes.",
+           window=True, torch="kwarg:record_shapes", npu="kwarg:record_shapes"),
+    Option("save_path", "profile_save_path", parse_str, "./profile", "Directory the captures are written under."),
+    Option("warmup_steps", "profile_warmup_steps", parse_int, 1,
+           "Warmup steps before a window (recorded, discarded).", ours=True, bounds=(0, 100)),
+    Option("gzip", "profile_gzip", _B, False, "Write the trace gzipped (.json.gz).", ours=True),
+    Option("job_id", "profile_job_id", parse_str, "", "Job name in metadata and the default trigger dir.",
+           ours=True),
+    Option("max_window_steps", "profile_max_window_steps", parse_int, 200,
+           "Cap on the length of an on-demand window, in steps.", ours=True, bounds=(1, 1_000_000)),
+    Option("ondemand", "profile_ondemand", _B, True, "Listen for on-demand triggers (files, daemon).", ours=True,
+           negatable=True),
+    Option("ondemand_steps", "profile_ondemand_steps", parse_int, 2, "Length of a default on-demand window.",
+           ours=True, bounds=(1, 1_000_000)),
+    Option("trigger_dir", "profile_trigger_dir", parse_str, "", "Directory watched for trigger files.", ours=True),
+    Option("trigger_poll_s", "profile_trigger_poll", parse_float, 0.0,
+           "Poll the trigger dir every N s instead of inotify (0 = inotify, polling where it fails).", ours=True,
+           bounds=(0, 3600)),
+    Option("signal", "profile_signal", parse_signal, "",
+           "Open the default window on this signal (e.g. SIGUSR2); off when empty.", ours=True),
+    Option("daemon", "profile_daemon", _B, True, "Register with the host daemon (ondemand-profd) when one runs.",
+           ours=True, negatable=True),
+    Option("runtime_dir", "profile_runtime_dir", parse_str, "", "The daemon's runtime directory (default: "
+           "/run/ondemand_prof for root, else $XDG_RUNTIME_DIR/ondemand_prof or /tmp/ondemand_prof-<uid>/run).",
+           ours=True),
+    Option("export_timeout_s", "profile_export_timeout", parse_float, 120.0,
+           "How long close() waits for pending exports (s).", ours=True, bounds=(0.001, 86400)),
+    Option("min_free_mb", "profile_min_free_mb", parse_int, 256, "Skip a window when less disk than this is free.",
+           ours=True, bounds=(0, MAX_STEP)),
+)
+
+
+def window_options(options: Sequence[Option] = OPTIONS) -> tuple[Option, ...]:
+    return tuple(o for o in options if o.window)
+
+
+def _config_methods(cls: type) -> type:
+    def replace(self: Any, **changes: Any) -> Any:
+        return dataclasses.replace(self, **changes)
+
+    def selects_rank(self: Any, rank: int) -> bool:
+        """-1 anywhere in the list means every rank (MindSpeed compares the whole list to [-1])."""
+        return selects(self.ranks, rank)
+
+    cls.replace = replace  # type: ignore[attr-defined]
+    cls.selects_rank = selects_rank  # type: ignore[attr-defined]
+    return cls
+
+
+def make_config_class(options: Sequence[Option] = OPTIONS) -> type:
+    """ProfileConfig: a frozen dataclass with one field per option."""
+    fields = [(o.name, Any, dataclasses.field(default=o.default)) for o in options]
+    cls = dataclasses.make_dataclass("ProfileConfig", fields, frozen=True)
+    cls.__module__ = __name__
+    cls.__doc__ = "Everything the profiler hook needs to know; fields: OPTIONS (README 'Configuration reference')."
+    return _config_methods(cls)
+
+
+def make_window_options_class(options: Sequence[Option] = OPTIONS) -> type:
+    """WindowOptions: the window options of the table; a request may override any of them."""
+    fields = [(o.name, Any, dataclasses.field(default=o.default)) for o in window_options(options)]
+    cls = dataclasses.make_dataclass("WindowOptions", fields, frozen=True)
+    cls.__module__ = __name__
+
+    def from_config(klass: type, config: Any, **overrides: Any) -> Any:
+        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(klass)}
+        values.update(overrides)
+        return klass(**values)
+
+    cls.from_config = classmethod(from_config)  # type: ignore[attr-defined]
+    cls.as_dict = lambda self: dataclasses.asdict(self)  # type: ignore[attr-defined]
+    cls.__doc__ = "The profiler options one window records with (the window options of OPTIONS)."
+    return cls
+
+
+ProfileConfig = make_config_class()
+WindowOptions = make_window_options_class()
+OPTION_BY_KEY = {o.key: o for o in OPTIONS}
+OPTION_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cross-field checks and building a config from labelled raw values
+
+
+def validate(config: Any, labels: Mapping[str, str] | None = None) -> Any:
+    """Cross-field checks; labels map a field to where its value came from (flag, YAML key, env var)."""
+    labels = labels or {}
+
+    def label(name: str) -> str:
+        return labels.get(name, OPTION_BY_NAME[name].flag)
+
+    if config.step_end != -1 and config.step_end <= config.step_start:
+        raise ConfigError(
+            f"invalid {label('step_end')} {config.step_end!r}: expected -1 or a step greater than "
+            f"{label('step_start')} ({config.step_start})"
+        )
+    if not 1 <= config.ondemand_steps <= config.max_window_steps:
+        raise _err(label("ondemand_steps"), config.ondemand_steps, f"1 to {config.max_window_steps} steps")
+    if not config.save_path:
+        raise _err(label("save_path"), config.save_path, "a directory path")
+    return config
+
+
+def _build(values: Mapping[str, tuple[Any, str]], base: Any, environ: Mapping[str, str] | None = None,
+           options: Sequence[Option] = OPTIONS) -> Any:
+    """values: name -> (raw value, label). The environment overrides them. Parses each, then validates."""
+    environ = os.environ if environ is None else environ
+    by_name = {o.name: o for o in options}
+    merged = dict(values)
+    merged.update({o.name: (environ[o.env_var], o.env_var) for o in options if o.env_var in environ})
+    warn_unknown_env(environ, options)
+    parsed = {name: by_name[name].value(raw, lab) for name, (raw, lab) in merged.items()}
+    return validate(base.replace(**parsed), {name: lab for name, (_, lab) in merged.items()})
+
+
+_warned_env: set[str] = set()
+
+
+def warn_unknown_env(environ: Mapping[str, str], options: Sequence[Option] = OPTIONS) -> list[str]:
+    """An ONDEMAND_PROF_* variable we do not know is probably a typo: say so once, naming the closest one."""
+    known = {o.env_var for o in options} | OTHER_ENV
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+    for name in unknown:
+        if name not in _warned_env:
+            _warned_env.add(name)
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            log.warning("ondemand_prof: unknown environment variable %s ignored%s", name,
+                        f" (did you mean {close[0]}?)" if close else "")
+    return unknown
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The entry points: flags, YAML/dict, environment
+
+
+def _arg_type(opt: Option) -> Callable[[str], Any]:
+    """argparse type= for a flag: argparse itself reports a bad value as one 'error:' line and exit 2."""
+
+    def convert(text: str) -> Any:
+        try:
+            return opt.value(text, opt.flag)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc).replace(f"invalid {opt.flag} ", "invalid value ", 1)) from None
+
+    convert.__name__ = opt.name
+    return convert
+
+
+def add_profile_args(parser: argparse.ArgumentParser, options: Sequence[Option] = OPTIONS
+                     ) -> argparse.ArgumentParser:
+    """Add the profiling flags; flags the parser already has (e.g. Megatron's --profile) are left alone."""
+    existing = set(parser._option_string_actions)  # noqa: SLF001 - argparse has no public accessor
+    group = parser.add_argument_group("profiling (ondemand_prof)")
+    for opt in options:
+        if opt.flag in existing:
+            continue
+        kwargs: dict[str, Any] = {"dest": opt.key, "default": None, "help": f"{opt.help} Env: {opt.env_var}."}
+        if opt.parse is parse_bool:
+            kwargs["action"] = argparse.BooleanOptionalAction if opt.negatable else "store_true"
+        elif opt.parse is parse_rank_list:
+            # nargs: MindSpeed writes "--profile-ranks 0 3"; each item may also be a range ("0-3,8")
+            kwargs.update(nargs="+", metavar="RANKS")
+        else:
+            kwargs.update(type=_arg_type(opt), metavar=opt.key.removeprefix("profile_").upper())
+        group.add_argument(opt.flag, **kwargs)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> Any:
+    """Read the flags back from a parsed namespace (ours or a Megatron-style parser's).
+
+    With `parser`, a bad value (e.g. a rank list, or step_end <= step_start) is reported through
+    parser.error(): one 'error:' line and exit 2, like any argparse program."""
+    values = {o.name: (getattr(args, o.key), o.flag) for o in OPTIONS if getattr(args, o.key, None) is not None}
+    try:
+        return _build(values, ProfileConfig())
+    except ConfigError as exc:
+        if parser is None:
+            raise
+        parser.error(str(exc))
+
+
+def config_from_mapping(data: Mapping[str, Any] | str | os.PathLike[str], *, source: str = "") -> Any:
+    """From a training YAML (path or dict). Keys are read under ``training:`` when present, else at top level.
+
+    FSDP2 defaults apply (profile_ranks: [-1]). Unknown ``profile_*`` keys are errors, so a typo cannot
+    silently disable a window; other keys belong to the training config and are ignored.
+    """
+    if isinstance(data, (str, os.PathLike)):
+        source = str(data)
+        data = _load_yaml(data)
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"invalid configuration {source or ''}: expected a mapping, got {type(data).__name__}")
+    section = data.get("training", data)
+    prefix = "training." if "training" in data else ""
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"invalid {prefix or ''}training section: expected a mapping")
+    base = ProfileConfig(**{o.name: o.yaml_default for o in OPTIONS if o.yaml_default is not None})
+    values = {}
+    for key, raw in section.items():
+        if not isinstance(key, str) or not key.startswith("profile"):
+            continue
+        opt = OPTION_BY_KEY.get(key)
+        if opt is None:
+            close = difflib.get_close_matches(key, list(OPTION_BY_KEY), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise ConfigError(f"unknown key {prefix}{key} in {source or 'configuration'}{hint}; known keys are "
+                              + ", ".join(OPTION_BY_KEY))
+        if raw is not None:
+            values[opt.name] = (raw, f"{prefix}{key}")
+    return _build(values, base)
+
+
+def config_from_env(base: Any = None) -> Any:
+    return _build({}, base or ProfileConfig())
+
+
+def _load_yaml(path: str | os.PathLike[str]) -> Any:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return yaml.safe_load(fh) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read configuration file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"configuration file {path} is not valid YAML: {exc}") from None
+
+
+def add_window_flags(parser: argparse.ArgumentParser, options: Sequence[Option] = OPTIONS) -> None:
+    """The window options as `ondemandctl capture` flags: --level, --[no-]with-stack, ... (unset: the rank's
+    configuration decides)."""
+    for opt in window_options(options):
+        flag = "--" + opt.name.replace("_", "-")
+        if opt.parse is parse_bool:
+            parser.add_argument(flag, dest=opt.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{opt.help} (default: the rank's configuration)")
+        else:
+            parser.add_argument(flag, dest=opt.name, choices=opt.choices, type=None if opt.choices else str,
+                                default=None, help=f"{opt.help} (default: the rank's configuration)")
+
+
+def window_overrides(args: argparse.Namespace, options: Sequence[Option] = OPTIONS) -> dict[str, Any]:
+    return {o.name: getattr(args, o.name) for o in window_options(options) if getattr(args, o.name, None) is not None}
+
+
+def default_job_id(environ: Mapping[str, str] | None = None) -> str:
+    """A job name that is the same on every rank of one job and differs between jobs on one host."""
+    environ = os.environ if environ is None else environ
+    for var in ("ONDEMAND_PROF_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
+        value = environ.get(var)
+        if value and value != "none":
+            return ("port" + value) if var == "MASTER_PORT" else value
+    return f"pid{os.getppid() if environ.get('RANK') else os.getpid()}"
+
+
+__all__ = [
+    "ConfigError", "ProfileConfig", "WindowOptions", "Option", "OPTIONS", "LEVELS", "EXPORT_TYPES",
+    "add_profile_args", "add_window_flags", "config_from_args", "config_from_mapping", "config_from_env",
+    "default_job_id", "window_options", "window_overrides",
+]

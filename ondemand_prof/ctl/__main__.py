@@ -1,3 +1,0 @@
-from . import run_main
-
-run_main()

@@ -1,0 +1,271 @@
+"""ondemand-profd's transport: the runtime directory, the pid file and one ROUTER socket that serves both the
+ranks' agents (register, heartbeats, progress events) and ondemandctl (one reply per request). Single-threaded:
+frames are decoded here and handed to the Service (host/service.py), which holds every handler; disk writes
+are batched on a timer."""
+
+from __future__ import annotations
+
+import grp
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import zmq
+
+from .. import __version__
+from ..core.protocol import PROTOCOL_VERSION, RANK_MESSAGES, ProtocolError, decode, encode, endpoint, reply_error, \
+    socket_path
+from .commands import CLI_MESSAGES, DAEMON_COMMANDS
+from .records import RecordStore
+from .sdnotify import notify, watchdog_interval
+from .service import Service
+
+log = logging.getLogger("ondemand_prof.host.profd")
+
+SCHEMA = {**RANK_MESSAGES, **CLI_MESSAGES}
+TICK_S = 0.2  # housekeeping: expire ranks, write changed records, answer watches that timed out
+BATCH_S = 0.01
+BATCH_ABOVE_RATE = 1000  # heartbeats per second
+_NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
+
+
+def _read_pid(pid_file: Path) -> int | None:
+    try:
+        return int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _daemon_pid(pid_file: Path) -> int | None:
+    """The pid in a pid file when that process is alive and is an ondemand-profd."""
+    pid = _read_pid(pid_file)
+    try:
+        cmdline = " ".join(psutil.Process(pid).cmdline()) if pid is not None else ""
+    except psutil.Error:
+        return None
+    return pid if "ondemand" in cmdline and "daemon" in cmdline or "ondemand-profd" in cmdline else None
+
+
+class DaemonError(RuntimeError):
+    pass
+
+
+class Daemon:
+    def __init__(self, runtime_dir: Path, state_dir: Path, *, group: str | None = None) -> None:
+        self.runtime_dir = runtime_dir
+        self.state_dir = state_dir
+        self.group = group
+        self.host = socket.gethostname()
+        self.service: Service | None = None
+        self._stop = False
+        self._bound = False
+        self._beats = 0
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+
+    # ------------------------------------------------------------------------------------------------------
+    # Setup
+
+    def open(self) -> None:
+        self._prepare_runtime_dir()
+        self.service = Service(RecordStore(self.state_dir), DAEMON_COMMANDS, host=self.host, runtime_dir=self.runtime_dir,
+                               state_dir=self.state_dir)
+        path = socket_path(self.runtime_dir)
+        url = endpoint(self.runtime_dir)
+        self._refuse_if_running(url, path)
+        self._ctx = zmq.Context(io_threads=1)
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a rank reconnecting with its identity takes over its route
+        sock.setsockopt(zmq.MAXMSGSIZE, 1024 * 1024)  # frames over this drop the connection before reaching us
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        old = os.umask(0o077 if not self.group else 0o007)  # the socket is never, even briefly, world-accessible
+        try:
+            sock.bind(url)
+        finally:
+            os.umask(old)
+        mode = 0o660 if self.group else 0o600
+        os.chmod(path, mode)
+        if self.group:
+            os.chown(path, -1, grp.getgrnam(self.group).gr_gid)
+        self._sock = sock
+        self._bound = True
+        (self.runtime_dir / "profd.pid").write_text(f"{os.getpid()}\n")
+        log.info("ondemand-profd %s listening on %s (state in %s)", __version__, url, self.state_dir)
+
+    def _prepare_runtime_dir(self) -> None:
+        d = self.runtime_dir
+        d.mkdir(parents=True, exist_ok=True)
+        st = d.stat()
+        if st.st_uid != os.getuid():
+            raise DaemonError(f"runtime directory {d} belongs to uid {st.st_uid}, not to us (uid {os.getuid()})")
+        if self.group:
+            try:
+                gid = grp.getgrnam(self.group).gr_gid
+            except KeyError:
+                raise DaemonError(f"--group {self.group!r}: no such group") from None
+            os.chown(d, -1, gid)
+            os.chmod(d, 0o710)  # group members may reach the socket, not list or create files
+        else:
+            os.chmod(d, 0o700)
+
+    def _refuse_if_running(self, url: str, path: Path) -> None:
+        if not path.exists():
+            return
+        ctx = zmq.Context()
+        try:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(url)
+            s.send(encode("status", id="probe", brief=True))
+            if s.poll(500):
+                pid = _read_pid(self.runtime_dir / "profd.pid")
+                raise DaemonError(f"another ondemand-profd (pid {pid if pid is not None else '?'}) is serving {path}")
+        finally:
+            ctx.destroy(linger=0)
+        holder = _daemon_pid(self.runtime_dir / "profd.pid")
+        if holder is not None and holder != os.getpid():
+            raise DaemonError(f"ondemand-profd pid {holder} holds {path} but did not answer within 0.5 s; stop it "
+                              "first")
+        path.unlink()  # a stale socket from a daemon that died
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.service.store.flush()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._bound:  # never remove the socket or pid file of another daemon
+            self._bound = False
+            for name in ("profd.sock", "profd.pid"):
+                try:
+                    (self.runtime_dir / name).unlink()
+                except OSError:
+                    pass
+
+    # ------------------------------------------------------------------------------------------------------
+    # Loop
+
+    def stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def serve(self) -> None:
+        assert self._sock is not None and self.service is not None
+        sock = self._sock
+        service = self.service
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        recv, getopt = sock.recv, sock.getsockopt
+        rate = 0.0  # heartbeats per second over the last tick (requests and events do not count: they want speed)
+        next_tick = time.monotonic() + TICK_S
+        wd = watchdog_interval()
+        next_wd = time.monotonic()
+        notify("READY=1\nSTATUS=serving " + str(socket_path(self.runtime_dir)))
+        while not self._stop:
+            timeout = max(0.0, next_tick - time.monotonic())
+            if poller.poll(int(timeout * 1000)):
+                woke = time.monotonic()
+                for _ in range(10_000):  # drain, but let housekeeping run under a flood
+                    try:
+                        # two plain recv() calls: a quarter of recv_multipart's cost, which matters at 4096
+                        # heartbeats a second
+                        route = recv(_NOBLOCK)
+                        frame = recv(_NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if getopt(_RCVMORE):  # a multi-frame message from a peer: not ours; drop the rest
+                        while getopt(_RCVMORE):
+                            recv(_NOBLOCK)
+                        self._send(route, reply_error(None, "expected a single-frame message"))
+                        continue
+                    self.dispatch(route, frame)
+                if service.watches_due:
+                    service.answer_due_watches()
+                    self._flush_outbox()
+                # Thousands of ranks heart-beating spread over the second would wake us once per message; when
+                # heartbeats are that frequent, a short pause lets them arrive in batches (a request then waits
+                # at most BATCH_S more). Hosts with fewer than a thousand ranks never pause.
+                if rate > BATCH_ABOVE_RATE:
+                    pause = BATCH_S - (time.monotonic() - woke)
+                    if pause > 0:
+                        time.sleep(pause)
+            now = time.monotonic()
+            if now >= next_tick:
+                rate, self._beats = self._beats / max(TICK_S, now - next_tick + TICK_S), 0
+                next_tick = now + TICK_S
+                service.housekeeping(now)
+                self._flush_outbox()
+                if wd and now >= next_wd:
+                    notify("WATCHDOG=1")
+                    next_wd = now + wd
+        notify("STOPPING=1")
+
+    def dispatch(self, route: bytes, frame: bytes) -> None:
+        service = self.service
+        assert service is not None
+        if len(frame) < 512:  # the common case, a heartbeat: checked here without the general decoder
+            try:
+                msg = json.loads(frame)
+            except ValueError:
+                msg = None
+            if type(msg) is dict and msg.get("type") == "hb" and msg.get("v") == PROTOCOL_VERSION and \
+                    type(msg.get("step")) is int:
+                self._beats += 1
+                out = service.on_heartbeat(route, msg)
+                if out is not None:
+                    self._send(route, out)
+                return
+        try:
+            msg = decode(frame, SCHEMA)
+        except ProtocolError as exc:
+            log.warning("ondemand-profd: bad message (%d bytes): %s", len(frame), exc)
+            self._send(route, reply_error(None, str(exc)))
+            return
+        out = service.handle(route, msg)
+        if out is not None:
+            self._send(route, out)
+        self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        service = self.service
+        assert service is not None
+        if service.outbox:
+            out, service.outbox = service.outbox, []
+            for route, body in out:
+                self._send(route, body)
+
+    def _send(self, route: bytes, body: bytes) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.send(route, _NOBLOCK | _SNDMORE)
+            self._sock.send(body, _NOBLOCK)
+        except zmq.Again:
+            log.debug("ondemand-profd: peer not keeping up; reply dropped")
+
+
+def run(runtime_dir: Path, state_dir: Path, *, group: str | None = None) -> int:
+    daemon = Daemon(runtime_dir, state_dir, group=group)
+    try:
+        daemon.open()
+    except (DaemonError, ProtocolError, OSError, zmq.ZMQError) as exc:
+        log.error("ondemand-profd: cannot start: %s", exc)
+        daemon.close()
+        return 1
+    signal.signal(signal.SIGTERM, daemon.stop)
+    signal.signal(signal.SIGINT, daemon.stop)
+    try:
+        daemon.serve()
+    finally:
+        daemon.close()
+    log.info("ondemand-profd: stopped")
+    return 0

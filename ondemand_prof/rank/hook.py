@@ -1,0 +1,352 @@
+"""OnDemandProfiler: the hook inside each training rank.
+
+Threads: the training thread calls step(); with no window due, that is a C-level counter call (see README "Idle
+cost"). Everything that needs attention at a step boundary (a window to begin, advance or finish, a request
+handed over by another thread) is signalled by lowering `_wake` and removing the idle counter, so the idle path
+never takes a lock. Which window runs when is the Scheduler's (rank/scheduler.py); this module keeps the idle
+fast path, the inbox from other threads, and the calls into backends, the layout and the exporter.
+Nothing raised by the profiler, the disk or a trigger reaches the training loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as _dt
+import functools
+import logging
+import operator
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .. import __version__
+from ..core.files import iso_time
+from ..core.options import ConfigError, ProfileConfig, WindowOptions, config_from_args, config_from_env, \
+    config_from_mapping, default_job_id
+from ..core.window import Window
+from .backends import Backend, Identity, select_backend
+from .layout import CaptureLayout
+from .output import ExportJob, Exporter, disk_problem, writable_problem
+from .scheduler import IDLE, Active, Listener, Scheduler, Session, tell
+
+log = logging.getLogger("ondemand_prof")
+
+_COUNTER_END = IDLE  # the idle counter counts up to here; its position is read through length_hint
+
+
+class OnDemandProfiler:
+    """Profile static windows from the configuration and on-demand windows from triggers.
+
+    Call step() once at the end of every training step. Steps are numbered from `first_step` (0 by
+    default: the first step after construction is step 0). A loop with its own counter (resumed or 1-based
+    runs) passes `first_step=` and may call step(n) with the number of the step that just ended.
+    """
+
+    def __init__(self, config: ProfileConfig | None = None, *, first_step: int = 0, backend: str | Backend = "auto",
+                 start_agent: bool = True) -> None:
+        self.config = config or ProfileConfig()
+        self._step = first_step
+        self._wake = IDLE
+        self._counter: Any = None
+        # work other threads (agent, signal handler) hand to the training thread; deque.append/popleft are
+        # atomic, so no lock is needed, and a signal handler may append safely
+        self._inbox: collections.deque[Callable[[int], None]] = collections.deque()
+        self._backend_name = backend if isinstance(backend, str) else "given"
+        self._backend: Backend | None = None if isinstance(backend, str) else backend
+        self._identity: Identity | None = None
+        self._exporter = Exporter()
+        self._save_root = Path(self.config.save_path).expanduser()
+        self.layout = CaptureLayout(self._save_root, socket.gethostname(), os.getpid())
+        self.job_id = self.config.job_id or default_job_id()
+        self.scheduler = Scheduler(self, warmup_steps=self.config.warmup_steps)
+        self.agent: Any = None
+        self.signal_trigger: Any = None
+
+        if self.config.enabled or self.config.ondemand:
+            problem = writable_problem(self._save_root)
+            if problem:
+                raise ConfigError(f"invalid --profile-save-path {self.config.save_path!r}: {problem}")
+        self.layout.remove_stale_staging()
+        if self.config.enabled:
+            self._queue_static()
+        self._boundary()
+        if start_agent and self.config.ondemand:
+            self._start_agent()
+        if self.config.signal:
+            from .signals import SignalTrigger
+
+            self.signal_trigger = SignalTrigger(self, self.config.signal)
+            self.signal_trigger.install()
+
+    def _queue_static(self) -> None:
+        config = self.config
+        end = None if config.step_end == -1 else config.step_end
+        static = Window(config.step_start, end, WindowOptions.from_config(config), source="static",
+                        capture_id=f"static-{self.job_id}-{config.step_start}-{config.step_end}",
+                        requested={"start_step": config.step_start, "end_step": config.step_end})
+        self.scheduler.submit(static)
+        if end is None:
+            log.warning("ondemand_prof: static window from step %d has no end (--profile-step-end -1): it "
+                        "records until close()", config.step_start)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Construction helpers
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, parser: argparse.ArgumentParser | None = None,
+                  **kwargs: Any) -> "OnDemandProfiler":
+        """From add_profile_args flags; with `parser`, bad values end the program as argparse errors do."""
+        return cls(config_from_args(args, parser), **kwargs)
+
+    @classmethod
+    def from_config(cls, data: Mapping[str, Any] | str | os.PathLike[str], **kwargs: Any) -> "OnDemandProfiler":
+        return cls(config_from_mapping(data), **kwargs)
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> "OnDemandProfiler":
+        return cls(config_from_env(), **kwargs)
+
+    def __enter__(self) -> "OnDemandProfiler":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------------------
+    # The hot path
+
+    def step(self, step: int | None = None, /) -> None:
+        """End of a training step. `step`, when given, is the number of the step that just ended.
+
+        `step` is positional-only, in every state: the idle form below (a C call) cannot take keywords, so a
+        keyword call fails on the first step instead of hours later, when a window happens to be pending.
+
+        While nothing is scheduled, an instance attribute `step` (a C-level counter, no Python frame)
+        shadows this method; lowering `_wake` and removing that attribute brings this method back.
+        """
+        if self._counter is not None:
+            self._leave_idle()
+        if step is None:
+            self._step += 1
+        else:
+            self._step = step + 1
+        if self._step >= self._wake:
+            self._boundary()
+
+    @property
+    def current_step(self) -> int:
+        """The step now running (the next one to end). Safe to read from any thread."""
+        counter = self._counter
+        if counter is not None:
+            return _counter_value(counter) - 1
+        return self._step
+
+    def _enter_idle(self) -> None:
+        # Nothing is due: count steps with a range iterator's C __next__ (its position is readable through
+        # length_hint). next(counter, n) also accepts the loop's own number (prof.step(n)), which is then ignored
+        # until a window is pending. See README "Idle cost".
+        self._counter = iter(range(self._step + 1, _COUNTER_END))
+        self.step = functools.partial(next, self._counter)  # type: ignore[method-assign]
+        if self._inbox:  # a request arrived meanwhile: take the checked path at the next step
+            self._wake_up()
+
+    def _leave_idle(self) -> None:
+        # _step before _counter: the agent thread reads current_step at any moment, and must never see the
+        # stale _step of when idling began (its step clock would take that for the loop going backwards)
+        counter = self._counter
+        assert counter is not None
+        self._step = _counter_value(counter) - 1
+        self._counter = None
+        self.__dict__.pop("step", None)
+
+    def _wake_up(self) -> None:
+        """Make the next step() call take the boundary path (any thread; atomic under the GIL)."""
+        self._wake = 0
+        self.__dict__.pop("step", None)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Requests from other threads (agent, triggers, signal handler)
+
+    def call_at_next_step(self, fn: Callable[[int], None]) -> None:
+        """Run fn(step) on the training thread at the next step boundary (thread-safe, never blocks long)."""
+        self._inbox.append(fn)
+        self._wake_up()
+
+    def submit(self, window: Window, listener: Listener | None = None) -> tuple[bool, str]:
+        """Queue a window (on the training thread, usually through call_at_next_step)."""
+        ok, reason = self.scheduler.submit(window, listener)
+        if ok:
+            self._wake_up()
+        return ok, reason
+
+    def cancel(self, capture_id: str, step: int) -> bool:
+        """Stop a queued or running window (training thread): what was recorded is written, marked cancelled."""
+        return self.scheduler.cancel(capture_id, step)
+
+    @property
+    def active_window(self) -> Window | None:
+        active = self.scheduler.active
+        return active.window if active else None
+
+    @property
+    def queued_windows(self) -> list[Window]:
+        return [q.window for q in list(self.scheduler.queue)]
+
+    @property
+    def state(self) -> str:
+        """What the profiler is doing, for heartbeats: idle, scheduled, warmup, recording, disabled, closed."""
+        return self.scheduler.state
+
+    # ------------------------------------------------------------------------------------------------------
+    # Step boundaries (training thread)
+
+    def _boundary(self) -> None:
+        step = self._step
+        self._drain_inbox(step)
+        self._wake = self.scheduler.boundary(step)
+        if self._inbox:  # another thread lowered _wake while we computed it: keep its request
+            self._wake = 0
+        elif self._wake == IDLE and not self.scheduler.closed:
+            self._enter_idle()
+
+    def _drain_inbox(self, step: int) -> None:
+        while self._inbox:
+            fn = self._inbox.popleft()
+            try:
+                fn(step)
+            except Exception:  # noqa: BLE001 - a bad request must not stop the others
+                log.exception("ondemand_prof: handling a request failed")
+
+    # ------------------------------------------------------------------------------------------------------
+    # The scheduler's Driver: sessions, exports, facts about this rank
+
+    def open(self, window: Window) -> tuple[Session, Any]:
+        ident = self.identity()
+        backend = self.backend()
+        out = self.layout.plan(window.capture_id, ident.rank, _dt.datetime.now())
+        out.folder.mkdir(parents=True, exist_ok=True)
+        return backend.open(window, ident, out.staging), {"out": out, "began_at": iso_time()}
+
+    def collect(self, active: Active) -> Any:
+        t0 = time.monotonic()
+        export = active.session.finish()
+        active.context["collect_s"] = time.monotonic() - t0
+        return export
+
+    def export(self, active: Active, steps: list[int], export: Any) -> None:
+        collect_s = active.context.get("collect_s", 0.0)
+        out = active.context["out"]
+        job = ExportJob(
+            export=export, window=active.window, identity=self.identity(), out=out, recorded_steps=steps,
+            gzip=self.config.gzip, metadata=self._metadata(active, steps, collect_s, export.info),
+            on_done=lambda result, a=active: self._on_published(a, result),
+        )
+        self._exporter.submit(job)
+
+    def static_selected(self) -> bool:
+        ident = self.identity()
+        if not self.config.selects_rank(ident.rank):
+            log.debug("ondemand_prof: rank %d not in --profile-ranks %s", ident.rank, self.config.ranks)
+            return False
+        return True
+
+    def who(self) -> str:
+        return f"rank {self.identity().rank}"
+
+    def disk_problem(self) -> str | None:
+        return disk_problem(self._save_root, self.config.min_free_mb)
+
+    def _on_published(self, active: Active, result: dict[str, Any]) -> None:
+        event = "done" if result.get("status") in ("ok", "partial") else "failed"
+        tell(active.listener, event, active.window, path=result.get("path"), status=result.get("status"),
+             error=result.get("error"), steps=result.get("steps_in_trace"), cancelled=active.cancelled or None)
+
+    def _metadata(self, active: Active, steps: list[int], collect_s: float, info: dict[str, Any]) -> dict[str, Any]:
+        window = active.window
+        backend = self.backend()
+        return {
+            "schema_version": 1,
+            "tool": {"name": "ondemand_prof", "version": __version__},
+            **self.identity().as_dict(),
+            "capture_id": window.capture_id,
+            "trigger": {"source": window.source, "request": dict(window.requested)},
+            "window": {"start": window.start, "end": window.end, "recorded_steps": steps, "late_by": active.late_by,
+                       "warmup_steps": self.config.warmup_steps, "note": window.note or None,
+                       "cancelled": active.cancelled},
+            "options": window.options.as_dict(),
+            "backend": {"name": backend.name, **backend.versions(), **info},
+            "timings": {"window_began_at": active.context["began_at"], "window_ended_at": iso_time(),
+                        "collect_s": round(collect_s, 4)},
+        }
+
+    # ------------------------------------------------------------------------------------------------------
+    # Identity and backend (lazy: torch.distributed may be initialised after the profiler is created)
+
+    def identity(self) -> Identity:
+        if self._identity is not None:
+            return self._identity
+        rank, world, dist_up = _rank_and_world()
+        ident = Identity(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+                         host=socket.gethostname(), pid=os.getpid(), job_id=self.job_id, dist_initialized=dist_up)
+        if dist_up or "RANK" in os.environ:
+            self._identity = ident  # final; before that, re-check next time
+        return ident
+
+    def backend(self) -> Backend:
+        if self._backend is None:
+            self._backend = select_backend(self._backend_name)
+        return self._backend
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def _start_agent(self) -> None:
+        from .agent import Agent
+
+        try:
+            self.agent = Agent(self)
+            self.agent.start()
+        except Exception as exc:  # noqa: BLE001 - no trigger listening is not a reason to stop training
+            log.error("ondemand_prof: on-demand listening disabled: %s", exc)
+            self.agent = None
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish any open window, stop listening and wait (bounded) for pending exports. Never raises."""
+        if self.scheduler.closed:
+            return True
+        if self._counter is not None:
+            self._leave_idle()
+        self._drain_inbox(self._step)
+        self.scheduler.close(self._step)
+        self._wake = IDLE
+        if self.signal_trigger is not None:
+            self.signal_trigger.uninstall()
+        limit = self.config.export_timeout_s if timeout is None else timeout
+        done = self._exporter.wait(limit)
+        if not done:
+            log.error("ondemand_prof: %d export(s) still running after %.0f s; giving up waiting",
+                      self._exporter.pending(), limit)
+        if self.agent is not None:  # after the exports, so their results still reach status files and the daemon
+            try:
+                self.agent.stop()
+            except Exception:  # noqa: BLE001
+                log.debug("agent stop failed", exc_info=True)
+        return done
+
+
+def _counter_value(counter: Any) -> int:
+    """The value the idle counter's next __next__ returns (a range iterator's remaining length, PEP 424)."""
+    return _COUNTER_END - operator.length_hint(counter)
+
+
+def _rank_and_world() -> tuple[int, int, bool]:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size(), True
+    except Exception:  # noqa: BLE001 - fall back to the launcher's environment
+        pass
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), False

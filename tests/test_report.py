@@ -96,6 +96,9 @@ def test_multi_rank_report_through_the_cli(tmp_path: Path) -> None:
     # one capture directory alone
     one = ctl(tmp_path, "report", str(caps[0]["dir"]), "--json")
     assert len(json.loads(one.stdout)["captures"][0]["ranks"]) == 1
+    # the capture folder: each rank once (its trace sits beside its directory, and is read through it)
+    folder = json.loads(ctl(tmp_path, "report", str(caps[0]["folder"]), "--json").stdout)
+    assert [r["rank"] for g in folder["captures"] for r in g["ranks"]] == [0, 1]
 
 
 def cpu_split_by_hand(events: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:

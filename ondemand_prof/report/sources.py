@@ -47,13 +47,25 @@ def find_sources(path: Path) -> tuple[list[tuple[str, Path]], list[dict[str, str
             found.append((k, child))
         elif child.is_dir():  # one more level: a rank directory per host, a job directory...
             found.extend((k2, c2) for c2 in _children(child) if (k2 := _kind(c2)))
-    loose = sorted(p for pattern in ("*.json", "*.json.gz") for p in path.glob(pattern) if p.name != "metadata.json")
+    # a capture folder holds its ranks' traces beside their directories (rank/layout.py): those are read through
+    # their rank directory, with its metadata, not a second time as loose files
+    owned = {t for k, d in found if k == "capture" and (t := _trace_of(d)) is not None}
+    loose = sorted(p for pattern in ("*.json", "*.json.gz") for p in path.glob(pattern)
+                   if p.name != "metadata.json" and p.resolve() not in owned)
     found.extend(("trace", p) for p in loose)
     if not found:
         return [], [{"path": str(path), "error": "no captures here (expected capture directories with "
                                                  "metadata.json, *_ascend_pt directories or trace files)"}]
     found.sort(key=lambda kp: kp[1].stat().st_mtime, reverse=True)
     return found, []
+
+
+def _trace_of(rank_dir: Path) -> Path | None:
+    try:
+        name = json.loads((rank_dir / "metadata.json").read_text()).get("trace_file")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return (rank_dir / name).resolve() if isinstance(name, str) and name else None
 
 
 def _children(path: Path) -> list[Path]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from conftest import assert_ok, base_env, captures, ctl, run_ranks, trace_steps
+from conftest import assert_ok, base_env, captures, ctl, load_trace, run_ranks, trace_steps
 from ondemand_prof.report import build_report
 from ondemand_prof.report.analyze import RankAnalyzer
 from ondemand_prof.report.tracefile import TraceReader
@@ -83,14 +83,47 @@ def test_multi_rank_report_through_the_cli(tmp_path: Path) -> None:
     data = json.loads(ctl(tmp_path, "report", str(save), "--json").stdout)
     (group,) = data["captures"]
     assert [r["rank"] for r in group["ranks"]] == [0, 1] and group["failed"] == []
-    for r in group["ranks"]:
+    for r, cap in zip(group["ranks"], sorted(caps, key=lambda c: c["rank"])):
         assert [s["step"] for s in r["steps"]] == [4, 5, 6, 7]
-        for s in r["steps"]:
-            assert s["compute_ms"] + s["comm_ms"] + s["other_ms"] == pytest.approx(s["dur_ms"], rel=1e-6)
+        expected = cpu_split_by_hand(load_trace(cap)["traceEvents"])
+        for s in r["steps"]:  # against a plain recomputation from the trace's JSON
+            busy, comm = expected[s["step"]]
+            assert s["comm_ms"] == pytest.approx(comm / 1000, abs=1e-6), s
+            assert s["compute_ms"] == pytest.approx((busy - comm) / 1000, abs=1e-6), s
+            assert s["idle_ms"] == pytest.approx(s["dur_ms"] - busy / 1000, abs=1e-6), s
         assert r["comm_pct"] > 0 and r["memory"]["devices"][0]["peak_allocated"] > 0
+        assert r["memory"]["devices"][0]["device"] == "CPU"
     # one capture directory alone
     one = ctl(tmp_path, "report", str(caps[0]["dir"]), "--json")
     assert len(json.loads(one.stdout)["captures"][0]["ranks"]) == 1
+    # the capture folder: each rank once (its trace sits beside its directory, and is read through it)
+    folder = json.loads(ctl(tmp_path, "report", str(caps[0]["folder"]), "--json").stdout)
+    assert [r["rank"] for g in folder["captures"] for r in g["ranks"]] == [0, 1]
+
+
+def cpu_split_by_hand(events: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
+    """step -> (busy, collective) microseconds, from the JSON alone: the union of the cpu_op/user_annotation
+    events that start inside the step on its thread (clipped to the step), and of those that are collectives."""
+    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    out = {}
+    for st in steps:
+        lo, hi = float(st["ts"]), float(st["ts"]) + float(st["dur"])
+        inside = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
+                  and (e.get("pid"), e.get("tid")) == (st.get("pid"), st.get("tid")) and e is not st
+                  and lo <= float(e["ts"]) < hi]
+        spans = [(float(e["ts"]), min(hi, float(e["ts"]) + float(e["dur"])), str(e["name"])) for e in inside]
+        comm = [(a, b, n) for a, b, n in spans if n.startswith(("gloo:", "c10d::", "record_param_comms", "nccl:"))]
+        out[int(st["name"].split("#")[1])] = (union_length(spans), union_length(comm))
+    return out
+
+
+def union_length(spans: list[tuple[float, float, str]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b, _ in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def test_reads_db_gzip_and_simplified_exports(tmp_path: Path) -> None:
@@ -145,11 +178,17 @@ def test_fixture_gpu_kernels_split_compute_communication_and_overlap(tmp_path: P
     (group,) = data["captures"]
     r0, r1 = group["ranks"]
     assert (r0["rank"], r1["rank"], r0["basis"]) == (0, 1, "device")
-    # per step: compute 200 + 300 = 500 us, NCCL 400 us, overlapping the elementwise kernel for 200 us,
-    # busy 700 us of 1000 -> other 300 us
-    for s in r0["steps"]:
-        assert (s["compute_ms"], s["comm_ms"], s["overlap_ms"], s["other_ms"]) == pytest.approx((0.5, 0.4, 0.2, 0.3))
-    assert r0["comm_pct"] == pytest.approx(40.0)
+    # per step: compute 200 + 300 = 500 us, NCCL 400 us, overlapping the elementwise kernel for 200 us: compute
+    # alone 300, exposed NCCL 200, overlap 200. Step 10's device window runs from its first kernel (t+50) to step
+    # 11's (1000 us, idle 300); step 11's to its last kernel's end (850 us, idle 150)
+    s10, s11 = r0["steps"]
+    assert (s10["window_ms"], s10["compute_ms"], s10["comm_ms"], s10["overlap_ms"], s10["idle_ms"]) == pytest.approx(
+        (1.0, 0.3, 0.2, 0.2, 0.3))
+    assert (s11["window_ms"], s11["idle_ms"], s11["comm_total_ms"]) == pytest.approx((0.85, 0.15, 0.4))
+    assert r0["comm_pct"] == pytest.approx(100 * 0.4 / 1.85)
+    assert sum(r0[f"{k}_pct"] for k in ("compute", "comm", "overlap", "idle")) == pytest.approx(100)
+    # the elementwise kernel's launch is not in the file: placed by time; the others by their launch
+    assert r0["kernel_steps"] == {"by_launch": 4, "by_time": 2, "outside_steps": 0}
     kernels = {k["name"]: k for k in r0["top_kernels"]}
     assert kernels["ncclDevKernel_AllReduce_Sum_f32"]["comm"] is True
     assert kernels["sm90_xmma_gemm_f32"]["calls"] == 2 and kernels["sm90_xmma_gemm_f32"]["total_us"] == 400
@@ -190,9 +229,14 @@ def test_fixture_ascend_profiler_output(tmp_path: Path) -> None:
     (r,) = build_report([d])["captures"][0]["ranks"]
     assert r["rank"] == 3 and r["kind"] == "ascend"
     assert [s["step"] for s in r["steps"]] == [3, 4]
-    assert r["steps"][0]["dur_ms"] == pytest.approx(10.0) and r["steps"][0]["comm_ms"] == pytest.approx(2.0)
+    # Computing 8000 (500 of it overlapped) + exposed 1500 + Free 500 = 10 ms
+    s3 = r["steps"][0]
+    assert s3["dur_ms"] == pytest.approx(10.0) and s3["comm_total_ms"] == pytest.approx(2.0)
+    assert (s3["compute_ms"], s3["comm_ms"], s3["overlap_ms"], s3["idle_ms"]) == pytest.approx((7.5, 1.5, 0.5, 0.5))
     assert r["top_kernels"][0]["name"] == "MatMulV2" and r["top_kernels"][1]["comm"] is True
-    assert r["memory"]["devices"][0]["peak_allocated"] == 1536 * 2**20  # the GE row is another component
+    pta, ge = r["memory"]["devices"]  # the GE row is another component, kept apart
+    assert (pta["component"], pta["device"], pta["peak_allocated"]) == ("PTA", "NPU:0", 1536 * 2**20)
+    assert (ge["component"], ge["peak_allocated"]) == ("GE", 9999 * 2**20)
     assert set(r["files_used"]) == {"step_trace_time.csv", "op_statistic.csv", "memory_record.csv"}
     # without op_statistic.csv the kernels come from kernel_details.csv, per operator type
     d2 = fixture_ascend_output(tmp_path / "other", 5)

@@ -8,8 +8,9 @@ What the rewrite does, in order:
      empty annotation for the step that never ran),
   2. at level_none keeps only annotations (ProfilerStep#N, record_function ranges, gpu_user_annotation),
   3. with data simplification drops per-event bookkeeping args and flow arrows (see SIMPLIFY_* below),
-  4. makes sure distributedInfo.rank is present,
-  5. writes compact JSON (gzipped when asked).
+  4. makes sure distributedInfo.rank is present (with the backend the trace's collectives show),
+  5. writes compact JSON (gzipped when asked), distributedInfo first and spaced as torch writes it: HTA finds a
+     file's rank with the regex `"rank":\\s+(\\d+)` on its first matching line, and reads `"rank":1` as rank 0.
 """
 
 from __future__ import annotations
@@ -52,8 +53,14 @@ def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def dump_trace(trace: dict[str, Any], path: str | os.PathLike[str]) -> None:
     opener = gzip.open if str(path).endswith(".gz") else open
+    info = trace.get("distributedInfo")
+    rest = {k: v for k, v in trace.items() if k != "distributedInfo"}
     with opener(path, "wt", encoding="utf-8") as fh:  # type: ignore[operator]
-        json.dump(trace, fh, separators=(",", ":"))
+        if isinstance(info, dict):  # see step 5 of the module docstring
+            fh.write('{"distributedInfo": ' + json.dumps(info, separators=(", ", ": ")) + ("," if rest else ""))
+            fh.write(json.dumps(rest, separators=(",", ":"))[1:])
+        else:
+            json.dump(trace, fh, separators=(",", ":"))
 
 
 def step_of(event: dict[str, Any]) -> int | None:
@@ -88,8 +95,26 @@ def rewrite(trace: dict[str, Any], *, keep_steps: Iterable[int] | None, level: s
     trace["traceEvents"] = out
     info = trace.get("distributedInfo")
     if not isinstance(info, dict) or "rank" not in info:
-        trace["distributedInfo"] = {"backend": "none", "rank": rank, "world_size": world_size}
+        trace["distributedInfo"] = {"backend": collective_backend(out), "rank": rank, "world_size": world_size}
+    elif info.get("backend") in (None, "none"):  # the placeholder written before torch.distributed was up
+        info["backend"] = collective_backend(out)
     return dict(dropped)
+
+
+_BACKENDS = (("nccl", re.compile(r"nccl", re.IGNORECASE)), ("gloo", re.compile(r"gloo:")),
+             ("hccl", re.compile(r"hcom_|hccl", re.IGNORECASE)))
+
+
+def collective_backend(events: list[dict[str, Any]]) -> str:
+    """The process group backend the trace's collectives name (gloo:all_reduce, nccl kernels, hcom_*); "none"
+    when the window holds no collective (torch only writes distributedInfo itself when it knows)."""
+    for ev in events:
+        name = ev.get("name")
+        if ev.get("ph") == "X" and isinstance(name, str):
+            for backend, pattern in _BACKENDS:
+                if pattern.match(name):
+                    return backend
+    return "none"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -264,6 +289,9 @@ def process(spec: dict[str, Any]) -> dict[str, Any]:
     dropped = rewrite(trace, keep_steps=spec.get("keep_steps"), level=spec["level"], simplify=spec["simplify"],
                       rank=spec["rank"], world_size=spec["world_size"])
     trace_path = out_dir / (spec["trace_name"] + (".gz" if spec["gzip"] else ""))
+    # kineto wrote the raw staging file's name, deleted below; the trace is then moved into the capture folder
+    # (rank/layout.py), beside the other ranks' traces, where its name is its path
+    trace["traceName"] = trace_path.name
     dump_trace(trace, trace_path)
     raw.unlink()
     events = trace["traceEvents"]

@@ -1,51 +1,62 @@
-"""What one rank's trace says: step times, the compute / communication / other split, top operators, memory.
+"""What one rank's trace says: step times, the compute / communication / overlap / idle split, top operators,
+top device kernels, memory.
 
 Fed one event at a time (see tracefile.py). What must outlive the pass (the CPU operator tree, device kernels,
-memory samples) is kept in typed arrays, about 24 bytes an event, not as dicts.
+launches, memory samples) is kept in typed arrays, a few dozen bytes an event, not as dicts.
 
 Definitions (the README's "Reports" section repeats them):
   * self time of a CPU operator: its duration minus its direct children's, over the tree of cpu_op and
     user_annotation events of its thread (what torch's key_averages() calls self CPU time);
-  * per step, with device kernels in the trace: compute = time some compute kernel or memcpy runs,
-    communication = time some collective kernel (NCCL/HCCL) runs, overlap = both, other = neither (idle);
-  * per step, CPU only: communication = time inside a collective call (gloo/NCCL/c10d), compute = time inside
-    any other operator, other = the rest of the step (Python, data loading, sleeping).
+  * a device kernel belongs to the step whose CPU op launched it (its runtime call's correlation id, or torch_npu's
+    connection id), as HTA attributes kernels; a kernel whose launch is not in the file belongs to the CPU step
+    its start falls in. A step's device window runs from its first kernel's start to the next step's first
+    kernel's start (the last: to its last kernel's end), so windows tile the device timeline and a GPU that waits
+    for the CPU shows as idle in the step it waits in;
+  * per step with device kernels, over the window: compute = some compute kernel or memcpy runs and no collective,
+    communication = a collective runs and no compute (exposed), overlap = both, idle = neither; the four add up to
+    the window;
+  * per step, CPU only: communication = time inside a collective call, compute = time inside any other operator,
+    idle = the rest of the step (Python, data loading, sleeping); the three add up to the step.
 """
 
 from __future__ import annotations
 
 import bisect
-import re
 from array import array
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable
 
 from ..rank.postprocess import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
+from .classify import (CATEGORY_ALIASES, DEVICE_PROCESSES, LAUNCH_CATS, LAUNCH_FLOWS, device_name, is_comm,
+                       kernel_group)
+from .tracefile import TraceError, TraceReader
 
-# collectives: NCCL kernels, gloo/NCCL/HCCL ranges torch records, c10d ops, and the ranges around them
-COMM_RE = re.compile(r"nccl|gloo|hccl|hcom|c10d::|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|"
-                     r"all_?to_?all|broadcast|barrier", re.IGNORECASE)
 MEMORY_POINTS = 1000
+SHARES = ("compute", "comm", "overlap", "idle")
 
-
-def is_comm(name: str) -> bool:
-    return COMM_RE.search(name) is not None
+__all__ = ["RankAnalyzer", "StepRow", "analyze_trace_file", "is_comm", "peak_downsample", "round_shares", "SHARES"]
 
 
 @dataclass
 class StepRow:
     step: int
     ts: float
-    dur_us: float
+    dur_us: float            # the ProfilerStep#N event's duration (CPU)
+    window_us: float = 0.0   # what the split covers: the device window, or the CPU step
     compute_us: float = 0.0
-    comm_us: float = 0.0
+    comm_us: float = 0.0     # exposed: not overlapped by compute
     overlap_us: float = 0.0
-    other_us: float = 0.0
+    idle_us: float = 0.0
+    comm_total_us: float = 0.0
+    kernel_us: float = 0.0   # summed durations of the device events that belong to the step
 
     def as_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "start_us": self.ts, "dur_ms": self.dur_us / 1000, "compute_ms": self.compute_us / 1000,
-                "comm_ms": self.comm_us / 1000, "overlap_ms": self.overlap_us / 1000, "other_ms": self.other_us / 1000}
+        return {"step": self.step, "start_us": self.ts, "dur_ms": self.dur_us / 1000,
+                "window_ms": self.window_us / 1000, "compute_ms": self.compute_us / 1000,
+                "comm_ms": self.comm_us / 1000, "overlap_ms": self.overlap_us / 1000, "idle_ms": self.idle_us / 1000,
+                "comm_total_ms": self.comm_total_us / 1000, "kernel_ms": self.kernel_us / 1000}
 
 
 @dataclass
@@ -56,19 +67,53 @@ class _Thread:
     is_op: array = field(default_factory=lambda: array("b"))
 
 
+@dataclass
+class _Timed:
+    """Complete events of one kind: start, duration, name id, a correlation key (-1: none), a pid index."""
+    ts: array = field(default_factory=lambda: array("d"))
+    dur: array = field(default_factory=lambda: array("d"))
+    name: array = field(default_factory=lambda: array("i"))
+    corr: array = field(default_factory=lambda: array("q"))
+    pid: array = field(default_factory=lambda: array("i"))
+    comm: array = field(default_factory=lambda: array("b"))
+
+    def add(self, ts: float, dur: float, name: int, corr: int, pid: int = 0, comm: bool = False) -> None:
+        self.ts.append(ts)
+        self.dur.append(dur)
+        self.name.append(name)
+        self.corr.append(corr)
+        self.pid.append(pid)
+        self.comm.append(comm)
+
+
+def _corr(args: Any, key: str) -> int:
+    if not isinstance(args, dict):
+        return -1
+    value = args.get(key)
+    try:
+        return int(value) if value is not None else -1
+    except (TypeError, ValueError):
+        return -1
+
+
 class RankAnalyzer:
     def __init__(self) -> None:
         self.names: dict[str, int] = {}
         self.name_list: list[str] = []
         self.threads: dict[tuple[Any, Any], _Thread] = defaultdict(_Thread)
         self.steps: list[tuple[int, float, float, Any]] = []  # (step, ts, dur, thread key)
-        self.dev_ts, self.dev_dur, self.dev_name = array("d"), array("d"), array("i")
-        self.dev_comm = array("b")
+        self.dev = _Timed()        # kernels, memcpy, memset
+        self.launches = _Timed()   # runtime calls that launch them (correlation id -> CPU time)
+        self.loose = _Timed()      # complete events without a category (torch_npu): sorted out by process name
+        # torch_npu's operator -> device task flows: id, time, and whether this end is the task's (else the op's)
+        self.flow_id, self.flow_ts, self.flow_at_task = array("q"), array("d"), array("b")
+        self.pids: dict[Any, int] = {}
+        self.process_names: dict[Any, str] = {}
         self.mem: dict[tuple[Any, Any], dict[str, Any]] = {}
+        self.mem_running: dict[tuple[Any, Any], float] = {}
         self.mem_ts, self.mem_alloc, self.mem_dev = array("d"), array("d"), array("i")
         self.mem_devices: list[tuple[Any, Any]] = []
         self.events = 0
-        self.distributed: dict[str, Any] = {}
 
     def _name_id(self, name: str) -> int:
         i = self.names.get(name)
@@ -77,66 +122,108 @@ class RankAnalyzer:
             self.name_list.append(name)
         return i
 
+    def _pid(self, pid: Any) -> int:
+        i = self.pids.get(pid)
+        if i is None:
+            i = self.pids[pid] = len(self.pids)
+        return i
+
     def feed(self, events: Iterable[dict[str, Any]]) -> None:
-        threads, name_id = self.threads, self._name_id
         for ev in events:
             self.events += 1
             ph = ev.get("ph")
-            cat = ev.get("cat")
             if ph == "X":
-                name = ev.get("name")
-                if not isinstance(name, str):
-                    name = str(name)
-                try:
-                    ts, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
-                except (KeyError, TypeError, ValueError):
-                    continue
-                if cat in CPU_TREE_CATS:
-                    key = (ev.get("pid"), ev.get("tid"))
-                    t = threads[key]
-                    t.ts.append(ts)
-                    t.dur.append(dur)
-                    t.name.append(name_id(name))
-                    t.is_op.append(cat == "cpu_op")
-                    if name.startswith("ProfilerStep#"):
-                        m = STEP_RE.match(name)
-                        if m:
-                            self.steps.append((int(m.group(1)), ts, dur, key))
-                elif cat in DEVICE_CATS:
-                    self.dev_ts.append(ts)
-                    self.dev_dur.append(dur)
-                    self.dev_name.append(name_id(name))
-                    self.dev_comm.append(cat == "kernel" and is_comm(name))
+                self._complete(ev)
             elif ph in ("i", "I") and ev.get("name") == "[memory]":
                 self._memory(ev)
+            elif ph == "M" and ev.get("name") == "process_name":
+                self.process_names[ev.get("pid")] = str((ev.get("args") or {}).get("name"))
+            elif ph in ("s", "f") and ev.get("cat") in LAUNCH_FLOWS:
+                self._flow(ev, ph)
+
+    def _complete(self, ev: dict[str, Any]) -> None:
+        name = ev.get("name")
+        if not isinstance(name, str):
+            name = str(name)
+        try:  # torch_npu writes ts as a string ("1704161511420306.491")
+            ts, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
+        except (KeyError, TypeError, ValueError):
+            return
+        cat = ev.get("cat")
+        cat = CATEGORY_ALIASES.get(cat, cat)
+        if cat in CPU_TREE_CATS:
+            key = (ev.get("pid"), ev.get("tid"))
+            t = self.threads[key]
+            t.ts.append(ts)
+            t.dur.append(dur)
+            t.name.append(self._name_id(name))
+            step = STEP_RE.match(name) if name.startswith("ProfilerStep#") else None
+            t.is_op.append(cat == "cpu_op" and step is None)  # torch_npu and old Kineto: steps are cpu_op/Operator
+            if step:
+                self.steps.append((int(step.group(1)), ts, dur, key))
+        elif cat in DEVICE_CATS:
+            self.device_event(ts, dur, name, _corr(ev.get("args"), "correlation"), cat == "kernel" and is_comm(name))
+        elif cat in LAUNCH_CATS:
+            self.launch_event(ts, _corr(ev.get("args"), "correlation"))
+        elif cat is None:
+            self.loose.add(ts, dur, self._name_id(kernel_group(name)), -1, self._pid(ev.get("pid")), is_comm(name))
+
+    def device_event(self, ts: float, dur: float, name: str, correlation: int, comm: bool) -> None:
+        """A kernel, memcpy or collective on the device; `correlation` joins it to its launch (-1: unknown)."""
+        self.dev.add(ts, dur, self._name_id(kernel_group(name)), correlation, comm=comm)
+
+    def launch_event(self, ts: float, correlation: int) -> None:
+        """A CPU-side call that launched device work, at `ts`."""
+        if correlation >= 0:
+            self.launches.add(ts, 0.0, 0, correlation)
+
+    def _flow(self, ev: dict[str, Any], ph: str) -> None:
+        """torch_npu links an operator to each device task it launched by a flow: it starts at the op and finishes
+        at the task."""
+        try:
+            fid, ts = int(ev["id"]), float(ev["ts"])
+        except (KeyError, TypeError, ValueError):
+            return
+        self.flow_id.append(fid)
+        self.flow_ts.append(ts)
+        self.flow_at_task.append(ph == "f")
 
     def _memory(self, ev: dict[str, Any]) -> None:
         a = ev.get("args") or {}
         key = (a.get("Device Type"), a.get("Device Id"))
         m = self.mem.get(key)
         if m is None:
-            m = self.mem[key] = {"device_type": key[0], "device_id": key[1], "peak_allocated": 0, "peak_reserved": 0,
-                                 "allocs": 0, "alloc_bytes": 0, "frees": 0, "freed_bytes": 0}
+            m = self.mem[key] = {"device": device_name(*key), "device_type": key[0], "device_id": key[1],
+                                 "peak_allocated": 0, "peak_reserved": None, "allocs": 0, "alloc_bytes": 0,
+                                 "frees": 0, "freed_bytes": 0, "derived": False}
             self.mem_devices.append(key)
-        nbytes = a.get("Bytes") or 0
+            self.mem_running[key] = 0.0
+        nbytes = _number(a.get("Bytes"))
         if nbytes > 0:
             m["allocs"] += 1
             m["alloc_bytes"] += nbytes
         elif nbytes < 0:
             m["frees"] += 1
             m["freed_bytes"] -= nbytes
-        alloc = a.get("Total Allocated") or 0
+        self.mem_running[key] += nbytes
+        if "Total Allocated" in a:
+            alloc = _number(a.get("Total Allocated"))
+        else:  # Kineto before torch 1.10 records only the change: the total is the running sum since the start
+            alloc = self.mem_running[key]
+            m["derived"] = True
         m["peak_allocated"] = max(m["peak_allocated"], alloc)
-        m["peak_reserved"] = max(m["peak_reserved"], a.get("Total Reserved") or 0)
-        self.mem_ts.append(float(ev.get("ts", 0.0)))
+        if "Total Reserved" in a:
+            m["peak_reserved"] = max(m["peak_reserved"] or 0, _number(a.get("Total Reserved")))
+        self.mem_ts.append(_number(ev.get("ts")))
         self.mem_alloc.append(float(alloc))
         self.mem_dev.append(self.mem_devices.index(key))
 
     # ------------------------------------------------------------------------------------------------------
 
     def result(self, top: int = 15) -> dict[str, Any]:
+        self._sort_loose()
         ops, annotations = self._operators()
-        steps = self._step_rows()
+        steps, attribution = self._step_rows()
         kernels = self._kernels()
         out: dict[str, Any] = {
             "events": self.events,
@@ -147,23 +234,36 @@ class RankAnalyzer:
             "operators": len(ops),
             "cpu_self_total_us": sum(r["self_us"] for r in ops),
             "annotations": sorted(annotations, key=lambda r: -r["total_us"])[:top],
-            "basis": "device" if len(self.dev_ts) else "cpu",
+            "basis": "device" if len(self.dev.ts) else "cpu",
+            "kernel_steps": attribution,
             "memory": self._memory_result(),
         }
-        total = sum(s.dur_us for s in steps)
-        if steps and total > 0:
-            out["step_ms_mean"] = total / len(steps) / 1000
-            out["step_ms_max"] = max(s.dur_us for s in steps) / 1000
-            out["compute_pct"] = 100 * sum(s.compute_us for s in steps) / total
-            out["comm_pct"] = 100 * sum(s.comm_us for s in steps) / total
-            out["overlap_pct"] = 100 * sum(s.overlap_us for s in steps) / total
-            out["other_pct"] = 100 * sum(s.other_us for s in steps) / total
+        out.update(step_summary(steps))
         return out
 
     def operator_self_times(self) -> dict[str, float]:
         """name -> total self time (us) of cpu_op events; what the correctness test compares to key_averages()."""
         ops, _ = self._operators()
         return {r["name"]: r["self_us"] for r in ops}
+
+    def _sort_loose(self) -> None:
+        """Uncategorised events (torch_npu) become device tasks or launches by the process they are in."""
+        if not len(self.loose.ts):
+            return
+        by_index = {i: self.process_names.get(pid, "") for pid, i in self.pids.items()}
+        ids, times, at_task = self.flow_id, self.flow_ts, self.flow_at_task
+        flow_at = {times[i]: ids[i] for i in range(len(ids)) if at_task[i]}  # a task's start -> its flow's id
+        for i in range(len(ids)):
+            if not at_task[i]:  # the operator's end of the flow: the launch
+                self.launches.add(times[i], 0.0, 0, ids[i])
+        lo = self.loose
+        for i in range(len(lo.ts)):
+            process = by_index.get(lo.pid[i], "")
+            if process in DEVICE_PROCESSES:
+                self.dev.add(lo.ts[i], lo.dur[i], lo.name[i], flow_at.get(lo.ts[i], -1),
+                             comm=DEVICE_PROCESSES[process] or lo.comm[i])
+        self.loose = _Timed()
+        self.flow_id, self.flow_ts, self.flow_at_task = array("q"), array("d"), array("b")
 
     def _operators(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         agg: dict[tuple[int, bool], list[float]] = {}
@@ -190,45 +290,61 @@ class RankAnalyzer:
 
     def _kernels(self) -> list[dict[str, Any]]:
         agg: dict[int, list[float]] = {}
-        for i in range(len(self.dev_ts)):
-            row = agg.get(self.dev_name[i])
+        d = self.dev
+        for i in range(len(d.ts)):
+            row = agg.get(d.name[i])
             if row is None:
-                row = agg[self.dev_name[i]] = [0, 0.0, bool(self.dev_comm[i])]
+                row = agg[d.name[i]] = [0, 0.0, bool(d.comm[i])]
             row[0] += 1
-            row[1] += self.dev_dur[i]
+            row[1] += d.dur[i]
         return [{"name": self.name_list[nid], "calls": int(c), "total_us": tot, "avg_us": tot / c, "comm": bool(comm)}
                 for nid, (c, tot, comm) in agg.items()]
 
-    def _step_rows(self) -> list[StepRow]:
-        rows: list[StepRow] = []
+    def _ordered_steps(self) -> list[tuple[int, float, float, Any]]:
         by_step: dict[int, tuple[int, float, float, Any]] = {}
         for s in self.steps:  # one row per step number (several threads may label it: keep the longest)
             if s[0] not in by_step or s[2] > by_step[s[0]][2]:
                 by_step[s[0]] = s
-        steps = sorted(by_step.values(), key=lambda s: s[1])
+        return sorted(by_step.values(), key=lambda s: s[1])
+
+    def _step_rows(self) -> tuple[list[StepRow], dict[str, int]]:
+        steps = self._ordered_steps()
         if not steps:
-            return rows
-        device = len(self.dev_ts) > 0
-        if device:
-            compute = _merge((self.dev_ts[i], self.dev_ts[i] + self.dev_dur[i]) for i in range(len(self.dev_ts))
-                             if not self.dev_comm[i])
-            comm = _merge((self.dev_ts[i], self.dev_ts[i] + self.dev_dur[i]) for i in range(len(self.dev_ts))
-                          if self.dev_comm[i])
-        cpu_parts = {} if device else self._cpu_step_intervals(steps)
-        for number, ts, dur, key in steps:
-            end = ts + dur
-            if not device:
-                busy_iv, comm_iv = cpu_parts.get(number, ([], []))
-                busy, comm_m = _merge(busy_iv), _merge(comm_iv)
-                comm_us = _length(comm_m)
-                compute_us = max(0.0, _length(busy) - comm_us)
-                rows.append(StepRow(number, ts, dur, compute_us, comm_us, 0.0, max(0.0, dur - _length(busy))))
-            else:
-                c = _clip(compute, ts, end)
-                m = _clip(comm, ts, end)
-                both = _length(_intersect(c, m))
-                union = _length(c) + _length(m) - both
-                rows.append(StepRow(number, ts, dur, _length(c), _length(m), both, max(0.0, dur - union)))
+            return [], {}
+        if not len(self.dev.ts):
+            return self._cpu_rows(steps), {}
+        member, attribution = self._kernel_steps(steps)
+        return _device_rows(steps, self.dev, member), attribution
+
+    def _kernel_steps(self, steps: list[tuple[int, float, float, Any]]) -> tuple[array, dict[str, int]]:
+        """Index (into `steps`) of the step each device event belongs to, -1 for none; and how it was decided."""
+        launched_at: dict[int, float] = {}
+        la = self.launches
+        for i in range(len(la.ts)):
+            launched_at.setdefault(la.corr[i], la.ts[i])
+        starts = [s[1] for s in steps]
+
+        def step_at(t: float) -> int:
+            k = bisect.bisect_right(starts, t) - 1
+            return k if k >= 0 and t < steps[k][1] + steps[k][2] else -1
+
+        d = self.dev
+        member = array("i", [-1]) * len(d.ts)
+        counts = {"by_launch": 0, "by_time": 0, "outside_steps": 0}
+        for i in range(len(d.ts)):
+            t = launched_at.get(d.corr[i]) if d.corr[i] >= 0 else None
+            counts["by_time" if t is None else "by_launch"] += 1
+            member[i] = step_at(d.ts[i] if t is None else t)
+            counts["outside_steps"] += member[i] < 0
+        return member, counts
+
+    def _cpu_rows(self, steps: list[tuple[int, float, float, Any]]) -> list[StepRow]:
+        parts = self._cpu_step_intervals(steps)
+        rows = []
+        for number, ts, dur, _ in steps:
+            busy_iv, comm_iv = parts.get(number, ([], []))
+            busy, comm = _length(_merge(busy_iv)), _length(_merge(comm_iv))
+            rows.append(StepRow(number, ts, dur, dur, max(0.0, busy - comm), comm, 0.0, max(0.0, dur - busy), comm))
         return rows
 
     def _cpu_step_intervals(self, steps: list[tuple[int, float, float, Any]]
@@ -264,7 +380,95 @@ class RankAnalyzer:
         idx = [i for i in range(len(self.mem_ts)) if self.mem_dev[i] == main]
         idx.sort(key=lambda i: self.mem_ts[i])
         series = peak_downsample([(self.mem_ts[i], self.mem_alloc[i]) for i in idx])
-        return {"devices": devices, "series_device": devices[0]["device_type"], "series": series}
+        return {"devices": devices, "series_device": devices[0]["device"], "series": series}
+
+
+def analyze_trace_file(trace: Path, out: dict[str, Any], top: int) -> None:
+    """Fill `out` with one trace's analysis; a trace cut short adds a warning, one with no event raises."""
+    reader = TraceReader(trace)
+    an = RankAnalyzer()
+    try:
+        an.feed(reader.events())
+    except TraceError as exc:
+        if an.events == 0:
+            raise
+        out["warnings"].append(str(exc))
+    out.update(an.result(top))
+    out["trace"] = str(trace)
+    base = reader.header.get("baseTimeNanoseconds")
+    if isinstance(base, (int, float)) and base > 0:  # ts relative to a base: make them wall-clock comparable
+        for step in out.get("steps") or []:
+            step["start_us"] += base / 1000
+    info = reader.header.get("distributedInfo") or {}
+    if out.get("rank") is None and isinstance(info.get("rank"), int):
+        out["rank"] = info["rank"]
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value or 0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _device_rows(steps: list[tuple[int, float, float, Any]], dev: _Timed, member: array) -> list[StepRow]:
+    """The split of each step's device window (see the module docstring) into compute, comm, overlap, idle."""
+    first: dict[int, float] = {}
+    last_end: dict[int, float] = {}
+    summed: dict[int, float] = defaultdict(float)
+    for i in range(len(dev.ts)):
+        k = member[i]
+        if k >= 0:
+            first[k] = min(first.get(k, dev.ts[i]), dev.ts[i])
+            last_end[k] = max(last_end.get(k, 0.0), dev.ts[i] + dev.dur[i])
+            summed[k] += dev.dur[i]
+    bounds: dict[int, tuple[float, float]] = {}
+    present = sorted(first)
+    for j, k in enumerate(present):
+        lo = max(first[k], bounds[present[j - 1]][1]) if j else first[k]  # windows never overlap
+        hi = max(lo, first[present[j + 1]]) if j + 1 < len(present) else max(lo, last_end[k])
+        bounds[k] = (lo, hi)
+    compute = _merge((dev.ts[i], dev.ts[i] + dev.dur[i]) for i in range(len(dev.ts)) if not dev.comm[i])
+    comm = _merge((dev.ts[i], dev.ts[i] + dev.dur[i]) for i in range(len(dev.ts)) if dev.comm[i])
+    rows = []
+    for k, (number, ts, dur, _) in enumerate(steps):
+        lo, hi = bounds.get(k, (0.0, 0.0))
+        c, m = _clip(compute, lo, hi), _clip(comm, lo, hi)
+        both = _length(_intersect(c, m))
+        lc, lm = _length(c), _length(m)
+        idle = max(0.0, (hi - lo) - (lc + lm - both))
+        rows.append(StepRow(number, ts, dur, hi - lo, lc - both, lm - both, both, idle, lm, summed.get(k, 0.0)))
+    return rows
+
+
+def step_summary(steps: list[StepRow]) -> dict[str, float]:
+    """Mean and max step time, and each share of the time the splits cover (they add up to 100)."""
+    out: dict[str, float] = {}
+    if not steps:
+        return out
+    total = sum(s.dur_us for s in steps)
+    if total > 0:
+        out["step_ms_mean"] = total / len(steps) / 1000
+        out["step_ms_max"] = max(s.dur_us for s in steps) / 1000
+    window = sum(s.window_us for s in steps)
+    if window > 0:
+        for key in SHARES:
+            out[f"{key}_pct"] = 100 * sum(getattr(s, f"{key}_us") for s in steps) / window
+    return out
+
+
+def round_shares(values: list[float], digits: int = 1) -> list[float]:
+    """Round percentages that add up to 100 so that the rounded ones do too (largest remainder)."""
+    scale = 10 ** digits
+    total = sum(values)
+    if not values or abs(total - 100) > 1e-6 * max(1.0, total):
+        return [round(v, digits) for v in values]
+    floors = [int(v * scale) for v in values]
+    short = round(100 * scale) - sum(floors)
+    order = sorted(range(len(values)), key=lambda i: -(values[i] * scale - floors[i]))
+    for i in order[:short]:
+        floors[i] += 1
+    return [f / scale for f in floors]
 
 
 def peak_downsample(series: list[tuple[float, float]], points: int = MEMORY_POINTS) -> list[tuple[float, float]]:

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import html
 import json
+import os
+from pathlib import Path
 from typing import Any
 
-PALETTE = {"compute": "#4e79a7", "comm": "#e15759", "overlap": "#b07aa1", "other": "#bab0ac", "slow": "#e15759",
+from .analyze import SHARES
+from .text import shares_text, short_name
+
+PALETTE = {"compute": "#4e79a7", "comm": "#e15759", "overlap": "#b07aa1", "idle": "#bab0ac", "slow": "#e15759",
            "bar": "#4e79a7", "mem": "#59a14f"}
+SHARE_LABELS = {"compute": "compute", "comm": "communication (exposed)", "overlap": "overlap", "idle": "idle"}
 
 CSS = """
 body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#222;background:#fafafa}
@@ -23,6 +29,8 @@ border-bottom-color:#fff;font-weight:600}.view{display:none;border:1px solid #cc
 border-radius:0 4px 4px 4px}.view.active{display:block}.problem{color:#b00020}.muted{color:#666}
 code{background:#f3f3f3;padding:1px 4px;border-radius:3px}svg text{font:11px system-ui,sans-serif}
 .legend span{display:inline-block;width:10px;height:10px;margin:0 4px 0 12px;vertical-align:middle}
+td.name{max-width:36em;overflow-wrap:anywhere}nav.index{background:#fff;border:1px solid #ddd;border-radius:6px;
+padding:8px 16px;margin:16px 0}nav.index ol{margin:4px 0;padding-left:24px}
 """
 
 JS = """
@@ -55,6 +63,10 @@ def _e(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
+def _rank(r: dict[str, Any]) -> str:
+    return "?" if r.get("rank") is None else _e(r["rank"])
+
+
 def _num(x: float | None, d: int = 2) -> str:
     return "-" if x is None else f"{x:.{d}f}"
 
@@ -65,6 +77,8 @@ def render_html(report: dict[str, Any]) -> str:
         body.append(f'<p class="problem">Cannot report on <code>{_e(p["path"])}</code>: {_e(p["error"])}</p>')
     if not report["captures"]:
         body.append("<p>Nothing to report.</p>")
+    if len(report["captures"]) > 1:
+        body.append(_index(report["captures"]))
     for i, group in enumerate(report["captures"]):
         body.append(_group(group, f"c{i}"))
     title = "ondemand_prof report"
@@ -75,8 +89,30 @@ def render_html(report: dict[str, Any]) -> str:
             f"<script>{JS}</script></body></html>")
 
 
+def _title(group: dict[str, Any]) -> str:
+    if group.get("capture_id"):
+        return f"Capture {_e(group['capture_id'])}"
+    members = group["ranks"] or group["failed"]
+    kinds = {"ascend": "torch_npu output", "db": "Databases"}
+    where = os.path.commonpath([str(Path(m["path"]).parent) for m in members]) if members else ""
+    return f"{kinds.get((group['ranks'] or [{}])[0].get('kind'), 'Traces')} in <code>{_e(where)}</code>"
+
+
+def _index(groups: list[dict[str, Any]]) -> str:
+    """Links to each capture, with its ranks and mean step, so a long report can be navigated."""
+    items = []
+    for i, g in enumerate(groups):
+        steps = [r["step_ms_mean"] for r in g["ranks"] if r.get("step_ms_mean")]
+        detail = f"{len(g['ranks'])} rank(s)" + (f", {len(g['failed'])} failed" if g["failed"] else "")
+        if steps:
+            detail += f", mean step {sum(steps) / len(steps):.1f} ms"
+        items.append(f'<li><a href="#c{i}">{_title(g)}</a> <span class="muted">{_e(g.get("newest") or "")} '
+                     f'{detail}</span></li>')
+    return f'<nav class="index"><strong>{len(groups)} captures</strong><ol>{"".join(items)}</ol></nav>'
+
+
 def _group(group: dict[str, Any], gid: str) -> str:
-    title = f"Capture {_e(group['capture_id'])}" if group.get("capture_id") else "Traces"
+    title = _title(group)
     meta = []
     if group.get("job_id"):
         meta.append(f"job <code>{_e(group['job_id'])}</code>")
@@ -118,43 +154,45 @@ def _ranks_table(group: dict[str, Any]) -> str:
         if median and r.get("step_ms_mean"):
             vs = f"{100 * (r['step_ms_mean'] - median) / median:+.1f}%"
         is_slow = len(ranks) > 1 and r.get("rank") == slow
-        rows.append(f'<tr{" class=slowest" if is_slow else ""}><td>{_e(r.get("rank"))}'
+        rows.append(f'<tr{" class=slowest" if is_slow else ""}><td>{_rank(r)}'
                     f'{" (slowest)" if is_slow else ""}</td><td class=num>{len(r.get("steps") or [])}</td>'
                     f'<td class=num>{_num(r.get("step_ms_mean"))}</td><td class=num>{_num(r.get("step_ms_max"))}</td>'
-                    f'<td class=num>{_num(r.get("compute_pct"), 1)}</td><td class=num>{_num(r.get("comm_pct"), 1)}</td>'
-                    f'<td class=num>{_num(r.get("other_pct"), 1)}</td><td class=num>{vs}</td></tr>')
+                    + "".join(f"<td class=num>{v}</td>" for v in shares_text(r)) + f'<td class=num>{vs}</td></tr>')
     note = ""
     if group.get("slowest") and len(ranks) > 1:
         s = group["slowest"]
         note = (f'<p>Slowest: rank {_e(s["rank"])}, {s["step_ms"]:.2f} ms per step, {s["vs_median_ms"]:+.2f} ms '
                 f'({s["vs_median_pct"]:+.1f}%) from the median {median:.2f} ms.</p>')
     return ('<h3>Across ranks</h3><table class="sortable"><thead><tr><th>Rank</th><th>Steps</th><th>Step ms</th>'
-            '<th>Max ms</th><th>Compute %</th><th>Comm %</th><th>Other %</th><th>vs median</th></tr></thead><tbody>'
+            '<th>Max ms</th><th>Compute %</th><th>Comm % (exposed)</th><th>Overlap %</th><th>Idle %</th>'
+            '<th>vs median</th></tr></thead><tbody>'
             + "".join(rows) + "</tbody></table>" + note + _split_chart(ranks))
 
 
 def _split_chart(ranks: list[dict[str, Any]]) -> str:
-    """Stacked bars: each rank's mean step split into compute / communication / other."""
+    """Stacked bars: each rank's mean step, split by the four shares (which add up to the bar)."""
     timed = [r for r in ranks if r.get("step_ms_mean")]
     if not timed:
         return ""
-    width, row_h, left = 720, 20, 70
-    top_ms = max(r["step_ms_mean"] for r in timed)
-    scale = (width - left - 60) / top_ms
+    width, row_h, left, right = 720, 20, 70, 80
+    scale = (width - left - right) / max(r["step_ms_mean"] for r in timed)
     parts = []
     for i, r in enumerate(timed):
-        y, x = 6 + i * row_h, left
-        for key in ("compute", "comm", "other"):
+        y, x = 6 + i * row_h, float(left)
+        bar = r["step_ms_mean"] * scale
+        for key in SHARES:
+            w = bar * (r.get(f"{key}_pct") or 0) / 100
             ms = r["step_ms_mean"] * (r.get(f"{key}_pct") or 0) / 100
-            parts.append(f'<rect x="{x:.1f}" y="{y}" width="{ms * scale:.1f}" height="{row_h - 6}" '
-                         f'fill="{PALETTE[key]}"><title>rank {_e(r.get("rank"))} {key}: {ms:.2f} ms</title></rect>')
-            x += ms * scale
-        parts.append(f'<text x="4" y="{y + 11}">rank {_e(r.get("rank"))}</text>'
-                     f'<text x="{x + 4:.1f}" y="{y + 11}">{r["step_ms_mean"]:.1f} ms</text>')
+            parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row_h - 6}" fill="{PALETTE[key]}">'
+                         f'<title>rank {_rank(r)} {SHARE_LABELS[key]}: {ms:.2f} ms '
+                         f'({r.get(f"{key}_pct") or 0:.1f}%)</title></rect>')
+            x += w
+        parts.append(f'<text x="4" y="{y + 11}">rank {_rank(r)}</text>'
+                     f'<text x="{left + bar + 4:.1f}" y="{y + 11}">{r["step_ms_mean"]:.1f} ms</text>')
     height = 12 + len(timed) * row_h
-    legend = "".join(f'<span style="background:{PALETTE[k]}"></span>{k}' for k in ("compute", "comm", "other"))
+    legend = "".join(f'<span style="background:{PALETTE[k]}"></span>{SHARE_LABELS[k]}' for k in SHARES)
     return (f'<div class="legend">mean step split{legend}</div><svg class="chart" id="split-chart" width="{width}" '
-            f'height="{height}" role="img">{"".join(parts)}</svg>')
+            f'height="{height}" viewBox="0 0 {width} {height}" role="img">{"".join(parts)}</svg>')
 
 
 def _operator_view(group: dict[str, Any], gid: str) -> str:
@@ -163,7 +201,7 @@ def _operator_view(group: dict[str, Any], gid: str) -> str:
         rid = f"{gid}-r{r.get('rank')}"
         ops = r.get("top_self") or []
         kernels = r.get("top_kernels") or []
-        out.append(f"<h3>Rank {_e(r.get('rank'))}</h3>")
+        out.append(f"<h3>Rank {_rank(r)}</h3>")
         if ops:
             out.append(_bar_chart([(o["name"], o["self_us"] / 1000) for o in ops], f"op-chart-{rid}",
                                   "self time, ms"))
@@ -173,7 +211,8 @@ def _operator_view(group: dict[str, Any], gid: str) -> str:
                                   "device time, ms"))
             out.append('<table class="sortable"><thead><tr><th>Kernel</th><th>Calls</th><th>Total ms</th>'
                        '<th>Avg us</th><th>Kind</th></tr></thead><tbody>' + "".join(
-                           f'<tr><td>{_e(k["name"])}</td><td class=num>{k["calls"]}</td>'
+                           f'<tr><td class=name title="{_e(k["name"])}">{_e(short_name(k["name"]))}</td>'
+                           f'<td class=num>{k["calls"]}</td>'
                            f'<td class=num>{k["total_us"] / 1000:.3f}</td><td class=num>{k["avg_us"]:.1f}</td>'
                            f'<td>{"communication" if k["comm"] else "compute"}</td></tr>' for k in kernels)
                        + "</tbody></table>")
@@ -185,7 +224,8 @@ def _operator_view(group: dict[str, Any], gid: str) -> str:
 def _ops_table(ops: list[dict[str, Any]]) -> str:
     return ('<table class="sortable"><thead><tr><th>Operator</th><th>Calls</th><th>Self ms</th><th>Total ms</th>'
             '<th>Avg us</th><th>Kind</th></tr></thead><tbody>' + "".join(
-                f'<tr><td>{_e(o["name"])}</td><td class=num>{o["calls"]}</td><td class=num>{o["self_us"] / 1000:.3f}'
+                f'<tr><td class=name title="{_e(o["name"])}">{_e(short_name(o["name"]))}</td><td class=num>{o["calls"]}'
+                f'</td><td class=num>{o["self_us"] / 1000:.3f}'
                 f'</td><td class=num>{o["total_us"] / 1000:.3f}</td><td class=num>{o["avg_us"]:.1f}</td>'
                 f'<td>{"communication" if o["comm"] else "compute"}</td></tr>' for o in ops) + "</tbody></table>")
 
@@ -193,14 +233,16 @@ def _ops_table(ops: list[dict[str, Any]]) -> str:
 def _bar_chart(items: list[tuple[str, float]], cid: str, unit: str) -> str:
     if not items:
         return ""
-    width, row_h, label_w = 860, 18, 330
+    width, row_h, label_chars = 860, 18, 48
+    label_w = 7 * label_chars  # 11px labels are under 7px a character: the longest one fits left of the bars
     top = max(v for _, v in items) or 1.0
     scale = (width - label_w - 80) / top
     parts = []
     for i, (name, value) in enumerate(items):
         y = 4 + i * row_h
-        label = name if len(name) <= 52 else name[:51] + "…"
-        parts.append(f'<text x="{label_w - 6}" y="{y + 12}" text-anchor="end">{_e(label)}</text>'
+        label = short_name(name, label_chars)
+        parts.append(f'<text x="{label_w - 6}" y="{y + 12}" text-anchor="end"><title>{_e(name)}</title>{_e(label)}'
+                     '</text>'
                      f'<rect x="{label_w}" y="{y + 2}" width="{max(1.0, value * scale):.1f}" height="{row_h - 5}" '
                      f'fill="{PALETTE["bar"]}"><title>{_e(name)}: {value:.3f} ms</title></rect>'
                      f'<text x="{label_w + value * scale + 4:.1f}" y="{y + 12}">{value:.3f}</text>')
@@ -223,11 +265,8 @@ def _memory_view(group: dict[str, Any], gid: str) -> str:
         sy = (height - 2 * 20) / peak
         pts = " ".join(f"{pad + (t - t0) * sx:.1f},{height - 20 - v * sy:.1f}" for t, v in series)
         d = mem["devices"][0]
-        out.append(f"<h3>Rank {_e(r.get('rank'))}: allocated memory on {_e(mem.get('series_device'))}</h3>"
-                   f'<p>Peak allocated {d["peak_allocated"] / 2**20:.1f} MiB, peak reserved '
-                   f'{(d["peak_reserved"] or 0) / 2**20:.1f} MiB'
-                   + (f', {d["allocs"]} allocations ({d["alloc_bytes"] / 2**20:.1f} MiB), {d["frees"]} frees'
-                      if d.get("allocs") is not None else "") + "</p>"
+        out.append(f"<h3>Rank {_rank(r)}: allocated memory on {_e(mem.get('series_device'))}</h3>"
+                   + _memory_summary(mem) +
                    f'<svg class="chart" id="mem-chart-{_e(rid)}" width="{width}" height="{height}" role="img">'
                    f'<line x1="{pad}" y1="{height - 20}" x2="{width - pad}" y2="{height - 20}" stroke="#999"/>'
                    f'<line x1="{pad}" y1="20" x2="{pad}" y2="{height - 20}" stroke="#999"/>'
@@ -240,12 +279,31 @@ def _memory_view(group: dict[str, Any], gid: str) -> str:
     return "".join(out)
 
 
+def _memory_summary(mem: dict[str, Any]) -> str:
+    d = mem["devices"][0]
+    text = f'<p>Peak allocated {d["peak_allocated"] / 2**20:.1f} MiB'
+    if d.get("peak_reserved") is not None:
+        text += f', peak reserved {d["peak_reserved"] / 2**20:.1f} MiB'
+    if d.get("allocs") is not None:
+        text += f', {d["allocs"]} allocations ({d["alloc_bytes"] / 2**20:.1f} MiB), {d["frees"]} frees'
+    if d.get("derived"):
+        text += " (the trace records only allocation sizes: the curve starts at 0 where the capture began)"
+    others = [o for o in mem["devices"][1:] if o.get("component")]
+    if others:  # torch_npu's other memory components, listed beside the allocator's
+        text += ". Other components: " + ", ".join(
+            f'{_e(o["component"])} on {_e(o["device"])} peak {o["peak_allocated"] / 2**20:.1f} MiB' for o in others)
+    return text + ".</p>"
+
+
 def _timeline_view(group: dict[str, Any], gid: str) -> str:
     """Each rank's recorded steps on one time axis (wall clock), so a rank that lags or stalls stands out."""
-    lanes = [(r, [s for s in (r.get("steps") or []) if s.get("start_us") is not None]) for r in group["ranks"]]
+    lanes = [(r, _timed_steps(r.get("steps") or [])) for r in group["ranks"]]
     lanes = [(r, s) for r, s in lanes if s]
     if not lanes:
-        return "<p class=muted>No timed steps to draw.</p>"
+        return "<p class=muted>No steps to draw.</p>"
+    relative = any(s.get("relative") for _, steps in lanes for s in steps)
+    if relative:  # one axis for all: a rank without start times puts every rank on the relative axis
+        lanes = [(r, _timed_steps(r.get("steps") or [], relative=True)) for r, _ in lanes]
     t0 = min(s["start_us"] for _, steps in lanes for s in steps)
     t1 = max(s["start_us"] + s["dur_ms"] * 1000 for _, steps in lanes for s in steps)
     width, lane_h, left = 900, 26, 70
@@ -253,30 +311,44 @@ def _timeline_view(group: dict[str, Any], gid: str) -> str:
     parts = []
     for i, (r, steps) in enumerate(lanes):
         y = 20 + i * lane_h
-        parts.append(f'<text x="4" y="{y + 14}">rank {_e(r.get("rank"))}</text>')
+        parts.append(f'<text x="4" y="{y + 14}">rank {_rank(r)}</text>')
         for s in steps:
             x = left + (s["start_us"] - t0) * scale
             w = max(1.0, s["dur_ms"] * 1000 * scale)
-            comm_w = w * (s["comm_ms"] / s["dur_ms"]) if s["dur_ms"] else 0
+            comm_w = min(w, w * (s.get("comm_total_ms") or 0) / s["window_ms"]) if s.get("window_ms") else 0
             parts.append(f'<g><rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{lane_h - 8}" fill="{PALETTE["compute"]}"'
-                         f' fill-opacity="0.35" stroke="#4e79a7"><title>rank {_e(r.get("rank"))} step {s["step"]}: '
-                         f'{s["dur_ms"]:.2f} ms (comm {s["comm_ms"]:.2f} ms)</title></rect>'
+                         f' fill-opacity="0.35" stroke="#4e79a7"><title>rank {_rank(r)} step {s["step"]}: '
+                         f'{s["dur_ms"]:.2f} ms (communication {s.get("comm_total_ms") or 0:.2f} ms, exposed '
+                         f'{s["comm_ms"]:.2f} ms)</title></rect>'
                          f'<rect x="{x:.1f}" y="{y + lane_h - 12}" width="{comm_w:.1f}" height="4" '
                          f'fill="{PALETTE["comm"]}"/>'
                          + (f'<text x="{x + 3:.1f}" y="{y + 12}">{s["step"]}</text>' if w > 18 else "") + "</g>")
     height = 30 + len(lanes) * lane_h
     parts.append(f'<text x="{left}" y="12">0 ms</text><text x="{width - 10}" y="12" text-anchor="end">'
                  f'{(t1 - t0) / 1000:.1f} ms</text>')
-    return (f'<div class="legend">steps on a shared wall-clock axis; red bar: communication share'
+    axis = ("steps laid end to end from each rank's first (the trace gives no start times, e.g. torch_npu's "
+            "step_trace_time.csv)" if relative else "steps on a shared wall-clock axis")
+    return (f'<div class="legend">{axis}; red bar: communication share (exposed and overlapped)'
             f'</div><svg class="chart" id="timeline-{gid}" width="{width}" height="{height}" role="img">'
             f'{"".join(parts)}</svg>')
+
+
+def _timed_steps(steps: list[dict[str, Any]], relative: bool = False) -> list[dict[str, Any]]:
+    """Steps with a start time; when none has one (or asked), the steps laid end to end from 0, marked relative."""
+    if not relative and any(s.get("start_us") is not None for s in steps):
+        return [s for s in steps if s.get("start_us") is not None]
+    out, t = [], 0.0
+    for s in steps:
+        out.append({**s, "start_us": t, "relative": True})
+        t += s["dur_ms"] * 1000
+    return out
 
 
 def _open_traces(group: dict[str, Any]) -> str:
     items = []
     for r in group["ranks"]:
         trace = r.get("trace") or r.get("db") or r["path"]
-        items.append(f"<li>rank {_e(r.get('rank'))}: <code>{_e(trace)}</code></li>")
+        items.append(f"<li>rank {_rank(r)}: <code>{_e(trace)}</code></li>")
     return ("<h3>Open the traces</h3><p>In <a href=\"https://ui.perfetto.dev\">ui.perfetto.dev</a>: "
             "<em>Open trace file</em> and pick the file (it is read in your browser, nothing is uploaded); or "
             "<code>tensorboard --logdir &lt;save path&gt;</code>; or HTA's <code>TraceAnalysis(trace_dir=...)</code>."

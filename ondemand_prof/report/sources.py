@@ -2,9 +2,9 @@
 
   * our capture directories ({host}_{pid}_{ts}_pt/ with metadata.json): the trace (.json or .json.gz, plain or
     simplified), or profile.db when the trace is gone (export_type db);
-  * torch_npu's output ({host}_{pid}_{ts}_ascend_pt/ASCEND_PROFILER_OUTPUT/): step_trace_time.csv,
-    op_statistic.csv, kernel_details.csv, memory_record.csv, whichever are present;
-  * a bare Chrome/Kineto trace file (torch.profiler's export_chrome_trace, tensorboard_trace_handler).
+  * torch_npu's output ({host}_{pid}_{ts}_ascend_pt/ASCEND_PROFILER_OUTPUT/), text or db export (ascend.py);
+  * a bare Chrome/Kineto trace file (torch.profiler's export_chrome_trace, tensorboard_trace_handler, any Kineto
+    version, JSON Object or Array Format), our profile.db, or torch_npu's ascend_pytorch_profiler_{rank}.db.
 
 Each source becomes one rank report, or a problem saying what could not be read. Nothing here raises for bad
 input: a report covers everything that can be read.
@@ -12,22 +12,19 @@ input: a report covers everything that can be read.
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
-import re
 import sqlite3
 from pathlib import Path
 from typing import Any, Iterator
 
-from .analyze import RankAnalyzer, is_comm, peak_downsample
-from .tracefile import TraceError, TraceReader
+from .analyze import RankAnalyzer, analyze_trace_file
+from .ascend import ASCEND_DIR, is_npu_db, npu_db_result, read_ascend, sqlite_tables
+from .classify import RANK_IN_NAME
 
 log = logging.getLogger("ondemand_prof.report")
 
 TRACE_GLOBS = ("trace/*.json", "trace/*.json.gz", "*.pt.trace.json", "*.pt.trace.json.gz")
-ASCEND_DIR = "ASCEND_PROFILER_OUTPUT"
-_RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 
 
 def find_sources(path: Path) -> tuple[list[tuple[str, Path]], list[dict[str, str]]]:
@@ -50,13 +47,25 @@ def find_sources(path: Path) -> tuple[list[tuple[str, Path]], list[dict[str, str
             found.append((k, child))
         elif child.is_dir():  # one more level: a rank directory per host, a job directory...
             found.extend((k2, c2) for c2 in _children(child) if (k2 := _kind(c2)))
-    loose = sorted(p for pattern in ("*.json", "*.json.gz") for p in path.glob(pattern) if p.name != "metadata.json")
+    # a capture folder holds its ranks' traces beside their directories (rank/layout.py): those are read through
+    # their rank directory, with its metadata, not a second time as loose files
+    owned = {t for k, d in found if k == "capture" and (t := _trace_of(d)) is not None}
+    loose = sorted(p for pattern in ("*.json", "*.json.gz") for p in path.glob(pattern)
+                   if p.name != "metadata.json" and p.resolve() not in owned)
     found.extend(("trace", p) for p in loose)
     if not found:
         return [], [{"path": str(path), "error": "no captures here (expected capture directories with "
                                                  "metadata.json, *_ascend_pt directories or trace files)"}]
     found.sort(key=lambda kp: kp[1].stat().st_mtime, reverse=True)
     return found, []
+
+
+def _trace_of(rank_dir: Path) -> Path | None:
+    try:
+        name = json.loads((rank_dir / "metadata.json").read_text()).get("trace_file")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return (rank_dir / name).resolve() if isinstance(name, str) and name else None
 
 
 def _children(path: Path) -> list[Path]:
@@ -82,7 +91,7 @@ def _kind(path: Path) -> str | None:
 
 def read_source(kind: str, path: Path, top: int) -> dict[str, Any]:
     """One rank's report; "error" is set when nothing could be read, "warnings" when only part could."""
-    reader = {"capture": _read_capture, "trace": _read_trace_file, "db": _read_db_file, "ascend": _read_ascend}[kind]
+    reader = {"capture": _read_capture, "trace": _read_trace_file, "db": _read_db_file, "ascend": read_ascend}[kind]
     try:
         return reader(path, top)
     except Exception as exc:  # noqa: BLE001 - one unreadable capture never stops the report
@@ -92,26 +101,6 @@ def read_source(kind: str, path: Path, top: int) -> dict[str, Any]:
 
 def _base(path: Path, kind: str) -> dict[str, Any]:
     return {"path": str(path), "kind": kind, "rank": None, "warnings": []}
-
-
-def _analyze_trace(trace: Path, out: dict[str, Any], top: int) -> None:
-    reader = TraceReader(trace)
-    an = RankAnalyzer()
-    try:
-        an.feed(reader.events())
-    except TraceError as exc:
-        if an.events == 0:
-            raise
-        out["warnings"].append(str(exc))
-    out.update(an.result(top))
-    out["trace"] = str(trace)
-    base = reader.header.get("baseTimeNanoseconds")
-    if isinstance(base, (int, float)) and base > 0:  # ts relative to a base: make them wall-clock comparable
-        for step in out.get("steps") or []:
-            step["start_us"] += base / 1000
-    info = reader.header.get("distributedInfo") or {}
-    if out.get("rank") is None and isinstance(info.get("rank"), int):
-        out["rank"] = info["rank"]
 
 
 def _read_capture(path: Path, top: int) -> dict[str, Any]:
@@ -133,7 +122,7 @@ def _read_capture(path: Path, top: int) -> dict[str, Any]:
         found = [p for pattern in TRACE_GLOBS for p in sorted(path.glob(pattern))]
         trace = found[0] if found else None
     if trace is not None:
-        _analyze_trace(trace, out, top)
+        analyze_trace_file(trace, out, top)
     elif (path / "profile.db").exists():
         out.update(_db_result(path / "profile.db", top))
     else:
@@ -143,15 +132,19 @@ def _read_capture(path: Path, top: int) -> dict[str, Any]:
 
 def _read_trace_file(path: Path, top: int) -> dict[str, Any]:
     out = _base(path, "trace")
-    m = _RANK_IN_NAME.search(path.name)
+    m = RANK_IN_NAME.search(path.name)
     if m:
         out["rank"] = int(m.group(1))
-    _analyze_trace(path, out, top)
+    analyze_trace_file(path, out, top)
     return out
 
 
 def _read_db_file(path: Path, top: int) -> dict[str, Any]:
     out = _base(path, "db")
+    if is_npu_db(path):
+        out["kind"] = "ascend"
+        out.update(npu_db_result(path, top))
+        return out
     out.update(_db_result(path, top))
     return out
 
@@ -160,6 +153,11 @@ def _db_result(db: Path, top: int) -> dict[str, Any]:
     """Our SQLite export (postprocess.DB_SCHEMA) replayed as events through the same analysis."""
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
+        tables = sqlite_tables(con)
+        if not {"events", "meta"} <= tables:
+            raise ValueError(f"{db.name} is neither our profile.db nor torch_npu's ascend_pytorch_profiler db "
+                             f"(its tables: {', '.join(sorted(tables)[:8]) or 'none'})")
+
         def events() -> Iterator[dict[str, Any]]:
             for name, cat, pid, tid, ts, dur in con.execute(
                     "SELECT name, category, pid, tid, ts_us, dur_us FROM events"):
@@ -180,106 +178,3 @@ def _db_result(db: Path, top: int) -> dict[str, Any]:
         return out
     finally:
         con.close()
-
-
-# ----------------------------------------------------------------------------------------------------------
-# torch_npu's ASCEND_PROFILER_OUTPUT (column names as torch_npu writes them)
-
-def _csv_rows(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="", encoding="utf-8-sig", errors="replace") as fh:
-        return list(csv.DictReader(fh))
-
-
-def _num(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return 0.0
-
-
-def _read_ascend(path: Path, top: int) -> dict[str, Any]:
-    root = path if path.name == ASCEND_DIR else path / ASCEND_DIR
-    top_dir = root.parent
-    out = _base(top_dir, "ascend")
-    m = _RANK_IN_NAME.search(str(top_dir))
-    meta_file = top_dir / "profiler_info.json"
-    if meta_file.exists():
-        try:
-            info = json.loads(meta_file.read_text())
-            out["rank"] = (info.get("rank_id") if isinstance(info, dict) else None)
-        except ValueError:
-            pass
-    if out["rank"] is None:
-        ranks = sorted(top_dir.glob("profiler_info_*.json"))
-        if ranks:
-            out["rank"] = int(ranks[0].stem.rsplit("_", 1)[1]) if ranks[0].stem.rsplit("_", 1)[1].isdigit() else None
-        elif m:
-            out["rank"] = int(m.group(1))
-    used = []
-    steps: list[dict[str, Any]] = []
-    if (root / "step_trace_time.csv").exists():
-        used.append("step_trace_time.csv")
-        for row in _csv_rows(root / "step_trace_time.csv"):
-            compute = _num(row.get("Computing"))
-            comm = _num(row.get("Communication"))
-            exposed = _num(row.get("Communication(Not Overlapped)"))
-            free = _num(row.get("Free"))
-            total = compute + exposed + free
-            try:
-                number = int(float(row.get("Step") or len(steps)))
-            except ValueError:
-                number = len(steps)
-            steps.append({"step": number, "start_us": None, "dur_ms": total / 1000, "compute_ms": compute / 1000,
-                          "comm_ms": comm / 1000, "overlap_ms": _num(row.get("Overlapped")) / 1000,
-                          "other_ms": free / 1000})
-    out["steps"] = steps
-    out["basis"] = "device"
-    if steps:
-        total = sum(s["dur_ms"] for s in steps)
-        out["step_ms_mean"] = total / len(steps)
-        out["step_ms_max"] = max(s["dur_ms"] for s in steps)
-        if total > 0:
-            for key, col in (("compute_pct", "compute_ms"), ("comm_pct", "comm_ms"), ("overlap_pct", "overlap_ms"),
-                             ("other_pct", "other_ms")):
-                out[key] = 100 * sum(s[col] for s in steps) / total
-    kernels: list[dict[str, Any]] = []
-    if (root / "op_statistic.csv").exists():
-        used.append("op_statistic.csv")
-        for row in _csv_rows(root / "op_statistic.csv"):
-            name = row.get("OP Type") or row.get("Name") or "?"
-            calls = int(_num(row.get("Count"))) or 1
-            total = _num(row.get("Total Time(us)"))
-            kernels.append({"name": name, "calls": calls, "total_us": total, "avg_us": total / calls,
-                            "comm": is_comm(name), "core": row.get("Core Type")})
-    elif (root / "kernel_details.csv").exists():
-        used.append("kernel_details.csv")
-        agg: dict[str, list[float]] = {}
-        for row in _csv_rows(root / "kernel_details.csv"):
-            name = row.get("Type") or row.get("Name") or "?"
-            a = agg.setdefault(name, [0, 0.0])
-            a[0] += 1
-            a[1] += _num(row.get("Duration(us)"))
-        kernels = [{"name": n, "calls": int(c), "total_us": t, "avg_us": t / c, "comm": is_comm(n)}
-                   for n, (c, t) in agg.items()]
-    out["top_kernels"] = sorted(kernels, key=lambda r: -r["total_us"])[:top]
-    out["top_self"], out["top_total"] = [], []
-    out["memory"] = None
-    if (root / "memory_record.csv").exists():
-        used.append("memory_record.csv")
-        series, peak_alloc, peak_res = [], 0.0, 0.0
-        for row in _csv_rows(root / "memory_record.csv"):
-            if row.get("Component") not in (None, "", "PTA", "PTA+GE"):
-                continue  # the torch allocator's view; GE/APP rows are other components
-            mb = _num(row.get("Total Allocated(MB)"))
-            series.append((_num(row.get("Timestamp(us)")), mb * 2**20))
-            peak_alloc = max(peak_alloc, mb)
-            peak_res = max(peak_res, _num(row.get("Total Reserved(MB)")))
-        series.sort()
-        out["memory"] = {"devices": [{"device_type": "npu", "device_id": None, "peak_allocated": peak_alloc * 2**20,
-                                      "peak_reserved": peak_res * 2**20, "allocs": None, "alloc_bytes": None,
-                                      "frees": None, "freed_bytes": None}],
-                         "series_device": "npu", "series": peak_downsample(series)}
-    if not used:
-        out["error"] = f"{root} has none of step_trace_time.csv, op_statistic.csv, kernel_details.csv, memory_record.csv"
-    out["files_used"] = used
-    return out

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+from .analyze import SHARES, round_shares
 
 
 def _table(rows: list[list[str]], header: list[str], indent: str = "  ") -> str:
@@ -30,6 +33,10 @@ def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
 
 
+def _rank(r: dict[str, Any]) -> str:
+    return "?" if r.get("rank") is None else str(r["rank"])
+
+
 def _window(w: Any) -> str:
     if isinstance(w, dict):
         steps = w.get("recorded_steps") or []
@@ -38,8 +45,36 @@ def _window(w: Any) -> str:
     return "-"
 
 
-def _trunc(name: str, n: int = 60) -> str:
-    return name if len(name) <= n else name[: n - 1] + "…"
+def short_name(name: str, n: int = 60) -> str:
+    """A kernel or operator name that fits a table cell: the parameter list of a C++ signature is folded
+    (`void at::native::elementwise_kernel<128, 4, F>(int, F)` -> `at::native::elementwise_kernel<128, 4, F>(…)`),
+    then the middle is cut, so that the template arguments that tell kernels apart keep their start and end. The
+    full name stays in the JSON and in the HTML's hover text."""
+    text = re.sub(r"^void ", "", name.strip())
+    if len(text) > n and text.endswith(")"):
+        text = _fold_params(text)
+    if len(text) <= n:
+        return text
+    keep = n - 1
+    return text[: keep - keep // 3] + "…" + text[len(text) - keep // 3:]
+
+
+def _fold_params(text: str) -> str:
+    """`f<T>(int, T)` -> `f<T>(…)`: the last balanced (...) at the end of the name (unbalanced: unchanged)."""
+    depth = 0
+    for i in range(len(text) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[:i] + "(…)" if i > 0 else text
+    return text
+
+
+def shares_text(r: dict[str, Any]) -> list[str]:
+    """The four shares of a rank, rounded so that they add up to 100.0."""
+    values = [r.get(f"{k}_pct") for k in SHARES]
+    if any(v is None for v in values):
+        return ["-"] * len(SHARES)
+    return [f"{v:.1f}" for v in round_shares([float(v) for v in values])]
 
 
 def render_text(report: dict[str, Any], top: int = 10, per_rank: bool = True) -> str:
@@ -75,11 +110,11 @@ def _group_text(group: dict[str, Any], top: int, per_rank: bool) -> str:
             vs = ""
             if group.get("median_step_ms") and r.get("step_ms_mean"):
                 vs = f"{100 * (r['step_ms_mean'] - group['median_step_ms']) / group['median_step_ms']:+.1f}%"
-            rows.append([str(r.get("rank", "?")), str(len(r.get("steps") or [])), _f(r.get("step_ms_mean")),
-                         _f(r.get("step_ms_max")), _f(r.get("compute_pct"), 1), _f(r.get("comm_pct"), 1),
-                         _f(r.get("other_pct"), 1), vs or "-", mark])
-        text += "\nacross ranks (mean over the recorded steps)\n"
-        text += _table(rows, ["RANK", "STEPS", "STEP MS", "MAX MS", "COMPUTE %", "COMM %", "OTHER %", "VS MEDIAN", ""])
+            rows.append([_rank(r), str(len(r.get("steps") or [])), _f(r.get("step_ms_mean")),
+                         _f(r.get("step_ms_max")), *shares_text(r), vs or "-", mark])
+        text += "\nacross ranks (mean over the recorded steps; the shares add up to 100%)\n"
+        text += _table(rows, ["RANK", "STEPS", "STEP MS", "MAX MS", "COMPUTE %", "COMM %", "OVERLAP %", "IDLE %",
+                              "VS MEDIAN", ""])
         if group.get("slowest") and len(ranks) > 1:
             s = group["slowest"]
             text += (f"  slowest: rank {s['rank']}, {s['step_ms']:.2f} ms per step, {s['vs_median_ms']:+.2f} ms "
@@ -93,18 +128,10 @@ def _group_text(group: dict[str, Any], top: int, per_rank: bool) -> str:
 
 
 def _rank_text(r: dict[str, Any], top: int) -> str:
-    text = f"\n-- rank {r.get('rank', '?')}  {r['path']}\n"
+    text = f"\n-- rank {_rank(r)}  {r['path']}\n"
     for w in r.get("warnings") or []:
         text += f"  warning: {w}\n"
-    steps = r.get("steps") or []
-    if steps:
-        rows = [[str(s["step"]), _f(s["dur_ms"]), _f(s["compute_ms"]), _f(s["comm_ms"]), _f(s["overlap_ms"]),
-                 _f(s["other_ms"])] for s in steps]
-        basis = "device kernels" if r.get("basis") == "device" else "CPU operators on the step's thread"
-        text += f"  steps (split by {basis})\n"
-        text += _table(rows, ["STEP", "MS", "COMPUTE MS", "COMM MS", "OVERLAP MS", "OTHER MS"], "    ")
-    else:
-        text += "  no ProfilerStep#N steps in this trace\n"
+    text += _steps_text(r)
     if r.get("top_self"):
         text += f"  top operators by self time (of {r.get('operators')} operators)\n"
         text += _ops_table(r["top_self"][:top])
@@ -112,20 +139,48 @@ def _rank_text(r: dict[str, Any], top: int) -> str:
         text += _ops_table(r["top_total"][:top])
     if r.get("top_kernels"):
         text += "  top device kernels\n"
-        rows = [[_trunc(k["name"]), str(k["calls"]), _f(k["total_us"] / 1000, 3), _f(k["avg_us"], 1),
+        rows = [[short_name(k["name"]), str(k["calls"]), _f(k["total_us"] / 1000, 3), _f(k["avg_us"], 1),
                  "comm" if k["comm"] else ""] for k in r["top_kernels"][:top]]
         text += _table(rows, ["KERNEL", "CALLS", "TOTAL MS", "AVG US", ""], "    ")
-    mem = r.get("memory")
-    if mem:
-        rows = [[f"{d['device_type']}:{d['device_id']}", _mib(d["peak_allocated"]), _mib(d["peak_reserved"]),
-                 str(d["allocs"] if d["allocs"] is not None else "-"), _mib(d["alloc_bytes"]),
-                 str(d["frees"] if d["frees"] is not None else "-")] for d in mem["devices"]]
-        text += "  memory\n"
-        text += _table(rows, ["DEVICE", "PEAK MIB", "RESERVED MIB", "ALLOCS", "ALLOC MIB", "FREES"], "    ")
-    return text
+    return text + _memory_text(r.get("memory"))
+
+
+def _steps_text(r: dict[str, Any]) -> str:
+    steps = r.get("steps") or []
+    if not steps:
+        return "  no ProfilerStep#N steps in this trace\n"
+    rows = [[str(s["step"]), _f(s["dur_ms"]), _f(s["window_ms"]), _f(s["compute_ms"]), _f(s["comm_ms"]),
+             _f(s["overlap_ms"]), _f(s["idle_ms"])] for s in steps]
+    if r.get("split_from"):
+        basis = f"torch_npu's {r['split_from']}: COMPUTE excludes OVERLAP, COMM is the exposed communication"
+    elif r.get("basis") == "device":
+        how = r.get("kernel_steps") or {}
+        basis = ("device kernels, each in the step that launched it; WINDOW: from the step's first kernel to the "
+                 "next step's" + (f"; {how['by_time']} kernel(s) without a launch in the file placed by time"
+                                  if how.get("by_time") else ""))
+    else:
+        basis = "CPU operators on the step's thread; IDLE: outside any operator"
+    text = f"  steps (split by {basis})\n"
+    return text + _table(rows, ["STEP", "MS", "WINDOW MS", "COMPUTE MS", "COMM MS", "OVERLAP MS", "IDLE MS"], "    ")
+
+
+def _memory_text(mem: dict[str, Any] | None) -> str:
+    if not mem:
+        return ""
+    components = any(d.get("component") for d in mem["devices"])
+    rows = [[d.get("device") or "?", *([d.get("component") or "-"] if components else []), _mib(d["peak_allocated"]),
+             _mib(d.get("peak_reserved")), str(d["allocs"] if d.get("allocs") is not None else "-"),
+             _mib(d.get("alloc_bytes")), str(d["frees"] if d.get("frees") is not None else "-")]
+            for d in mem["devices"]]
+    text = f"  memory (chart: {mem.get('series_device')})\n"
+    if any(d.get("derived") for d in mem["devices"]):
+        text += "    (this trace records only allocation sizes: peaks are above what was allocated when it began)\n"
+    header = ["DEVICE", *(["COMPONENT"] if components else []), "PEAK MIB", "RESERVED MIB", "ALLOCS", "ALLOC MIB",
+              "FREES"]
+    return text + _table(rows, header, "    ")
 
 
 def _ops_table(ops: list[dict[str, Any]]) -> str:
-    rows = [[_trunc(o["name"]), str(o["calls"]), _f(o["self_us"] / 1000, 3), _f(o["total_us"] / 1000, 3),
+    rows = [[short_name(o["name"]), str(o["calls"]), _f(o["self_us"] / 1000, 3), _f(o["total_us"] / 1000, 3),
              _f(o["avg_us"], 1), "comm" if o["comm"] else ""] for o in ops]
     return _table(rows, ["OPERATOR", "CALLS", "SELF MS", "TOTAL MS", "AVG US", ""], "    ")

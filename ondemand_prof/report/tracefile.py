@@ -1,9 +1,12 @@
 """Read a Chrome/Kineto trace (.json or .json.gz) one event at a time.
 
-A trace is {"schemaVersion": .., "distributedInfo": {..}, "traceEvents": [ {event}, {event}, ... ], ...}. The
-events are decoded one by one from a sliding text buffer with the C JSON scanner, so a trace of hundreds of MB
-never becomes one Python list. The other top-level keys (before and after the array) are parsed on the side.
-A file that ends early yields what it holds and then raises TraceError saying where it stopped.
+Two layouts, both of Chrome's Trace Event Format:
+  * JSON Object Format (Kineto): {"schemaVersion": .., "distributedInfo": {..}, "traceEvents": [ {event}, ... ], ...};
+    the other top-level keys (before and after the array) are parsed on the side into `header`;
+  * JSON Array Format (torch_npu's trace_view.json): a bare [ {event}, ... ], whose closing "]" may be missing.
+The events are decoded one by one from a sliding text buffer with the C JSON scanner, so a trace of hundreds of MB
+never becomes one Python list. A file that ends early yields what it holds and then raises TraceError saying where
+it stopped.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class TraceReader:
         self.path = path
         self.header: dict[str, Any] = {}
         self.bytes_read = 0
+        self.array_format = False
 
     def events(self) -> Iterator[dict[str, Any]]:
         raw_decode = json.JSONDecoder().raw_decode
@@ -49,20 +53,21 @@ class TraceReader:
             buf = self._read(fh)
             if not buf.strip():
                 raise TraceError(f"{self.path} is empty")
-            match = _KEY.search(buf)
-            while match is None:
-                more = self._read(fh)
-                if not more:
-                    raise TraceError(f"{self.path} has no \"traceEvents\" array (not a Chrome/Kineto trace)")
-                buf += more
-                match = _KEY.search(buf)
-            self._parse_prefix(buf[:match.start()])
-            buf, pos, eof = buf[match.end():], 0, False
+            buf = buf.lstrip("\ufeff")  # a byte-order mark some Windows tools write
+            bare = buf.lstrip().startswith("[")
+            if bare:  # JSON Array Format
+                self.array_format = True
+                buf = buf[buf.index("[") + 1:]
+            else:
+                buf = self._skip_to_events(fh, buf)
+            pos, eof = 0, False
             while True:
                 n = len(buf)
                 while pos < n and buf[pos] in _WS:
                     pos += 1
                 if pos >= n:
+                    if eof and bare:  # the format allows leaving out the closing bracket
+                        return
                     if eof:
                         raise TraceError(self._stopped(pos, "the file ends inside the event list"))
                     more = self._read(fh)
@@ -85,6 +90,19 @@ class TraceReader:
                     yield event
                 if pos > CHUNK:  # keep the buffer small: drop what has been decoded
                     buf, pos = buf[pos:], 0
+
+    def _skip_to_events(self, fh: io.TextIOBase, buf: str) -> str:
+        """Read up to the start of the "traceEvents" array, parse what precedes it, return what follows."""
+        match = _KEY.search(buf)
+        while match is None:
+            more = self._read(fh)
+            if not more:
+                raise TraceError(f"{self.path} has no \"traceEvents\" array and is not a bare array of events "
+                                 "(not a Chrome/Kineto trace)")
+            buf += more
+            match = _KEY.search(buf)
+        self._parse_prefix(buf[:match.start()])
+        return buf[match.end():]
 
     def _read(self, fh: io.TextIOBase) -> str:
         try:

@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from ..trace_save import save_trace
 from ..window import Window, WindowOptions
 from . import Export, Identity
 
@@ -89,7 +90,7 @@ class TorchSession:
 
         def write(staging: Path) -> Path:
             path = staging / "raw.pt.trace.json"
-            prof.export_chrome_trace(str(path))
+            save_trace(prof.export_chrome_trace, path)  # from a forked child: kineto's save holds the GIL
             return path
 
         return Export(write=write, kind="kineto", info={"torch_profile_kwargs": _describe(self.kwargs)})

@@ -283,23 +283,30 @@ def span(rows: list[dict[str, Any]], key: str) -> str:
 def print_table(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
     print(f"\n{args.active}-step window, with_stack + record_shapes, CPU only, {os.cpu_count()} cores; "
           f"median (min-max) of {args.repeat} runs, each variant in its own process")
-    print(f"| variant | idle step ms | window-end stall ms | stall + 10 steps extra ms | stall + {args.tail} steps "
-          f"extra ms | published after ms | peak extra RSS MB (process + children) |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| variant | idle step ms | window-end stall ms | 10 steps after: extra ms | stall + 10 steps ms | "
+          f"stall + {args.tail} steps ms | published after ms | peak extra RSS MB (process + children) | "
+          f"others' load, cores |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, rows in runs.items():
-        print(f"| {name} | {median_of(rows, 'idle_ms'):.2f} | {span(rows, 'stall_ms')} | {span(rows, 'after10_ms')} | "
-              f"{span(rows, 'tail_ms')} | {median_of(rows, 'published_ms'):.0f} | "
+        for r in rows:
+            r["next10_ms"] = r["after10_ms"] - r["stall_ms"]
+        print(f"| {name} | {median_of(rows, 'idle_ms'):.2f} | {span(rows, 'stall_ms')} | {span(rows, 'next10_ms')} | "
+              f"{span(rows, 'after10_ms')} | {span(rows, 'tail_ms')} | {median_of(rows, 'published_ms'):.0f} | "
               f"{median_of(rows, 'rss_mb'):.0f} ({median_of(rows, 'rss_proc_mb'):.0f} + "
-              f"{median_of(rows, 'rss_kids_mb'):.0f}) |")
+              f"{median_of(rows, 'rss_kids_mb'):.0f}) | {median_of(rows, 'foreign_cores'):.2f} |")
     if "torch" in runs:
-        t = runs["torch"]
-        for name, rows in runs.items():
-            if name == "torch":
-                continue
-            ratios = [o["after10_ms"] / th["after10_ms"] for o, th in zip(rows, t)]
-            print(f"{name} / torch: stall {median_of(rows, 'stall_ms') / median_of(t, 'stall_ms'):.2f} (goal <= 0.8), "
-                  f"stall + 10 steps {median_of(rows, 'after10_ms') / median_of(t, 'after10_ms'):.2f} "
-                  f"(goal <= 0.3; per run {', '.join(f'{r:.2f}' for r in ratios)})")
+        print_ratios(runs)
+
+
+def print_ratios(runs: dict[str, list[dict[str, Any]]]) -> None:
+    t = runs["torch"]
+    for name, rows in runs.items():
+        if name == "torch":
+            continue
+        ratios = [o["after10_ms"] / th["after10_ms"] for o, th in zip(rows, t)]
+        print(f"{name} / torch: stall {median_of(rows, 'stall_ms') / median_of(t, 'stall_ms'):.2f} (goal <= 0.8), "
+              f"stall + 10 steps {median_of(rows, 'after10_ms') / median_of(t, 'after10_ms'):.2f} "
+              f"(goal <= 0.3; per run {', '.join(f'{r:.2f}' for r in ratios)})")
 
 
 def main() -> None:
@@ -316,12 +323,19 @@ def main() -> None:
     if args.child:
         child_main(args.child, args.active, args.tail)
         return
-    variants = args.variants.split(",")
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    runs, retried = run_all(args)
+    print_table(runs, args)
+    print(f"{retried} run(s) were repeated because other processes used more than {args.max_foreign} cores")
+
+
+def run_all(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]], int]:
+    """Every variant `repeat` times, interleaved so that a slow spell of the machine hits every variant; a run
+    during which other processes used more than --max-foreign cores is repeated (up to --retries times)."""
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants.split(",")}
     retried = 0
     for i in range(args.repeat):
-        for v in variants:  # interleaved, so a slow spell of the machine hits every variant
-            for attempt in range(args.retries + 1):
+        for v in runs:
+            for _ in range(args.retries + 1):
                 wait_for_quiet(args.quiet_wait)
                 r = run_variant(v, args.active, args.tail)
                 if r["foreign_cores"] <= args.max_foreign:
@@ -329,12 +343,11 @@ def main() -> None:
                 retried += 1
                 print(f"run {i + 1} {v}: other processes used {r['foreign_cores']:.2f} cores; again", flush=True)
             runs[v].append(r)
-            print(f"run {i + 1} {v} (others {r['foreign_cores']:.2f} cores): stall {r['stall_ms']:.1f} ms, +10 {r['after10_ms']:.1f} ms, "
-                  f"+{args.tail} {r['tail_ms']:.1f} ms, published after {r['published_ms']:.0f} ms, "
-                  f"rss +{r['rss_mb']:.0f} MB, capture {r.get('capture')}", flush=True)
-    print_table(runs, args)
-    print(f"{retried} run(s) were repeated because other processes used more than {args.max_foreign} cores")
-
+            print(f"run {i + 1} {v} (others {r['foreign_cores']:.2f} cores): stall {r['stall_ms']:.1f} ms, "
+                  f"+10 {r['after10_ms']:.1f} ms, +{args.tail} {r['tail_ms']:.1f} ms, "
+                  f"published after {r['published_ms']:.0f} ms, rss +{r['rss_mb']:.0f} MB, "
+                  f"capture {r.get('capture')}", flush=True)
+    return runs, retried
 
 if __name__ == "__main__":
     main()

@@ -14,8 +14,8 @@ So, by default:
     the trace is saved in-process as before: the export is slower for training, never lost.
   * spawn_background() starts a helper process (post-processing) at SCHED_IDLE, and the forked saver lowers
     itself to SCHED_IDLE too: they run on cores the training run leaves idle.
-ONDEMAND_PROF_FORK_SAVE=0 turns the fork off; ONDEMAND_PROF_EXPORT_SCHED=nice keeps the children at nice 10
-instead of SCHED_IDLE (for a host whose cores are always busy, where SCHED_IDLE could starve them).
+ONDEMAND_PROF_FORK_SAVE=0 turns the fork off; ONDEMAND_PROF_EXPORT_SCHED=nice lowers the children by 10 nice
+levels instead (as before) (for a host whose cores are always busy, where SCHED_IDLE could starve them).
 
 Nothing here raises into the training loop: these functions run on the exporter thread, and they raise only
 what an in-process save raises (the exporter records it in the capture's metadata).
@@ -29,6 +29,7 @@ import select
 import signal
 import subprocess
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, NoReturn
 
@@ -38,6 +39,12 @@ FORK_ENV = "ONDEMAND_PROF_FORK_SAVE"
 SCHED_ENV = "ONDEMAND_PROF_EXPORT_SCHED"
 FORK_SAVE_TIMEOUT_S = 600.0  # a SCHED_IDLE child on busy cores is slow, not stuck; this bounds a stuck one
 FALLBACK_NICE = 10
+SLOW_FORK_S = 0.1
+
+# Python 3.12+ warns at every fork of a process with threads; this module forks a threaded process on purpose
+# and its child runs no code that needs another thread's locks (see _child_main).
+warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks", category=DeprecationWarning,
+                        module=__name__)
 
 
 def _env_off(name: str) -> bool:
@@ -68,18 +75,27 @@ def save_trace(save: Callable[[str], None], path: Path, timeout_s: float = FORK_
 
 def _save_in_child(save: Callable[[str], None], path: Path, timeout_s: float) -> str | None:
     """None when a child wrote `path` completely; otherwise why not (the caller falls back)."""
+    started = time.monotonic()
     try:
         pid = os.fork()
     except OSError as exc:  # EAGAIN, ENOMEM: too many processes, or no memory to copy the page tables
         return f"fork failed: {exc}"
     if pid == 0:
         _child_main(save, path)
+    _note_fork_time(time.monotonic() - started)
     status = _wait_child(pid, timeout_s)
     if status is None:
         return f"no result after {timeout_s:.0f} s; killed"
     if status == 0:
         return None
     return f"exit status {status}" if status > 0 else f"killed by signal {-status}"
+
+
+def _note_fork_time(seconds: float) -> None:
+    # the fork holds the GIL while it copies the page tables (time grows with the RSS): say so when it is long
+    if seconds > SLOW_FORK_S:
+        log.info("ondemand_prof: forking the trace writer took %.0f ms (the training thread waits as long); "
+                 "%s=0 writes the trace in-process instead", seconds * 1e3, FORK_ENV)
 
 
 def _child_main(save: Callable[[str], None], path: Path) -> NoReturn:
@@ -161,12 +177,12 @@ def _kill(pid: int) -> None:
 
 def lower_priority(pid: int) -> None:
     """Make process `pid` (0: this one) run only on cores nothing else wants: SCHED_IDLE where available and
-    not turned off, else nice 10. Best effort."""
+    not turned off, else 10 nice levels below where it is. Best effort."""
     try:
         if idle_priority_enabled():
             os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
         else:
-            os.setpriority(os.PRIO_PROCESS, pid, max(os.getpriority(os.PRIO_PROCESS, pid), FALLBACK_NICE))
+            os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, pid) + FALLBACK_NICE))
     except (OSError, AttributeError):
         pass
 

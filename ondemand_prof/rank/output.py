@@ -12,7 +12,6 @@ import logging
 import os
 import queue
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -24,6 +23,7 @@ from ..core.files import iso_time, write_json_atomic
 from .backends import Export, Identity
 from .layout import METADATA_FILE, RankOutput
 from ..core.window import Window
+from .trace_save import spawn_background
 
 log = logging.getLogger(__name__)
 
@@ -196,10 +196,9 @@ def run_postprocess(job: ExportJob, raw: Path, out_dir: Path) -> dict[str, Any]:
     env = dict(os.environ)
     package_parent = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = package_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run(
-        [sys.executable, "-m", "ondemand_prof.rank.postprocess", "--nice", "10", str(spec_path)],
-        capture_output=True, text=True, env=env, timeout=POSTPROCESS_TIMEOUT_S, check=False,
-    )
+    # at background priority (SCHED_IDLE): on a machine whose cores training keeps busy it would stretch steps
+    proc = spawn_background([sys.executable, "-m", "ondemand_prof.rank.postprocess", str(spec_path)], env,
+                            POSTPROCESS_TIMEOUT_S)
     spec_path.unlink(missing_ok=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from ...core.options import OPTIONS, Option, window_options
 from ...core.window import Window
+from ..trace_save import save_trace
 from .base import Export, Identity, Written
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class TorchSession:
 
         def write(staging: Path) -> Written:
             path = staging / "raw.pt.trace.json"
-            prof.export_chrome_trace(str(path))
+            save_trace(prof.export_chrome_trace, path)  # from a forked child: kineto's save holds the GIL
             return Written(staging, raw_trace=path)
 
         return Export(write=write, info={"torch_profile_kwargs": _describe(self.kwargs)})

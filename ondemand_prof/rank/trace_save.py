@@ -1,0 +1,203 @@
+"""How a window's trace leaves the training process without stalling the training thread.
+
+Two costs follow the window-end step when the export runs on a thread of the training process:
+  * kineto's ProfilerResult.save() (behind export_chrome_trace) holds the GIL for its whole duration, so the
+    training thread makes almost no progress while the export thread writes the raw trace;
+  * the post-processing child competes with training for the cores; on a machine with as many busy
+    intra-op threads as cores every runnable extra task stretches each parallel region of the step.
+
+So, by default:
+  * save_trace() writes the trace from a forked child of the training process: the child holds its own
+    copy of the GIL, the parent waits in waitpid (GIL released). The fork itself holds the GIL (about 14 ms per
+    GB of RSS on the 2-core test VM) and the training thread's next writes to memory pay copy-on-write faults;
+    README "Benchmarks" has the numbers. If the child cannot be made or fails (exit status, signal, timeout),
+    the trace is saved in-process as before: the export is slower for training, never lost.
+  * spawn_background() starts a helper process (post-processing) at SCHED_IDLE, and the forked saver lowers
+    itself to SCHED_IDLE too: they run on cores the training run leaves idle.
+ONDEMAND_PROF_FORK_SAVE=0 turns the fork off; ONDEMAND_PROF_EXPORT_SCHED=nice lowers the children by 10 nice
+levels instead (as before) (for a host whose cores are always busy, where SCHED_IDLE could starve them).
+
+Nothing here raises into the training loop: these functions run on the exporter thread, and they raise only
+what an in-process save raises (the exporter records it in the capture's metadata).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import subprocess
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, NoReturn
+
+log = logging.getLogger(__name__)
+
+FORK_ENV = "ONDEMAND_PROF_FORK_SAVE"
+SCHED_ENV = "ONDEMAND_PROF_EXPORT_SCHED"
+FORK_SAVE_TIMEOUT_S = 600.0  # a SCHED_IDLE child on busy cores is slow, not stuck; this bounds a stuck one
+FALLBACK_NICE = 10
+SLOW_FORK_S = 0.1
+
+# Python 3.12+ warns at every fork of a process with threads; this module forks a threaded process on purpose
+# and its child runs no code that needs another thread's locks (see _child_main).
+warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks", category=DeprecationWarning,
+                        module=__name__)
+
+
+def _env_off(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def fork_save_enabled() -> bool:
+    """Whether save_trace() forks: not on platforms without os.fork, not with ONDEMAND_PROF_FORK_SAVE=0."""
+    return hasattr(os, "fork") and not _env_off(FORK_ENV)
+
+
+def idle_priority_enabled() -> bool:
+    return hasattr(os, "SCHED_IDLE") and os.environ.get(SCHED_ENV, "idle").strip().lower() != "nice"
+
+
+def save_trace(save: Callable[[str], None], path: Path, timeout_s: float = FORK_SAVE_TIMEOUT_S) -> str:
+    """Write a trace with `save(path)` (e.g. a torch profile's export_chrome_trace), from a forked child when
+    possible. Returns how it was written: "fork" or "in-process" (the fallback, or the only way when disabled)."""
+    if fork_save_enabled():
+        problem = _save_in_child(save, path, timeout_s)
+        if problem is None:
+            return "fork"
+        log.warning("ondemand_prof: writing the trace in a child process failed (%s); writing it in-process",
+                    problem)
+    save(str(path))
+    return "in-process"
+
+
+def _save_in_child(save: Callable[[str], None], path: Path, timeout_s: float) -> str | None:
+    """None when a child wrote `path` completely; otherwise why not (the caller falls back)."""
+    started = time.monotonic()
+    try:
+        pid = os.fork()
+    except OSError as exc:  # EAGAIN, ENOMEM: too many processes, or no memory to copy the page tables
+        return f"fork failed: {exc}"
+    if pid == 0:
+        _child_main(save, path)
+    _note_fork_time(time.monotonic() - started)
+    status = _wait_child(pid, timeout_s)
+    if status is None:
+        return f"no result after {timeout_s:.0f} s; killed"
+    if status == 0:
+        return None
+    return f"exit status {status}" if status > 0 else f"killed by signal {-status}"
+
+
+def _note_fork_time(seconds: float) -> None:
+    # the fork holds the GIL while it copies the page tables (time grows with the RSS): say so when it is long
+    if seconds > SLOW_FORK_S:
+        log.info("ondemand_prof: forking the trace writer took %.0f ms (the training thread waits as long); "
+                 "%s=0 writes the trace in-process instead", seconds * 1e3, FORK_ENV)
+
+
+def _child_main(save: Callable[[str], None], path: Path) -> NoReturn:
+    """The forked child. Only the forking thread exists here, and any lock another thread of the training
+    process held at the fork stays held forever: so no logging, no imports, no atexit, no cleanup (os._exit)."""
+    code = 1
+    try:
+        _child_prepare()
+        save(str(path))
+        code = 0
+    except BaseException:  # noqa: BLE001 - the exit status is the report; the parent logs and falls back
+        pass
+    finally:
+        os._exit(code)
+
+
+def _child_prepare() -> None:
+    # The training program's Python signal handlers (a SIGTERM handler that checkpoints, say) must not run in
+    # this copy of it: a signal sent to the process group ends the child instead.
+    for sig in signal.valid_signals():
+        try:
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError, RuntimeError):
+            pass
+    lower_priority(0)
+
+
+def _wait_child(pid: int, timeout_s: float) -> int | None:
+    """The child's exit code (negative: killed by that signal), or None after killing it at the timeout.
+    Waits in the kernel (pidfd + select; else waitpid polls) so that the GIL stays free for the training thread."""
+    fd = _pidfd(pid)
+    if fd is None:
+        return _poll_child(pid, timeout_s)
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+    finally:
+        os.close(fd)
+    return _reap(pid) if ready else _kill(pid)
+
+
+def _poll_child(pid: int, timeout_s: float) -> int | None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return 1  # someone else reaped it: the outcome is unknown
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() >= deadline:
+            return _kill(pid)
+        time.sleep(0.02)
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)  # Linux 5.3+
+    except (AttributeError, OSError):
+        return None
+
+
+def _reap(pid: int) -> int:
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:  # someone else reaped it (a SIGCHLD handler): the outcome is unknown
+        return 1
+    return os.waitstatus_to_exitcode(status)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    _reap(pid)
+    return None
+
+
+def lower_priority(pid: int) -> None:
+    """Make process `pid` (0: this one) run only on cores nothing else wants: SCHED_IDLE where available and
+    not turned off, else 10 nice levels below where it is. Best effort."""
+    try:
+        if idle_priority_enabled():
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, pid) + FALLBACK_NICE))
+    except (OSError, AttributeError):
+        pass
+
+
+def spawn_background(cmd: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) with the child at background priority. The priority
+    is set from here right after exec (not with preexec_fn, which runs Python between fork and exec in a
+    process with other threads), so the child's interpreter start-up is the only part that runs at normal
+    priority."""
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        lower_priority(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

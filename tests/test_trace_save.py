@@ -1,0 +1,219 @@
+"""The trace leaves the training process from a forked child (issue 14): same trace as an in-process save, and
+every way the child can fail ends in an in-process save, never in a lost trace or an exception in training."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.autograd.profiler import record_function
+
+from conftest import ROOT, assert_ok, captures, load_trace, run_ranks, trace_steps
+from ondemand_prof.rank import trace_save
+
+STEPS = [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def stopped_profile() -> Any:
+    """A collected (stopped) torch profile of a few steps, with stacks and shapes, not yet saved."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True,
+                                  record_shapes=True)
+    prof.prepare_trace()
+    prof.start_trace()
+    for step in STEPS:
+        with record_function(f"ProfilerStep#{step}"):
+            model(torch.randn(16, 64)).sum().backward()
+    prof.stop_trace()
+    return prof
+
+
+def saved_bytes(path: Path) -> bytes:
+    # kineto writes the file's own path into the trace ("traceName"); everything else must be identical
+    return path.read_bytes().replace(str(path).encode(), b"<path>")
+
+
+def events(path: Path) -> list[tuple[str, str, Any]]:
+    return [(e.get("ph"), e.get("name"), e.get("ts")) for e in json.loads(path.read_text())["traceEvents"]]
+
+
+def steps_of(path: Path) -> list[int]:
+    return sorted(int(n.split("#")[1]) for ph, n, _ in events(path) if ph == "X" and n.startswith("ProfilerStep#"))
+
+
+@pytest.fixture
+def in_process_trace(stopped_profile: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference: the same profile written the old way. kineto saves a result once per process, so the
+    in-process save of the module's profile happens in a fork (its memory is the parent's, as in-process)."""
+    path = tmp_path_factory.getbasetemp() / "reference" / "raw.pt.trace.json"
+    if not path.exists():
+        path.parent.mkdir(exist_ok=True)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                stopped_profile.export_chrome_trace(str(path))
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+    return path
+
+
+def test_forked_save_writes_the_same_trace_as_in_process(stopped_profile: Any, in_process_trace: Path,
+                                                         tmp_path: Path) -> None:
+    path = tmp_path / "raw.pt.trace.json"
+    assert trace_save.save_trace(stopped_profile.export_chrome_trace, path) == "fork"
+    assert steps_of(path) == STEPS
+    assert events(path) == events(in_process_trace)  # same events, same order, same timestamps
+    assert saved_bytes(path) == saved_bytes(in_process_trace)
+
+
+def _exit_3() -> None:
+    os._exit(3)
+
+
+def _sigkill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _raise() -> None:
+    raise RuntimeError("boom")
+
+
+def _hang() -> None:
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("failure", [_exit_3, _sigkill, _raise, _hang], ids=["exit3", "sigkill", "raises", "hangs"])
+def test_a_failing_child_falls_back_to_an_in_process_save(failure: Any, stopped_profile: Any, in_process_trace: Path,
+                                                          tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # each parametrisation saves in-process in a fork of its own: kineto allows one save per result and process
+    monkeypatch.setattr(trace_save, "_child_prepare", failure)
+    path = tmp_path / "raw.pt.trace.json"
+    pid = os.fork()
+    if pid == 0:
+        try:
+            how = trace_save.save_trace(stopped_profile.export_chrome_trace, path, timeout_s=2)
+            os._exit(0 if how == "in-process" else 1)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert saved_bytes(path) == saved_bytes(in_process_trace)
+
+
+def test_fallback_is_logged_with_the_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(trace_save, "_child_prepare", _exit_3)
+    written: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="ondemand_prof.rank.trace_save"):
+        how = trace_save.save_trace(written.append, tmp_path / "t.json")
+    assert how == "in-process" and written == [str(tmp_path / "t.json")]
+    assert "exit status 3" in caplog.text
+
+
+def test_no_fork_when_turned_off_or_failing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    forks: list[int] = []
+
+    def failing_fork() -> int:
+        forks.append(1)
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", failing_fork)
+    written: list[str] = []
+    assert trace_save.save_trace(written.append, tmp_path / "t.json") == "in-process"
+    assert forks == [1] and len(written) == 1
+    monkeypatch.setenv(trace_save.FORK_ENV, "0")
+    assert trace_save.save_trace(written.append, tmp_path / "t.json") == "in-process"
+    assert forks == [1] and len(written) == 2
+
+
+def test_an_in_process_save_error_reaches_the_exporter(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # what the exporter records as the capture's error, as before the fork existed
+    monkeypatch.setenv(trace_save.FORK_ENV, "0")
+
+    def broken(path: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        trace_save.save_trace(broken, tmp_path / "t.json")
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
+@pytest.mark.parametrize("sched", ["idle", "nice"])
+def test_background_helpers_run_at_low_priority(sched: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(trace_save.SCHED_ENV, sched)
+    # the child reports after a pause: its priority is set by the parent right after exec
+    code = "import os, time; time.sleep(0.5); print(os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))"
+    proc = trace_save.spawn_background([sys.executable, "-c", code], dict(os.environ), timeout_s=60)
+    assert proc.returncode == 0, proc.stderr
+    policy, nice = map(int, proc.stdout.split())
+    if sched == "idle":
+        assert policy == os.SCHED_IDLE
+    else:
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert policy == os.SCHED_OTHER and nice == min(19, ours + trace_save.FALLBACK_NICE)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Real training processes
+
+
+COMMON = ["--no-profile-ondemand", "--profile-min-free-mb", "0", "--profile-with-stack", "--profile-record-shapes"]
+
+CHILD_DIES = """
+import os, runpy, signal
+from ondemand_prof.rank import trace_save
+
+def die():
+    if os.environ["TEST_CHILD_FAILURE"] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(3)
+
+trace_save._child_prepare = die
+runpy.run_module("ondemand_prof.demo.toy_train", run_name="__main__", alter_sys=True)
+"""
+
+
+def run_window(save_path: Path, env: dict[str, str] | None = None, module: str = "ondemand_prof.demo.toy_train"
+               ) -> tuple[dict[str, Any], str]:
+    args = ["--steps", "10", "--profile", "--profile-step-start", "3", "--profile-step-end", "7",
+            "--profile-save-path", str(save_path), *COMMON]
+    results = run_ranks(args, env=env, module=module)
+    assert_ok(results)  # the training loop never saw an exception
+    (cap,) = captures(save_path)
+    return cap, results[0][2]
+
+
+def event_names(cap: dict[str, Any]) -> list[str]:
+    # Python stack events name objects by address, which differs between two processes
+    return sorted(re.sub(r"0x[0-9a-f]+", "0x", str(e.get("name"))) for e in load_trace(cap)["traceEvents"])
+
+
+def test_training_run_publishes_the_same_trace_either_way(tmp_path: Path) -> None:
+    forked, _ = run_window(tmp_path / "fork")
+    inproc, _ = run_window(tmp_path / "inproc", env={trace_save.FORK_ENV: "0"})
+    for cap in (forked, inproc):
+        assert cap["status"] == "ok" and trace_steps(cap) == [3, 4, 5, 6]
+    # two runs of the same loop: the same operators, annotations and steps, whichever way the trace left
+    assert event_names(forked) == event_names(inproc)
+
+
+@pytest.mark.parametrize("failure", ["kill", "exit"])
+def test_training_run_whose_saver_child_dies_still_publishes(failure: str, tmp_path: Path) -> None:
+    (tmp_path / "child_dies.py").write_text(CHILD_DIES)
+    env = {"TEST_CHILD_FAILURE": failure, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    cap, log = run_window(tmp_path / "profile", env=env, module="child_dies")
+    assert cap["status"] == "ok" and trace_steps(cap) == [3, 4, 5, 6]
+    reason = "killed by signal 9" if failure == "kill" else "exit status 3"
+    assert f"writing the trace in a child process failed ({reason}); writing it in-process" in log

@@ -88,10 +88,14 @@ class Service:
     # From ranks
 
     def on_register(self, route: bytes, msg: dict[str, Any]) -> bytes:
-        info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check)
+        try:
+            info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         log.info("ondemand-profd: rank %d/%d of job %s registered (host %s, pid %d, step %d)", info.rank,
                  info.world_size, info.job, info.host, info.pid, info.step)
-        for item in msg.get("recent") or []:  # what happened to our captures while we could not hear it
+        recent = msg.get("recent")
+        for item in recent[:64] if isinstance(recent, list) else []:  # what happened while we could not hear it
             if isinstance(item, dict) and isinstance(item.get("capture_id"), str):
                 self._apply_event(info, item["capture_id"], str(item.get("event")), item.get("info") or {})
         return encode("registered", daemon_pid=os.getpid(), heartbeat_s=HEARTBEAT_S)

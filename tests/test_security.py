@@ -203,3 +203,249 @@ def _hard_nofile() -> int:
     import resource
 
     return resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A throwaway second user, for the cross-user cases (root only)
+
+
+@pytest.fixture(scope="module")
+def other_user() -> Iterator[dict[str, Any]]:
+    if os.getuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("cross-user cases need root and useradd (they create a throwaway user); running as uid "
+                    f"{os.getuid()}")
+    tag = f"{os.getpid() % 100000}"
+    name, group = f"odpt{tag}", f"odptg{tag}"
+    subprocess.run(["groupadd", group], check=True, capture_output=True)
+    subprocess.run(["useradd", "-M", "-N", "-g", group, "-s", "/usr/sbin/nologin", name], check=True,
+                   capture_output=True)
+    try:
+        pw = pwd.getpwnam(name)
+        yield {"name": name, "group": group, "uid": pw.pw_uid, "gid": pw.pw_gid}
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+        subprocess.run(["groupdel", group], capture_output=True)
+
+
+def as_user(user: dict[str, Any], code: str, *args: str) -> subprocess.Popen:
+    """Python `code` run as `user`. The interpreter here may live where only root can read (a venv under
+    /root): the child imports as root, then drops to the user before it does anything (`drop()`)."""
+    prelude = (f"import os\ndef drop():\n    os.setgroups([{user['gid']}]); os.setgid({user['gid']}); "
+               f"os.setuid({user['uid']})\n")
+    return subprocess.Popen([sys.executable, "-c", prelude + code, *args], cwd="/tmp", env=base_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def train(tmp: Path, job: str, *extra: str, env: dict[str, str] | None = None, steps: int = 400) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ondemand_prof.demo.toy_train", "--no-dist", "--steps", str(steps),
+                             "--step-sleep", "0.02", "--profile-min-free-mb", "0", "--profile-job-id", job,
+                             "--profile-save-path", str(tmp / "profile"), *extra],
+                            env=base_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def published(save: Path) -> list[Path]:
+    return [d for d in save.glob("*/*") if d.is_dir() and not d.name.startswith(".")] if save.is_dir() else []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. Directories we create are ours
+
+
+def _squat_and_trigger(tmp_path: Path, prepare: Any, job: str) -> tuple[str, Path]:
+    """Prepare the default trigger dir's location with `prepare(path)`, start a rank, trigger it through the
+    fallback directory it chose, and return its log and the fallback."""
+    tmpdir, xdg = tmp_path / "tmp", tmp_path / "xdg"
+    tmpdir.mkdir()
+    xdg.mkdir(mode=0o700)
+    squatted = tmpdir / f"ondemand_prof-{os.getuid()}" / job
+    prepare(squatted)
+    proc = train(tmp_path, job, env={"TMPDIR": str(tmpdir), "XDG_RUNTIME_DIR": str(xdg)})
+    fallback = xdg / "ondemand_prof" / job
+    try:
+        wait_for(lambda: (fallback / "capture.status").is_dir() or proc.poll() is not None, 60, "the fallback dir")
+        time.sleep(0.5)
+        (fallback / "capture").write_text('{"steps": 1}')
+        wait_for(lambda: published(tmp_path / "profile") or proc.poll() is not None, 60, "a capture")
+    finally:
+        _, err = stop(proc)
+    assert published(tmp_path / "profile"), err[-3000:]
+    assert (fallback.stat().st_mode & 0o777) == 0o700
+    return err, squatted
+
+
+def test_world_writable_trigger_dir_is_refused_and_a_private_one_used(tmp_path: Path) -> None:
+    def prepare(d: Path) -> None:
+        d.mkdir(parents=True)
+        (d / "capture.status").mkdir()
+        for p in (d.parent, d, d / "capture.status"):
+            os.chmod(p, 0o777)
+
+    err, squatted = _squat_and_trigger(tmp_path, prepare, "squat")
+    assert "not using trigger directory" in err and "writable by others" in err, err[-3000:]
+    assert list((squatted / "capture.status").iterdir()) == []  # nothing of ours was written there
+
+
+def test_symlinked_status_dir_and_file_in_the_way_are_refused(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def link(d: Path) -> None:
+        d.mkdir(parents=True, mode=0o700)
+        d.parent.chmod(0o700)
+        (d / "capture.status").symlink_to(elsewhere)
+
+    err, _ = _squat_and_trigger(tmp_path, link, "linked")
+    assert "symbolic link" in err and list(elsewhere.iterdir()) == [], err[-3000:]
+
+    def blocker(d: Path) -> None:
+        d.parent.write_text("a regular file where our directory goes")
+
+    sub = tmp_path / "b"
+    sub.mkdir()
+    err, _ = _squat_and_trigger(sub, blocker, "blocked")
+    assert "not using trigger directory" in err
+
+
+def test_trigger_dir_owned_by_another_user_is_refused(tmp_path: Path, other_user: dict[str, Any]) -> None:
+    def prepare(d: Path) -> None:
+        d.mkdir(parents=True, mode=0o700)
+        for p in (d.parent, d):
+            os.chown(p, other_user["uid"], other_user["gid"])
+
+    err, squatted = _squat_and_trigger(tmp_path, prepare, "owned")
+    assert f"belongs to uid {other_user['uid']}" in err, err[-3000:]
+
+
+def test_job_ids_cannot_leave_the_trigger_base() -> None:
+    from ondemand_prof.rank.triggers import default_trigger_dir, job_dir_name
+
+    for bad in ("..", ".", "../../etc", "a/b", "/abs", "...", ""):
+        name = job_dir_name(bad)
+        assert name not in (".", "..") and "/" not in name and name
+        assert default_trigger_dir(bad).parent.name == f"ondemand_prof-{os.getuid()}"
+
+
+def test_atomic_writes_never_follow_a_planted_link(tmp_path: Path) -> None:
+    from ondemand_prof.core.files import write_json_atomic
+    from ondemand_prof.rank.triggers import claim_decision
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    d = tmp_path / "d"
+    d.mkdir(mode=0o700)
+    (d / "rank0.json").symlink_to(victim)
+    write_json_atomic(d / "rank0.json", {"a": 1})
+    assert victim.read_text() == "precious" and not (d / "rank0.json").is_symlink()
+    (d / ".window-v1.json").symlink_to(victim)  # a decision that is a link is not read, nor written through
+    assert claim_decision(d, "v1", {"start_step": 5, "anchor_step": 4})["start_step"] == 5
+    assert victim.read_text() == "precious"
+    assert [p.name for p in d.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_daemon_refuses_a_runtime_dir_it_does_not_own(dirs: dict[str, Path]) -> None:
+    run = dirs["run"]
+    run.chmod(0o777)
+    proc = subprocess.run([str(ROOT / "bin" / "ondemand-profd"), "--runtime-dir", str(run), "--state-dir",
+                           str(dirs["state"])], env=base_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "writable by others" in proc.stderr and str(run) in proc.stderr
+    assert "Traceback" not in proc.stderr and not (run / "profd.sock").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. The daemon knows who is talking
+
+
+FAKE_DAEMON = r"""
+import sys, zmq
+drop()
+ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.bind("ipc://" + sys.argv[1] + "/profd.sock")
+print("ready", flush=True)
+while True:
+    route, body = s.recv_multipart()
+    print(body[:200].decode(errors="replace"), flush=True)
+    s.send_multipart([route, b'{"v":1,"type":"register"}'])
+"""
+
+
+def test_ranks_and_ctl_do_not_trust_another_users_daemon(tmp_path: Path, other_user: dict[str, Any]) -> None:
+    run = Path(f"/tmp/odpfake{os.getpid()}")
+    run.mkdir(mode=0o755)
+    os.chown(run, other_user["uid"], other_user["gid"])
+    fake = as_user(other_user, FAKE_DAEMON, str(run))
+    try:
+        assert fake.stdout.readline().strip() == "ready"
+        res = ctl(run, "status")
+        assert res.returncode == 4 and f"belongs to uid {other_user['uid']}" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr
+        rank = train(tmp_path, "victim", env={"ONDEMAND_PROF_RUNTIME_DIR": str(run)}, steps=150)
+        _, err = rank.communicate(timeout=120)
+        assert rank.returncode == 0 and "not registering with the daemon" in err, err[-3000:]
+    finally:
+        fake.kill()
+        out, _ = fake.communicate()
+        shutil.rmtree(run, ignore_errors=True)
+    assert '"register"' not in out and "victim" not in out, out  # nothing about the job reached the fake daemon
+
+
+SPOOF = r"""
+import json, os, sys, time, zmq
+from ondemand_prof.core.options import make_config_class
+from ondemand_prof.core.requests import WindowDefaults
+drop()
+ctx = zmq.Context(); s = ctx.socket(zmq.DEALER); s.connect("ipc://" + sys.argv[1] + "/profd.sock")
+def ask(**m):
+    s.send(json.dumps({"v": 1, **m}).encode())
+    return json.loads(s.recv()) if s.poll(5000) else None
+base = {"type": "register", "rank": 0, "world_size": 1, "host": os.uname().nodename, "step": 5}
+print(json.dumps(ask(**base, job="theirs", pid=int(sys.argv[2]))), flush=True)   # a root process's pid
+print(json.dumps(ask(**base, job=sys.argv[3], pid=os.getpid())), flush=True)     # root's job, our pid
+defaults = WindowDefaults.from_config(make_config_class()()).to_wire()
+print(json.dumps(ask(**base, job="mine", pid=os.getpid(), save_root="/etc", defaults=defaults)), flush=True)
+deadline = time.time() + 60
+while time.time() < deadline:
+    s.send(json.dumps({"v": 1, "type": "hb", "step": 5}).encode())
+    if s.poll(300):
+        msg = json.loads(s.recv())
+        if msg["type"] == "capture":
+            cid = msg["window"]["capture_id"]
+            s.send(json.dumps({"v": 1, "type": "event", "capture_id": cid, "event": "done",
+                               "info": {"path": "/etc/shadow"}}).encode())
+"""
+
+
+OUTSIDER = r"""
+import sys
+from pathlib import Path
+from ondemand_prof.host import ctl
+drop()
+sys.exit(ctl.main(["status", "--runtime-dir", sys.argv[1]]))
+"""
+
+
+def test_spoofed_ranks_are_refused(tmp_path: Path, other_user: dict[str, Any]) -> None:
+    run, state = short_dir("odpgrp"), short_dir("odpgrps")
+    daemon = start_daemon(run, state, "--group", other_user["group"])
+    victim = train(tmp_path, "rootjob", env={"ONDEMAND_PROF_RUNTIME_DIR": str(run)}, steps=3000)
+    spoof = None
+    try:
+        wait_for(lambda: "rootjob" in ctl(run, "status").stdout, 60, "the root rank to register")
+        spoof = as_user(other_user, SPOOF, str(run), str(os.getpid()), "rootjob")
+        replies = [json.loads(spoof.stdout.readline()) for _ in range(3)]
+        assert replies[0]["type"] == "error" and "is not a process of uid" in replies[0]["error"], replies
+        assert replies[1]["type"] == "error" and "belongs to uid 0" in replies[1]["error"], replies
+        assert replies[2]["type"] == "registered", replies
+        res = ctl(run, "capture", "--job", "mine", "--steps", "1", "--wait", "--timeout", "30")
+        assert res.returncode != 0 and "/etc/shadow" in res.stdout + res.stderr, res.stdout + res.stderr
+        assert "reported output refused" in res.stdout + res.stderr
+        # a user outside the group gets a clear refusal, not a traceback
+        outsider = as_user({"uid": 65534, "gid": 65534}, OUTSIDER, str(run))
+        out, err = outsider.communicate(timeout=60)
+        assert outsider.returncode == 4 and "Traceback" not in err and "permission denied" in err, err
+    finally:
+        if spoof is not None:
+            spoof.kill()
+            spoof.communicate()
+        stop(victim)
+        stop(daemon)
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)

@@ -45,6 +45,7 @@ class RankInfo:
     observed_step_time: float | None = None  # from the steps and times of the last two heartbeats
     defaults: WindowDefaults | None = None  # what the rank's configuration fills into a request
     windows: list[dict[str, Any]] | None = None  # running and queued windows, from the last heartbeat
+    uid: int | None = None  # the connecting process's uid, from the kernel (SO_PEERCRED); None: not known
 
     def estimated_step(self, wall: float) -> int:
         """The step this rank is probably running at wall time `wall` (extrapolated from its last heartbeat).

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.files import iso_time, write_json_atomic
 from ..core.ranks import selects
+from ..core.safedir import check_dir
 from ..core.requests import RequestError, WindowDefaults, absolute_start, parse_request, resolve
 from ..core.window import StepClock, Window
 from .triggers import STATUS_DIR, TRIGGER_NAME, DirWatcher, Trigger, claim_decision, default_trigger_dir, \
-    ensure_dir, prune_decisions, read_trigger, stat_key
+    ensure_dir, prepare_trigger_dir, prune_decisions, read_trigger, stat_key
 
 if TYPE_CHECKING:
     from .hook import OnDemandProfiler
@@ -42,9 +43,9 @@ class Agent:
         self.prof = prof
         self.config = prof.config
         self.clock = StepClock()
-        self.trigger_dir = Path(self.config.trigger_dir).expanduser() if self.config.trigger_dir else \
+        wanted = Path(self.config.trigger_dir).expanduser() if self.config.trigger_dir else \
             default_trigger_dir(prof.job_id)
-        ensure_dir(self.trigger_dir)
+        self.trigger_dir = prepare_trigger_dir(wanted, prof.job_id)
         self.status_dir = self.trigger_dir / STATUS_DIR
         ensure_dir(self.status_dir)
         self.trigger_path = self.trigger_dir / TRIGGER_NAME
@@ -264,6 +265,7 @@ class Agent:
         ident = self.prof.identity()
         status = {"rank": rank, "host": ident.host, "pid": ident.pid, "latest": triggers[0], "triggers": triggers}
         try:
+            check_dir(self.status_dir)  # at every use: refused (one warning) if someone swapped it
             write_json_atomic(self.status_dir / f"rank{rank}.json", status)
         except OSError as exc:
             log.warning("ondemand_prof: cannot write trigger status in %s: %s", self.status_dir, exc)

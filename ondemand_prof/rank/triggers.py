@@ -48,9 +48,12 @@ def prepare_trigger_dir(path: Path, job_id: str) -> Path:
     """The trigger directory to use: `path` when it is (or can be made) ours; otherwise one line says why and a
     private fallback is used, whose path the agent logs."""
     try:
-        return ensure_private_dir(path)
+        ensure_private_dir(path)
+        ensure_private_dir(path / STATUS_DIR)
+        return path
     except OSError as exc:
         fallback = private_fallback(job_dir_name(job_id))
+        ensure_private_dir(fallback / STATUS_DIR)
         log.warning("ondemand_prof: not using trigger directory %s: %s; using %s instead", path, exc, fallback)
         return fallback
 

@@ -449,3 +449,103 @@ def test_spoofed_ranks_are_refused(tmp_path: Path, other_user: dict[str, Any]) -
         stop(daemon)
         shutil.rmtree(run, ignore_errors=True)
         shutil.rmtree(state, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. Nothing left behind
+
+
+def test_a_stale_daemon_never_removes_its_successors_socket(dirs: dict[str, Path]) -> None:
+    first = start_daemon(dirs["run"], dirs["state"])
+    shutil.rmtree(dirs["run"])  # someone cleans /tmp under a running daemon
+    second = start_daemon(dirs["run"], short_dir("odpsec2"))
+    try:
+        stop(first)
+        assert first.returncode == 0
+        assert (dirs["run"] / "profd.sock").exists() and (dirs["run"] / "profd.pid").exists()
+        assert (dirs["run"] / "profd.pid").read_text().strip() == str(second.pid)
+        assert status_ok(dirs["run"])
+    finally:
+        stop(second)
+    assert not (dirs["run"] / "profd.sock").exists() and not (dirs["run"] / "profd.pid").exists()
+
+
+def _rank_with_open_window(tmp_path: Path, job: str) -> tuple[subprocess.Popen, Path]:
+    trig = tmp_path / "trig"
+    proc = train(tmp_path, job, "--profile-trigger-dir", str(trig), steps=5000)
+    wait_for(lambda: (trig / "capture.status").is_dir() or proc.poll() is not None, 60, "the trigger dir")
+    time.sleep(0.5)
+    (trig / "capture").write_text('{"steps": 2000}')
+    status = trig / "capture.status" / "rank0.json"
+    wait_for(lambda: status.exists() and json.loads(status.read_text())["latest"]["state"] == "recording", 60,
+             "the window to record")
+    return proc, status
+
+
+def test_sigterm_mid_window_leaves_a_final_status(tmp_path: Path) -> None:
+    proc, status = _rank_with_open_window(tmp_path, "termed")
+    proc.send_signal(15)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -15  # it still dies of SIGTERM, as before
+    latest = json.loads(status.read_text())["latest"]
+    assert latest["state"] == "failed" and "SIGTERM" in latest["error"], latest
+
+
+def test_kill_9_mid_window_reads_as_failed_and_is_settled_by_the_next_rank(tmp_path: Path) -> None:
+    from ondemand_prof.rank.terminate import read_status
+
+    proc, status = _rank_with_open_window(tmp_path, "killed")
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert json.loads(status.read_text())["latest"]["state"] == "recording"  # nobody could write it
+    seen = read_status(status)
+    assert seen is not None and seen["latest"]["state"] == "failed" and "is gone" in seen["latest"]["error"]
+    again = train(tmp_path, "killed", "--profile-trigger-dir", str(tmp_path / "trig"), steps=20)
+    again.communicate(timeout=120)
+    assert json.loads(status.read_text())["latest"]["state"] == "failed"
+
+
+PARENT = r"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import os, sys, time\n"
+    "from ondemand_prof.rank.postprocess import die_with_parent\n"
+    "die_with_parent(int(sys.argv[1])); print('ready', flush=True); time.sleep(120)", str(__import__('os').getpid())],
+    stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "ready"
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_post_processing_child_dies_with_its_rank() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], env=base_env(), stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.communicate()
+
+    def gone() -> bool:
+        try:
+            return Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except OSError:
+            return True
+
+    wait_for(gone, 30, "the post-processing child to die with its parent")
+    src = (ROOT / "ondemand_prof" / "rank" / "output.py").read_text()
+    assert '"--parent", str(os.getpid())' in src  # the real child is started that way
+
+
+@pytest.mark.parametrize("mode,files,dirs_", [(None, 0o640, 0o750), ("0600", 0o600, 0o700)])
+def test_output_is_not_world_readable(tmp_path: Path, mode: str | None, files: int, dirs_: int) -> None:
+    extra = ["--profile", "--profile-step-start", "3", "--profile-step-end", "5", "--no-profile-ondemand"]
+    if mode:
+        extra += ["--profile-file-mode", mode]
+    proc = train(tmp_path, "modes", *extra, steps=12)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    folders = [p for p in (tmp_path / "profile").iterdir()]
+    assert folders
+    for folder in folders:
+        assert folder.stat().st_mode & 0o777 == dirs_, oct(folder.stat().st_mode)
+        for p in folder.rglob("*"):
+            want = dirs_ if p.is_dir() else files
+            assert p.stat().st_mode & 0o777 == want, (p, oct(p.stat().st_mode))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..core.files import iso_time, write_json_atomic
 from ..core.ranks import selects
 from ..core.safedir import check_dir
+from .terminate import FINAL, TermFinalizer, settle_dead_ranks
 from ..core.requests import RequestError, WindowDefaults, absolute_start, parse_request, resolve
 from ..core.window import StepClock, Window
 from .triggers import STATUS_DIR, TRIGGER_NAME, DirWatcher, Trigger, claim_decision, default_trigger_dir, \
@@ -49,6 +50,12 @@ class Agent:
         self.status_dir = self.trigger_dir / STATUS_DIR
         ensure_dir(self.status_dir)
         self.trigger_path = self.trigger_dir / TRIGGER_NAME
+        self._status_lock = threading.RLock()
+        try:
+            settle_dead_ranks(self.status_dir)  # what ranks killed earlier left "recording" now reads failed
+        except OSError as exc:
+            log.debug("ondemand_prof: cannot settle old status files: %s", exc)
+        self.terminator = TermFinalizer(self.finalize)
         self._event = threading.Event()
         self._stopping = threading.Event()
         self._status_q: collections.deque[tuple[dict[str, Any], str, dict[str, Any]]] = collections.deque()
@@ -64,6 +71,7 @@ class Agent:
     # ------------------------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self.terminator.install()
         self._thread.start()
         if os.environ.get("LOCAL_RANK", "0") == "0":
             log.info("ondemand_prof: on-demand capture: touch %s  (or write JSON into it, e.g. "
@@ -75,6 +83,7 @@ class Agent:
         self._event.set()
         self._thread.join(timeout=5)
         self.watcher.stop()
+        self.terminator.uninstall()
         self._flush_status()
         for ext in self.extensions:
             try:
@@ -104,6 +113,7 @@ class Agent:
                     retry = self._check_trigger()
                     if retry:
                         check_at = now + SETTLE_S
+                self.terminator.poll()
                 for ext in self.extensions:
                     ext.poll(now)
                 self._flush_status()
@@ -240,7 +250,18 @@ class Agent:
         if threading.current_thread() is not self._thread:
             self._event.set()
 
+    def finalize(self, reason: str) -> None:
+        """Any trigger of ours not in a final state fails with `reason` (the process is being terminated)."""
+        for entry in list(self._recent.values()):
+            if entry.get("state") not in FINAL:
+                self._status_q.append((entry, "failed", {"error": reason}))
+        self._flush_status()
+
     def _flush_status(self) -> None:
+        with self._status_lock:  # the agent thread, and a SIGTERM handler on the main thread
+            self._flush_status_locked()
+
+    def _flush_status_locked(self) -> None:
         """rank{R}.json: this rank's recent triggers, newest first, each with its state and history, so a
         trigger's late progress ("done") never hides the answer to a newer one ("rejected")."""
         if not self._status_q:

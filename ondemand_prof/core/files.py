@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import threading
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -18,14 +18,25 @@ def iso_time(t: float | None = None) -> str:
         timespec="milliseconds")
 
 
-def write_json_atomic(path: Path, data: Any, compact: bool = False) -> None:
-    """Readers see the old file or the new one, never a partial one (unique temp name: several writers)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+def write_json_atomic(path: Path, data: Any, compact: bool = False, mode: int = 0o600) -> None:
+    """Readers see the old file or the new one, never a partial one. The temporary file has an unpredictable
+    name and is created exclusively (mkstemp: O_EXCL, so a planted symlink is never written through), and the
+    final name is replaced, never opened: a symlink there is replaced, not followed."""
     text = json.dumps(data, separators=(",", ":"), default=str) if compact else \
         json.dumps(data, indent=2, sort_keys=True, default=str)
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text + "\n")
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            if mode != 0o600:
+                os.fchmod(fh.fileno(), mode)
+            fh.write(text + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def pid_alive(pid: int, thorough: bool = False) -> bool:

@@ -129,6 +129,20 @@ def parse_signal(value: Any, label: str = "--profile-signal", strict: bool = Fal
     return sig.name
 
 
+def parse_mode(value: Any, label: str, strict: bool = False) -> int:
+    """A file mode: octal text ("0640", "640", "0o640"), or an int (YAML reads 0640 as octal; a decimal 640 is
+    read as the octal it spells)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        text = str(value)
+        if value <= 0o777:
+            return value
+        value = text
+    text = str(value).strip().lower().removeprefix("0o")
+    if not text or len(text) > 4 or any(c not in "01234567" for c in text) or int(text, 8) > 0o777:
+        raise _err(label, value, "an octal file mode such as 0640")
+    return int(text, 8)
+
+
 def choice(choices: Sequence[str]) -> Callable[..., str]:
     def parse(value: Any, label: str, strict: bool = False) -> str:
         text = value.strip().lower() if isinstance(value, str) and not strict else value
@@ -240,6 +254,8 @@ OPTIONS: tuple[Option, ...] = (
            "How long close() waits for pending exports (s).", ours=True, bounds=(0.001, 86400)),
     Option("min_free_mb", "profile_min_free_mb", parse_int, 256, "Skip a window when less disk than this is free.",
            ours=True, bounds=(0, MAX_STEP)),
+    Option("file_mode", "profile_file_mode", parse_mode, 0o640, "Mode of the files a capture writes, in octal; "
+           "its directories get the matching search bits (0640 -> 0750).", ours=True),
 )
 
 

@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from .safejson import UnsafeJSON, bounded_int, loads
+
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024  # what the daemon and the ranks accept
 MAX_REPLY_BYTES = 256 * 1024 * 1024  # what the CLI accepts (status and show of thousands of ranks are large)
@@ -41,6 +43,16 @@ RANK_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
     "event": {"capture_id": (str,), "event": (str,), "info": (dict,)},
     "bye": {},
 }
+# integer fields anywhere in a message's required fields: the range a real rank can send (a pid of 10**30 or a
+# step of -10**20 is refused at the door, not found later by a handler that does arithmetic on it)
+PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT
+INT_BOUNDS: dict[str, tuple[int, int]] = {
+    "rank": (0, 1 << 20), "world_size": (1, 1 << 20), "pid": (1, PID_MAX), "step": (-1, 10**12),
+    "seen": (0, 1 << 62),
+}
+INT_DEFAULT_BOUNDS = (-(1 << 62), 1 << 62)
+
+
 class ProtocolError(ValueError):
     """A message that cannot be taken; the text goes back to the sender as the error reply."""
 
@@ -95,9 +107,9 @@ def decode(frame: bytes, schema: Mapping[str, Mapping[str, tuple[type, ...]]],
     if len(frame) > max_bytes:
         raise ProtocolError(f"message is {len(frame)} bytes; the limit is {max_bytes}")
     try:
-        msg = json.loads(frame)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"not a JSON message: {exc}") from None
+        msg = loads(frame, max_bytes)
+    except UnsafeJSON as exc:
+        raise ProtocolError(f"not a JSON message we accept: {exc}") from None
     if not isinstance(msg, dict):
         raise ProtocolError(f"expected a JSON object, got {type(msg).__name__}")
     version = msg.get("v")
@@ -112,5 +124,14 @@ def decode(frame: bytes, schema: Mapping[str, Mapping[str, tuple[type, ...]]],
         value = msg.get(name)
         if value is None or not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             want = " or ".join(t.__name__ for t in types)
-            raise ProtocolError(f"{msg_type}: field {name!r} must be {want}, got {value!r}")
+            raise ProtocolError(f"{msg_type}: field {name!r} must be {want}, got {_short(value)}")
+        if type(value) is int:
+            lo, hi = INT_BOUNDS.get(name, INT_DEFAULT_BOUNDS)
+            if not bounded_int(value, lo, hi):
+                raise ProtocolError(f"{msg_type}: field {name!r} must be between {lo} and {hi}, got {_short(value)}")
     return msg
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -10,6 +10,7 @@ from typing import Any
 
 import zmq
 
+from ..core.safedir import daemon_socket_problem
 from ..core.protocol import MAX_REPLY_BYTES, ProtocolError, decode, encode, endpoint, socket_path
 
 REPLIES: dict[str, dict[str, tuple[type, ...]]] = {"ok": {}, "error": {"error": (str,)}}
@@ -35,10 +36,17 @@ class Client:
         self.timeout_s = timeout_s
         self._ids = itertools.count(1)
         path = socket_path(runtime_dir)
-        if not path.exists():
+        if os.path.isdir(path.parent) and not os.access(path.parent, os.X_OK):
+            raise CtlError(f"permission denied on {path.parent}: the daemon serves its own user only, unless started "
+                           "with --group (and you are in that group)", EXIT_NO_DAEMON)
+        exists = os.path.lexists(path)
+        if not exists:
             raise CtlError(f"no daemon: {path} does not exist (start ondemand-profd, or point "
                            f"--runtime-dir / ONDEMAND_PROF_RUNTIME_DIR at the daemon's runtime directory)",
                            EXIT_NO_DAEMON)
+        problem = daemon_socket_problem(path)
+        if problem:
+            raise CtlError(problem, EXIT_NO_DAEMON)
         if not os.access(path, os.W_OK):
             st = path.stat()
             raise CtlError(f"permission denied on {path} (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}): the "

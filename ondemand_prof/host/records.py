@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..core.files import iso_time, write_json_atomic
+from ..core.safedir import ensure_private_dir
 from ..core.protocol import FINAL_STATES
 
 log = logging.getLogger("ondemand_prof.host.profd")
@@ -103,9 +104,7 @@ class CaptureRecord:
 class RecordStore:
     def __init__(self, state_dir: Path) -> None:
         self.dir = state_dir / "captures"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(state_dir, 0o700)
-        os.chmod(self.dir, 0o700)
+        ensure_private_dir(self.dir)  # owner-only; an existing one not ours is refused (UnsafeDirectory)
         self.records: dict[str, CaptureRecord] = {}
         self.dirty: set[str] = set()
         self._running: set[str] = set()

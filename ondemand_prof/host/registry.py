@@ -8,10 +8,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from ..core.protocol import HEARTBEAT_S, RANK_TIMEOUT_S
+from ..core.safejson import bounded_int, finite_number
 from ..core.ranks import RankSpecError, parse_ranks, spans
 from ..core.requests import RequestError, WindowDefaults
 
 MAX_WINDOWS = 16  # windows a heartbeat may list (the running one and those queued)
+MIN_STEP_TIME_S, MAX_STEP_TIME_S = 1e-6, 1e6  # step times outside these are noise or an attack: ignored
+MAX_WALL = 1e11  # wall-clock seconds (the year 5138): a "began" past this is ignored
+MAX_EXTRAPOLATED = 10**9  # steps an estimate may add to the last reported one
+MAX_STEP_VALUE = 10**12
+MAX_NAME = 256  # a job id or host name
 
 # Time from the daemon sending a window to the rank's training thread holding it: ZMQ delivery (< 1 ms),
 # the agent's 5 ms poll, and slack for a loaded host. The step running then must end before the window starts.
@@ -39,6 +45,7 @@ class RankInfo:
     observed_step_time: float | None = None  # from the steps and times of the last two heartbeats
     defaults: WindowDefaults | None = None  # what the rank's configuration fills into a request
     windows: list[dict[str, Any]] | None = None  # running and queued windows, from the last heartbeat
+    uid: int | None = None  # the connecting process's uid, from the kernel (SO_PEERCRED); None: not known
 
     def estimated_step(self, wall: float) -> int:
         """The step this rank is probably running at wall time `wall` (extrapolated from its last heartbeat).
@@ -49,7 +56,7 @@ class RankInfo:
         rates = [t for t in (self.step_time, self.observed_step_time) if t]
         if not rates or self.step_began_at is None:
             return self.step
-        return self.step + max(0, int((wall - self.step_began_at) / min(rates)))
+        return self.step + min(MAX_EXTRAPOLATED, max(0, int((wall - self.step_began_at) / min(rates))))
 
     def as_dict(self, now: float, wall: float) -> dict[str, Any]:
         return {"job": self.job, "rank": self.rank, "world_size": self.world_size, "host": self.host,
@@ -66,9 +73,14 @@ class Registry:
 
     def register(self, route: bytes, msg: dict[str, Any], now: float, wall: float,
                  pid_alive: Callable[[int, bool], bool]) -> RankInfo:
+        for name in ("job", "host"):
+            if not 0 < len(msg[name]) <= MAX_NAME:
+                raise ValueError(f"register: {name} must be 1 to {MAX_NAME} characters")
+        local_rank = msg.get("local_rank")
         info = RankInfo(route=route, job=msg["job"], rank=msg["rank"], world_size=msg["world_size"], host=msg["host"],
-                        pid=msg["pid"], step=msg["step"], local_rank=msg.get("local_rank"),
-                        save_root=str(msg.get("save_root", "")), version=str(msg.get("version", "")),
+                        pid=msg["pid"], step=msg["step"],
+                        local_rank=local_rank if bounded_int(local_rank, 0, 1 << 20) else None,
+                        save_root=str(msg.get("save_root", ""))[:4096], version=str(msg.get("version", ""))[:64],
                         registered_at=wall, last_seen=now)
         if msg.get("defaults") is not None:
             try:
@@ -100,13 +112,16 @@ class Registry:
     def _update(info: RankInfo, msg: dict[str, Any]) -> None:
         prev_step, prev_began = info.step, info.step_began_at
         info.step = msg["step"]
+        # numbers from the wire are bounded before any arithmetic: a NaN or 1e-300 here once made every status
+        # request fail (estimated_step divides by the step time)
         st = msg.get("step_time")
-        info.step_time = float(st) if isinstance(st, (int, float)) and not isinstance(st, bool) and st > 0 else None
+        info.step_time = float(st) if finite_number(st, MIN_STEP_TIME_S, MAX_STEP_TIME_S) else None
         began = msg.get("began")
-        info.step_began_at = float(began) if isinstance(began, (int, float)) and not isinstance(began, bool) else None
+        info.step_began_at = float(began) if finite_number(began, 0.0, MAX_WALL) else None
         if prev_began is not None and info.step_began_at is not None and info.step > prev_step and \
                 info.step_began_at > prev_began:
-            info.observed_step_time = (info.step_began_at - prev_began) / (info.step - prev_step)
+            observed = (info.step_began_at - prev_began) / (info.step - prev_step)
+            info.observed_step_time = observed if MIN_STEP_TIME_S <= observed <= MAX_STEP_TIME_S else None
         state = msg.get("state")
         if isinstance(state, str) and len(state) <= 32:
             info.state = state
@@ -226,7 +241,7 @@ def _windows(value: Any) -> list[dict[str, Any]] | None:
         if not isinstance(w, dict):
             continue
         start, end = w.get("start"), w.get("end")
-        if type(start) is not int or not (end is None or type(end) is int):
+        if not bounded_int(start, -1, MAX_STEP_VALUE) or not (end is None or bounded_int(end, -1, MAX_STEP_VALUE)):
             continue
         out.append({"capture_id": str(w.get("capture_id", ""))[:128], "start": start, "end": end,
                     "source": str(w.get("source", ""))[:32], "state": str(w.get("state", ""))[:32]})

@@ -87,13 +87,18 @@ class Service:
     # From ranks
 
     def on_register(self, route: bytes, msg: dict[str, Any]) -> bytes:
+        peer = msg.get("_peer")
+        if peer is not None:
+            check_registration(peer, msg, self.registry)
         try:
             info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+        info.uid = peer.uid if peer is not None else None
         log.info("ondemand-profd: rank %d/%d of job %s registered (host %s, pid %d, step %d)", info.rank,
                  info.world_size, info.job, info.host, info.pid, info.step)
-        for item in msg.get("recent") or []:  # what happened to our captures while we could not hear it
+        recent = msg.get("recent")
+        for item in recent[:64] if isinstance(recent, list) else []:  # what happened while we could not hear it
             if isinstance(item, dict) and isinstance(item.get("capture_id"), str):
                 self._apply_event(info, item["capture_id"], str(item.get("event")), item.get("info") or {})
         return encode("registered", daemon_pid=os.getpid(), heartbeat_s=HEARTBEAT_S)
@@ -120,6 +125,11 @@ class Service:
         info = self.registry.by_route.get(route)
         if info is None:
             return encode("register")
+        peer = msg.get("_peer")
+        if peer is not None and info.uid is not None and peer.uid != info.uid and peer.uid != 0:
+            log.warning("ondemand-profd: ignoring an event for rank %d of job %s from uid %d (the rank is uid %d)",
+                        info.rank, info.job, peer.uid, info.uid)
+            return None
         self._apply_event(info, msg["capture_id"], msg["event"], msg["info"])
         return None
 
@@ -129,7 +139,13 @@ class Service:
             return
         if event == "started":
             return  # the warmup step began: the part is "scheduled" until recording
-        if record.update(info.rank, event, data if isinstance(data, dict) else {}, time.time()):
+        data = data if isinstance(data, dict) else {}
+        if data.get("path") is not None:
+            problem = output_path_problem(data["path"], info.save_root, info.uid)
+            if problem:
+                log.warning("ondemand-profd: rank %d of job %s reported %s: %s", info.rank, info.job, event, problem)
+                event, data = "failed", {"error": f"reported output refused: {problem}"}
+        if record.update(info.rank, event, data, time.time()):
             self.changed(record)
 
     def on_bye(self, route: bytes, msg: dict[str, Any]) -> None:
@@ -198,3 +214,46 @@ class Service:
                     if record.fail_rank(part["rank"], f"rank {part['rank']} (pid {part['pid']}) is no longer "
                                                       "registered", wall):
                         self.changed(record)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Who may say what (the peer's uid and pid come from the kernel: host/listener.py)
+
+
+def _proc_uid(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def check_registration(peer: Any, msg: dict[str, Any], registry: Registry) -> None:
+    """A rank registers only processes of its own uid that exist, and only into a job of its own uid; root may
+    register anything. BadRequest says why not."""
+    if peer.uid == 0:
+        return
+    pid = msg["pid"]
+    if pid != peer.pid and _proc_uid(pid) != peer.uid:
+        raise BadRequest(f"register: pid {pid} is not a process of uid {peer.uid}, which is connecting")
+    for other in registry.jobs().get(msg["job"], []):
+        if other.uid is not None and other.uid != peer.uid and other.host == msg["host"]:
+            raise BadRequest(f"register: job {msg['job']!r} belongs to uid {other.uid}; uid {peer.uid} cannot join it")
+
+
+def output_path_problem(path: Any, save_root: str, uid: int | None) -> str | None:
+    """Why a path a rank reports as its output is not believed: outside its save root, missing, or not owned
+    by the rank's uid (a rank saying 'done path=/etc/shadow'). None when it is fine."""
+    if not isinstance(path, str) or not path or len(path) > 4096:
+        return "not a path"
+    if not save_root:
+        return f"{path} cannot be checked: the rank registered no save root"
+    real, root = os.path.realpath(path), os.path.realpath(save_root)
+    if os.path.commonpath([real, root]) != root or real == root:
+        return f"{path} is not under the rank's save root {save_root}"
+    try:
+        st = os.lstat(real)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if uid is not None and st.st_uid != uid:
+        return f"{path} is owned by uid {st.st_uid}, not by the rank's uid {uid}"
+    return None

@@ -19,9 +19,12 @@ import psutil
 import zmq
 
 from .. import __version__
+from ..core.options import MAX_STEP
 from ..core.protocol import PROTOCOL_VERSION, RANK_MESSAGES, ProtocolError, decode, encode, endpoint, reply_error, \
     socket_path
+from ..core.safedir import UnsafeDirectory, ensure_private_dir
 from .commands import CLI_MESSAGES, DAEMON_COMMANDS
+from .listener import Listener, group_gid, peer_of, raise_nofile_limit, remove_if_same
 from .records import RecordStore
 from .sdnotify import notify, watchdog_interval
 from .service import Service
@@ -32,6 +35,7 @@ SCHEMA = {**RANK_MESSAGES, **CLI_MESSAGES}
 TICK_S = 0.2  # housekeeping: expire ranks, write changed records, answer watches that timed out
 BATCH_S = 0.01
 BATCH_ABOVE_RATE = 1000  # heartbeats per second
+MAX_FRAME_BYTES = 1024 * 1024
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
 
 
@@ -56,6 +60,19 @@ class DaemonError(RuntimeError):
     pass
 
 
+def write_pid_file(path: Path) -> tuple[int, int]:
+    """Write our pid (replacing a stale file, never following a link); returns the file's (device, inode)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, f"{os.getpid()}\n".encode())
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return st.st_dev, st.st_ino
+
+
 class Daemon:
     def __init__(self, runtime_dir: Path, state_dir: Path, *, group: str | None = None) -> None:
         self.runtime_dir = runtime_dir
@@ -68,6 +85,8 @@ class Daemon:
         self._beats = 0
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
+        self._listener: Listener | None = None
+        self._pid_identity: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------------------------------------------
     # Setup
@@ -79,38 +98,37 @@ class Daemon:
         path = socket_path(self.runtime_dir)
         url = endpoint(self.runtime_dir)
         self._refuse_if_running(url, path)
+        soft, hard = raise_nofile_limit()
+        log.debug("ondemand-profd: open-file limit %d (hard %d)", soft, hard)
         self._ctx = zmq.Context(io_threads=1)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a rank reconnecting with its identity takes over its route
-        sock.setsockopt(zmq.MAXMSGSIZE, 1024 * 1024)  # frames over this drop the connection before reaching us
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # larger frames drop the connection before reaching us
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SNDHWM, 100_000)
-        old = os.umask(0o077 if not self.group else 0o007)  # the socket is never, even briefly, world-accessible
-        try:
-            sock.bind(url)
-        finally:
-            os.umask(old)
-        mode = 0o660 if self.group else 0o600
-        os.chmod(path, mode)
-        if self.group:
-            os.chown(path, -1, grp.getgrnam(self.group).gr_gid)
+        self._listener = Listener(path, group_gid=group_gid(self.group))
         self._sock = sock
         self._bound = True
-        (self.runtime_dir / "profd.pid").write_text(f"{os.getpid()}\n")
+        self._listener.attach(sock)
+        self._pid_identity = write_pid_file(self.runtime_dir / "profd.pid")
         log.info("ondemand-profd %s listening on %s (state in %s)", __version__, url, self.state_dir)
 
     def _prepare_runtime_dir(self) -> None:
         d = self.runtime_dir
-        d.mkdir(parents=True, exist_ok=True)
-        st = d.stat()
-        if st.st_uid != os.getuid():
-            raise DaemonError(f"runtime directory {d} belongs to uid {st.st_uid}, not to us (uid {os.getuid()})")
+        gid = None
         if self.group:
             try:
                 gid = grp.getgrnam(self.group).gr_gid
             except KeyError:
                 raise DaemonError(f"--group {self.group!r}: no such group") from None
+        try:
+            # created owner-only; one that exists must be ours (not a symlink, not writable by others), or we
+            # refuse: another user who made it first could otherwise serve our ranks a fake daemon
+            ensure_private_dir(d)
+        except UnsafeDirectory as exc:
+            raise DaemonError(str(exc)) from None
+        if gid is not None:
             os.chown(d, -1, gid)
             os.chmod(d, 0o710)  # group members may reach the socket, not list or create files
         else:
@@ -139,19 +157,21 @@ class Daemon:
     def close(self) -> None:
         if self.service is not None:
             self.service.store.flush()
+        if self._listener is not None and self._sock is not None:
+            self._listener.close()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        if self._bound:  # never remove the socket or pid file of another daemon
+        if self._bound:  # never remove the socket or pid file of another daemon: checked by device and inode
             self._bound = False
-            for name in ("profd.sock", "profd.pid"):
-                try:
-                    (self.runtime_dir / name).unlink()
-                except OSError:
-                    pass
+            if self._listener is not None:
+                self._listener.close()
+                self._listener.remove()
+            if self._pid_identity is not None:
+                remove_if_same(self.runtime_dir / "profd.pid", self._pid_identity)
 
     # ------------------------------------------------------------------------------------------------------
     # Loop
@@ -165,6 +185,10 @@ class Daemon:
         service = self.service
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        listener = self._listener
+        assert listener is not None
+        if listener.monitor is not None:
+            poller.register(listener.monitor, zmq.POLLIN)
         recv, getopt = sock.recv, sock.getsockopt
         rate = 0.0  # heartbeats per second over the last tick (requests and events do not count: they want speed)
         next_tick = time.monotonic() + TICK_S
@@ -175,23 +199,28 @@ class Daemon:
             timeout = max(0.0, next_tick - time.monotonic())
             if poller.poll(int(timeout * 1000)):
                 woke = time.monotonic()
-                for _ in range(10_000):  # drain, but let housekeeping run under a flood
+                listener.check()
+                for n in range(10_000):  # drain, but let housekeeping run under a flood
                     try:
                         # two plain recv() calls: a quarter of recv_multipart's cost, which matters at 4096
-                        # heartbeats a second
+                        # heartbeats a second; the body as a Frame, which carries the peer's credentials
                         route = recv(_NOBLOCK)
-                        frame = recv(_NOBLOCK)
+                        frame = recv(_NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    if n & 255 == 255:
+                        listener.check()  # a burst of new connections: close the gate before descriptors run out
                     if getopt(_RCVMORE):  # a multi-frame message from a peer: not ours; drop the rest
                         while getopt(_RCVMORE):
                             recv(_NOBLOCK)
                         self._send(route, reply_error(None, "expected a single-frame message"))
                         continue
-                    self.dispatch(route, frame)
+                    try:
+                        self.dispatch(route, frame.bytes, frame)
+                    except Exception:  # noqa: BLE001 - a bug met by one message never takes the daemon down
+                        log.exception("ondemand-profd: unexpected error on a message; carrying on")
                 if service.watches_due:
-                    service.answer_due_watches()
-                    self._flush_outbox()
+                    self._guarded(service.answer_due_watches)
                 # Thousands of ranks heart-beating spread over the second would wake us once per message; when
                 # heartbeats are that frequent, a short pause lets them arrive in batches (a request then waits
                 # at most BATCH_S more). Hosts with fewer than a thousand ranks never pause.
@@ -203,14 +232,23 @@ class Daemon:
             if now >= next_tick:
                 rate, self._beats = self._beats / max(TICK_S, now - next_tick + TICK_S), 0
                 next_tick = now + TICK_S
-                service.housekeeping(now)
-                self._flush_outbox()
+                self._guarded(listener.check, True)
+                self._guarded(service.housekeeping, now)
                 if wd and now >= next_wd:
                     notify("WATCHDOG=1")
                     next_wd = now + wd
         notify("STOPPING=1")
 
-    def dispatch(self, route: bytes, frame: bytes) -> None:
+    def _guarded(self, fn: Any, *args: Any) -> None:
+        """Housekeeping and delayed replies: an unexpected error is logged and the loop goes on."""
+        try:
+            fn(*args)
+            self._flush_outbox()
+        except Exception:  # noqa: BLE001
+            log.exception("ondemand-profd: unexpected error in %s; carrying on", getattr(fn, "__name__", fn))
+
+    def dispatch(self, route: bytes, frame: bytes, carrier: Any = None) -> None:
+        """One message; `carrier` is the zmq.Frame it came in, whose properties say who sent it."""
         service = self.service
         assert service is not None
         if len(frame) < 512:  # the common case, a heartbeat: checked here without the general decoder
@@ -218,8 +256,10 @@ class Daemon:
                 msg = json.loads(frame)
             except ValueError:
                 msg = None
+            # a frame this short cannot nest deeply enough to hurt json; NaN and huge numbers are caught by the
+            # registry's bounds (registry.py _update), the step here
             if type(msg) is dict and msg.get("type") == "hb" and msg.get("v") == PROTOCOL_VERSION and \
-                    type(msg.get("step")) is int:
+                    type(msg.get("step")) is int and -1 <= msg["step"] <= MAX_STEP:
                 self._beats += 1
                 out = service.on_heartbeat(route, msg)
                 if out is not None:
@@ -231,6 +271,7 @@ class Daemon:
             log.warning("ondemand-profd: bad message (%d bytes): %s", len(frame), exc)
             self._send(route, reply_error(None, str(exc)))
             return
+        msg["_peer"] = peer_of(carrier) if carrier is not None else None  # the kernel's word, not the sender's
         out = service.handle(route, msg)
         if out is not None:
             self._send(route, out)

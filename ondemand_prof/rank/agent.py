@@ -16,10 +16,12 @@ from typing import Any, Callable
 
 from ..core.files import iso_time, write_json_atomic
 from ..core.ranks import selects
+from ..core.safedir import check_dir
+from .terminate import FINAL, TermFinalizer, settle_dead_ranks
 from ..core.requests import RequestError, WindowDefaults, absolute_start, parse_request, resolve
 from ..core.window import StepClock, Window
 from .triggers import STATUS_DIR, TRIGGER_NAME, DirWatcher, Trigger, claim_decision, default_trigger_dir, \
-    ensure_dir, prune_decisions, read_trigger, stat_key
+    ensure_dir, prepare_trigger_dir, prune_decisions, read_trigger, stat_key
 
 log = logging.getLogger("ondemand_prof.rank.agent")
 
@@ -40,12 +42,18 @@ class Agent:
         self.prof = prof
         self.config = prof.config
         self.clock = StepClock()
-        self.trigger_dir = Path(self.config.trigger_dir).expanduser() if self.config.trigger_dir else \
+        wanted = Path(self.config.trigger_dir).expanduser() if self.config.trigger_dir else \
             default_trigger_dir(prof.job_id)
-        ensure_dir(self.trigger_dir)
+        self.trigger_dir = prepare_trigger_dir(wanted, prof.job_id)
         self.status_dir = self.trigger_dir / STATUS_DIR
         ensure_dir(self.status_dir)
         self.trigger_path = self.trigger_dir / TRIGGER_NAME
+        self._status_lock = threading.RLock()
+        try:
+            settle_dead_ranks(self.status_dir)  # what ranks killed earlier left "recording" now reads failed
+        except OSError as exc:
+            log.debug("ondemand_prof: cannot settle old status files: %s", exc)
+        self.terminator = TermFinalizer(self.finalize)
         self._event = threading.Event()
         self._stopping = threading.Event()
         self._status_q: collections.deque[tuple[dict[str, Any], str, dict[str, Any]]] = collections.deque()
@@ -61,6 +69,7 @@ class Agent:
     # ------------------------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self.terminator.install()
         self._thread.start()
         if os.environ.get("LOCAL_RANK", "0") == "0":
             log.info("ondemand_prof: on-demand capture: touch %s  (or write JSON into it, e.g. "
@@ -72,6 +81,7 @@ class Agent:
         self._event.set()
         self._thread.join(timeout=5)
         self.watcher.stop()
+        self.terminator.uninstall()
         if self._thread.is_alive():
             # status files and the daemon socket belong to the agent thread: never touch them beside it
             log.warning("ondemand_prof: the agent thread did not stop within 5 s; its last status updates are "
@@ -106,6 +116,7 @@ class Agent:
                     retry = self._check_trigger()
                     if retry:
                         check_at = now + SETTLE_S
+                self.terminator.poll()
                 for ext in self.extensions:
                     ext.poll(now)
                 self._flush_status()
@@ -242,7 +253,18 @@ class Agent:
         if threading.current_thread() is not self._thread:
             self._event.set()
 
+    def finalize(self, reason: str) -> None:
+        """Any trigger of ours not in a final state fails with `reason` (the process is being terminated)."""
+        for entry in list(self._recent.values()):
+            if entry.get("state") not in FINAL:
+                self._status_q.append((entry, "failed", {"error": reason}))
+        self._flush_status()
+
     def _flush_status(self) -> None:
+        with self._status_lock:  # the agent thread, and a SIGTERM handler on the main thread
+            self._flush_status_locked()
+
+    def _flush_status_locked(self) -> None:
         """rank{R}.json: this rank's recent triggers, newest first, each with its state and history, so a
         trigger's late progress ("done") never hides the answer to a newer one ("rejected")."""
         if not self._status_q:
@@ -267,6 +289,7 @@ class Agent:
         ident = self.prof.identity()
         status = {"rank": rank, "host": ident.host, "pid": ident.pid, "latest": triggers[0], "triggers": triggers}
         try:
+            check_dir(self.status_dir)  # at every use: refused (one warning) if someone swapped it
             write_json_atomic(self.status_dir / f"rank{rank}.json", status)
         except OSError as exc:
             log.warning("ondemand_prof: cannot write trigger status in %s: %s", self.status_dir, exc)

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .. import __version__
-from ..core.protocol import HEARTBEAT_S, ProtocolError, decode, default_runtime_dir, encode, endpoint
+from ..core.protocol import HEARTBEAT_S, ProtocolError, decode, default_runtime_dir, encode, endpoint, socket_path
+from ..core.safedir import daemon_socket_problem
 from ..core.requests import WindowDefaults, window_from_wire
 from ..core.window import Window
 
@@ -69,6 +70,7 @@ class DaemonLink:
         sock.connect(self.url)
         self._sock = sock
         self.registered = False
+        self._distrust: str | None = "not checked yet"
         self._next_beat = 0.0
         self._outbox: collections.deque[tuple[str, str, dict[str, Any]]] = collections.deque()
         self._recent: collections.OrderedDict[str, tuple[str, dict[str, Any]]] = collections.OrderedDict()
@@ -91,7 +93,8 @@ class DaemonLink:
                 frame = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self._on_message(frame)
+            if self._distrust is None:  # nothing from a daemon we did not register with is acted on
+                self._on_message(frame)
         while self._outbox and self.registered:
             capture_id, event, info = self._outbox[0]
             if not self._send(encode("event", capture_id=capture_id, event=event, info=info)):
@@ -141,7 +144,18 @@ class DaemonLink:
             out["step_time"] = round(st, 6)
         return out
 
+    def _trusted(self) -> bool:
+        """Whether the socket we connect to is our user's or root's daemon (checked before every registration)."""
+        problem = daemon_socket_problem(socket_path(self.runtime_dir))
+        if problem and problem != self._distrust:
+            if not problem.endswith("does not exist"):
+                log.warning("ondemand_prof: not registering with the daemon: %s", problem)
+        self._distrust = problem
+        return problem is None
+
     def _register(self) -> None:
+        if not self._trusted():
+            return
         prof = self.agent.prof
         ident = prof.identity()
         with self._recent_lock:

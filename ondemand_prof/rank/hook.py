@@ -242,6 +242,7 @@ class OnDemandProfiler:
         job = ExportJob(
             export=export, window=active.window, identity=self.identity(), out=out, recorded_steps=steps,
             gzip=self.config.gzip, metadata=self._metadata(active, steps, collect_s, export.info),
+            file_mode=self.config.file_mode,
             on_done=lambda result, a=active: self._on_published(a, result),
         )
         self._exporter.submit(job)

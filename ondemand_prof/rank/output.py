@@ -82,6 +82,7 @@ class ExportJob:
     gzip: bool
     on_done: Callable[[dict[str, Any]], None] | None = None
     submitted_at: float = field(default_factory=time.monotonic)
+    file_mode: int = 0o640  # --profile-file-mode; directories get the matching search bits
 
 
 class Exporter:
@@ -167,7 +168,8 @@ def _rename_into_place(job: ExportJob, meta: dict[str, Any], out_dir: Path, trac
             files[meta["trace_file"]] = trace.stat().st_size
             os.rename(trace, job.out.folder / trace.name)
         meta["files"] = files
-        write_json_atomic(out_dir / METADATA_FILE, meta)
+        write_json_atomic(out_dir / METADATA_FILE, meta, mode=job.file_mode)
+        restrict_tree(out_dir, job.out.folder, trace and job.out.folder / trace.name, job.file_mode)
         os.rename(out_dir, final)
         if out_dir != job.out.staging:
             shutil.rmtree(job.out.staging, ignore_errors=True)
@@ -179,6 +181,30 @@ def _rename_into_place(job: ExportJob, meta: dict[str, Any], out_dir: Path, trac
         shutil.rmtree(job.out.staging, ignore_errors=True)
         meta.update(status="failed", error=f"could not publish {final}: {exc}", path=None)
     return meta
+
+
+def dir_mode(file_mode: int) -> int:
+    """0640 -> 0750: a directory is searchable by whoever may read its files."""
+    return 0o700 | file_mode | ((file_mode & 0o044) >> 2)
+
+
+def restrict_tree(out_dir: Path, folder: Path, trace: Path | None, file_mode: int) -> None:
+    """Give what a window wrote (backends and torch create files with the process umask, often 0644) the
+    configured modes: files file_mode, directories dir_mode. The capture folder is changed only if ours."""
+    dmode = dir_mode(file_mode)
+    for root, dirnames, filenames in os.walk(out_dir):
+        os.chmod(root, dmode)
+        for name in filenames:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, file_mode)
+    if trace is not None and trace.exists():
+        os.chmod(trace, file_mode)
+    try:
+        if folder.stat().st_uid == os.getuid():
+            os.chmod(folder, dmode)
+    except OSError:
+        pass
 
 
 def run_postprocess(job: ExportJob, raw: Path, out_dir: Path) -> dict[str, Any]:
@@ -196,9 +222,10 @@ def run_postprocess(job: ExportJob, raw: Path, out_dir: Path) -> dict[str, Any]:
     env = dict(os.environ)
     package_parent = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = package_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    # at background priority (SCHED_IDLE): on a machine whose cores training keeps busy it would stretch steps
-    proc = spawn_background([sys.executable, "-m", "ondemand_prof.rank.postprocess", str(spec_path)], env,
-                            POSTPROCESS_TIMEOUT_S)
+    # at background priority (SCHED_IDLE): on a machine whose cores training keeps busy it would stretch steps;
+    # --parent: the child dies with its rank (PR_SET_PDEATHSIG)
+    proc = spawn_background([sys.executable, "-m", "ondemand_prof.rank.postprocess", "--parent", str(os.getpid()),
+                             str(spec_path)], env, POSTPROCESS_TIMEOUT_S)
     spec_path.unlink(missing_ok=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]

@@ -308,11 +308,29 @@ def process(spec: dict[str, Any]) -> dict[str, Any]:
             "events": len(events), "trace": files[0]}
 
 
+def die_with_parent(parent: int) -> None:
+    """Be killed when the rank that started us dies (PR_SET_PDEATHSIG): a rank killed during post-processing
+    leaves no child writing on for seconds. If the rank died before we got here, exit now."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass  # not Linux: the rank's staging directory is still removed at its next start
+    if os.getppid() != parent:
+        sys.exit(3)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ondemand_prof.rank.postprocess")
     parser.add_argument("spec", help="JSON file with the post-processing spec")
     parser.add_argument("--nice", type=int, default=0, help="lower this process's priority by N")
+    parser.add_argument("--parent", type=int, default=0, help="exit when this process (the rank) is gone")
     args = parser.parse_args(argv)
+    if args.parent:
+        die_with_parent(args.parent)
     if args.nice:
         try:
             os.nice(args.nice)  # leave the cores to the training run

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..core import safejson
+from ..core.safedir import check_dir, ensure_private_dir, private_fallback
+
 log = logging.getLogger(__name__)
 
 TRIGGER_NAME = "capture"
@@ -30,24 +33,34 @@ NETWORK_FS = ("nfs", "nfs4", "cifs", "smbfs", "smb3", "lustre", "gpfs", "ceph", 
 KEEP_DECISIONS = 32
 
 
+def job_dir_name(job_id: str) -> str:
+    """A job id as one path component: no separators, never '.' or '..', bounded."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id)[:128].strip(".")
+    return safe or "job"
+
+
 def default_trigger_dir(job_id: str) -> Path:
     """Per user and per job, so two jobs on one host never share a trigger (torch_npu's shm collision)."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id) or "job"
-    return Path(tempfile.gettempdir()) / f"ondemand_prof-{os.getuid()}" / safe
+    return Path(tempfile.gettempdir()) / f"ondemand_prof-{os.getuid()}" / job_dir_name(job_id)
+
+
+def prepare_trigger_dir(path: Path, job_id: str) -> Path:
+    """The trigger directory to use: `path` when it is (or can be made) ours; otherwise one line says why and a
+    private fallback is used, whose path the agent logs."""
+    try:
+        ensure_private_dir(path)
+        ensure_private_dir(path / STATUS_DIR)
+        return path
+    except OSError as exc:
+        fallback = private_fallback(job_dir_name(job_id))
+        ensure_private_dir(fallback / STATUS_DIR)
+        log.warning("ondemand_prof: not using trigger directory %s: %s; using %s instead", path, exc, fallback)
+        return fallback
 
 
 def ensure_dir(path: Path) -> None:
-    """Create with owner-only permissions (parents we create too); an existing directory is left as it is."""
-    missing = []
-    p = path
-    while not p.exists():
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        try:
-            d.mkdir(mode=0o700)
-        except FileExistsError:
-            pass
+    """Create owner-only and check it is ours (UnsafeDirectory otherwise)."""
+    ensure_private_dir(path)
 
 
 def is_network_fs(path: Path) -> bool:
@@ -119,10 +132,9 @@ def read_trigger(path: Path) -> Trigger | None:
     if not text:
         return Trigger(version, st.st_mtime, {}, None)
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return Trigger(version, st.st_mtime, None, f"not valid JSON: {exc.msg} at line {exc.lineno} column "
-                                                   f"{exc.colno}")
+        data = safejson.loads(text, MAX_TRIGGER_BYTES + 1)
+    except safejson.UnsafeJSON as exc:  # deep nesting, NaN, huge numbers included: rejected, never a traceback
+        return Trigger(version, st.st_mtime, None, str(exc))
     if not isinstance(data, dict):
         return Trigger(version, st.st_mtime, None, f"expected a JSON object, got {type(data).__name__}")
     return Trigger(version, st.st_mtime, data, None)
@@ -134,20 +146,41 @@ def claim_decision(status_dir: Path, version: str, decision: dict[str, Any]) -> 
     os.link() of a complete temporary file is atomic and fails if the name exists, on local filesystems and
     NFS alike, so exactly one rank's decision wins and nobody reads a half-written one.
     """
+    check_dir(status_dir)
     final = status_dir / f".window-{version}.json"
+    held = _read_decision(final)
+    if held is not None:
+        return held
+    # an unpredictable name, created exclusively: nobody can plant a link there for us to write through
+    fd, tmp_name = tempfile.mkstemp(prefix=f".window-{version}.", suffix=".tmp", dir=status_dir)
+    tmp = Path(tmp_name)
     try:
-        return json.loads(final.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
-        pass
-    tmp = status_dir / f".window-{version}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(decision), encoding="utf-8")
-    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(decision))
         os.link(tmp, final)
         return decision
     except FileExistsError:
-        return json.loads(final.read_text(encoding="utf-8"))
+        return _read_decision(final) or decision
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _read_decision(path: Path) -> dict[str, Any] | None:
+    """Another rank's decision, read without following links; None when absent or not a decision."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        raw = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    try:
+        data = safejson.loads(raw, 4096)
+    except ValueError:
+        return None
+    ok = isinstance(data, dict) and all(type(data.get(k)) is int for k in ("start_step", "anchor_step"))
+    return data if ok else None
 
 
 def prune_decisions(status_dir: Path, keep: int = KEEP_DECISIONS) -> None:

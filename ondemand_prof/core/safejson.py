@@ -1,0 +1,89 @@
+"""JSON from people and peers we do not trust: bounded size, bounded nesting, finite numbers only.
+
+Python's json module recurses once per nesting level (60 KB of "[" raises RecursionError, which is not a
+ValueError), accepts NaN and Infinity, turns 1e400 into inf, and raises a plain ValueError for integers of more
+than 4300 digits. Every decode path (daemon, rank link, CLI, trigger file) goes through loads() here, which turns
+all of these into UnsafeJSON with a message a person can act on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+MAX_DEPTH = 64  # no message or trigger of ours nests more than a few levels
+MAX_INT_DIGITS = 30  # larger than any step, pid or byte count; smaller than anything slow to convert
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_BRACKETS = re.compile(rb"[\[\]{}]")
+
+
+class UnsafeJSON(ValueError):
+    """Text that is not JSON we accept; the message says why."""
+
+
+def _constant(name: str) -> Any:
+    raise UnsafeJSON(f"non-finite number {name} is not accepted")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise UnsafeJSON(f"number {text[:40]} is out of range")
+    return value
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise UnsafeJSON(f"integer of {len(text)} digits is out of range")
+    return int(text)
+
+
+def nesting_depth(raw: bytes, stop_at: int = MAX_DEPTH) -> int:
+    """How deeply arrays and objects nest in `raw` (strings skipped), or stop_at + 1 once it is deeper.
+
+    Cheap: a regex pass removes strings, then only bracket characters are looked at; a message with fewer
+    brackets than the limit is not scanned at all."""
+    if raw.count(b"[") + raw.count(b"{") <= stop_at:
+        return 0
+    depth = deepest = 0
+    for m in _BRACKETS.finditer(_STRINGS.sub(b'""', raw)):
+        if m.group() in (b"[", b"{"):
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > stop_at:
+                    return deepest
+        else:
+            depth -= 1
+    return deepest
+
+
+def loads(raw: bytes | str, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
+    """Parse untrusted JSON; UnsafeJSON (a ValueError) for anything we do not take."""
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    if len(data) > max_bytes:
+        raise UnsafeJSON(f"{len(data)} bytes is over the limit of {max_bytes}")
+    if nesting_depth(data, max_depth) > max_depth:
+        raise UnsafeJSON(f"nested deeper than {max_depth} levels")
+    try:
+        return json.loads(data, parse_constant=_constant, parse_float=_float, parse_int=_int)
+    except UnsafeJSON:
+        raise
+    except RecursionError:  # the depth scan makes this unreachable; kept so nothing escapes as a crash
+        raise UnsafeJSON(f"nested too deeply") from None
+    except json.JSONDecodeError as exc:
+        raise UnsafeJSON(f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise UnsafeJSON(f"not valid JSON: {exc}") from None
+
+
+def bounded_int(value: Any, lo: int, hi: int) -> bool:
+    """A JSON integer (not a bool) within [lo, hi]."""
+    return type(value) is int and lo <= value <= hi
+
+
+def finite_number(value: Any, lo: float, hi: float) -> bool:
+    """A JSON number (not a bool) that is finite and within [lo, hi]."""
+    return type(value) in (int, float) and math.isfinite(value) and lo <= value <= hi

@@ -1,0 +1,551 @@
+"""Hardening on one host (issue 9): hostile input, squatted directories, spoofed peers, leftovers.
+
+Everything runs for real: a real ondemand-profd on a real socket, real clients, real rank processes, and, where
+the suite runs as root, a real second user (created with useradd and removed after) for the cross-user cases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import zmq
+
+from conftest import ROOT, base_env, ctl, short_dir, start_daemon, wait_for
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="unix sockets, SO_PEERCRED and /proc: Linux only")
+
+
+@pytest.fixture
+def dirs() -> Iterator[dict[str, Path]]:
+    run_dir, state_dir = short_dir("odpsec"), short_dir("odpsecs")
+    yield {"run": run_dir, "state": state_dir}
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def stop(proc: subprocess.Popen) -> tuple[str, str]:
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        return proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
+
+
+def request(run_dir: Path, msg: dict[str, Any] | bytes, timeout_ms: int = 10_000) -> dict[str, Any] | None:
+    """Send one message from a fresh DEALER; the decoded reply, or None when none came."""
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"ipc://{run_dir}/profd.sock")
+        s.send(msg if isinstance(msg, bytes) else json.dumps(msg).encode())
+        if not s.poll(timeout_ms):
+            return None
+        return json.loads(s.recv())
+    finally:
+        ctx.destroy(linger=0)
+
+
+def status_ok(run_dir: Path) -> bool:
+    reply = request(run_dir, {"v": 1, "type": "status", "id": 7})
+    return bool(reply) and reply["type"] == "ok" and reply["id"] == 7
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. No input kills or stalls anything
+
+
+HOSTILE: list[bytes] = [
+    b"[" * 60_000,  # deeply nested: RecursionError in json, which once killed the daemon
+    b"{\"a\":" * 20_000 + b"1" + b"}" * 20_000,
+    b'{"v":1,"type":"status","id":' + b"[" * 500 + b"]" * 500 + b"}",
+    b"x" * 70_000,  # over the message limit
+    b"\xff\xfe\x00garbage",
+    b'{"v":1,"type":"register","job":"j","rank":0,"world_size":1,"host":"h","pid":1,"step":0,"began":NaN}',
+    b'{"v":1,"type":"register","job":"j","rank":0,"world_size":1,"host":"h","pid":' + b"9" * 31 + b',"step":0}',
+    b'{"v":1,"type":"register","job":"j","rank":0,"world_size":1,"host":"h","pid":1' + b"0" * 29 + b',"step":0}',
+    b'{"v":1,"type":"register","job":"j","rank":0,"world_size":1,"host":"h","pid":1,"step":1e400}',
+    b'{"v":1,"type":"hb","step":Infinity}',
+    b'{"v":1,"type":"hb","step":' + b"1" * 5000 + b"}",
+    b'{"v":1,"type":"capture","id":1,"request":{"ranks":"0-20000000","steps":1}}',
+    b'{"v":1,"type":"status","id":1,"job":["x"]}',
+    b'{"v":1,"type":"show","id":1,"capture_id":' + b"[" * 100 + b"]" * 100 + b"}",
+    b'{"v":1,"type":"capture","id":1',  # truncated
+    b"",
+]
+
+
+def test_hostile_messages_never_kill_the_daemon_and_memory_stays_bounded(dirs: dict[str, Path]) -> None:
+    proc = start_daemon(dirs["run"], dirs["state"])
+    try:
+        assert status_ok(dirs["run"])
+        before = rss_kb(proc.pid)
+        for round_ in range(3):
+            for body in HOSTILE:
+                reply = request(dirs["run"], body, timeout_ms=2000)
+                # each bad message is answered with an error (or dropped when over the frame limit), never served
+                assert reply is None or reply["type"] == "error", (body[:80], reply)
+                assert proc.poll() is None, f"the daemon died on {body[:80]!r}"
+            assert status_ok(dirs["run"]), "the next good request was not answered"
+        # a registration with numbers that used to break every status request
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.connect(f"ipc://{dirs['run']}/profd.sock")
+        reg = {"v": 1, "type": "register", "job": "evil", "rank": 0, "world_size": 1, "host": "h", "pid": os.getpid(),
+               "step": 0, "began": -1e308, "step_time": 1e-300, "local_rank": [[[]]], "recent": "abc"}
+        s.send(json.dumps(reg).encode())
+        s.send(json.dumps({"v": 1, "type": "hb", "step": 3, "began": 1e300, "step_time": 1e-300}).encode())
+        time.sleep(0.3)
+        res = ctl(dirs["run"], "status", "--json")
+        assert res.returncode == 0, res.stderr
+        ranks = json.loads(res.stdout)["jobs"].get("evil", [])
+        assert all(r["step_time_s"] is None for r in ranks)
+        ctx.destroy(linger=0)
+        assert rss_kb(proc.pid) - before < 64 * 1024, "the daemon's memory grew by more than 64 MB"
+    finally:
+        out, err = stop(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_ctl_rank_range_is_bounded_before_it_is_expanded(dirs: dict[str, Path]) -> None:
+    proc = start_daemon(dirs["run"], dirs["state"])
+    try:
+        res = ctl(dirs["run"], "capture", "--ranks", "0-20000000", "--steps", "1")
+        assert res.returncode != 0 and "out of range" in res.stderr and "Traceback" not in res.stderr
+        # sent straight to the daemon, past the CLI's own check
+        reply = request(dirs["run"], {"v": 1, "type": "capture", "id": 3, "request": {"ranks": "0-20000000",
+                                                                                       "steps": 1}})
+        assert reply is not None and reply["type"] == "error"
+        assert status_ok(dirs["run"])
+    finally:
+        stop(proc)
+
+
+def test_ctl_reports_a_hostile_reply_without_a_traceback(tmp_path: Path) -> None:
+    """A fake daemon (our own user's, so it passes the owner check) answers with 60 KB of nesting."""
+    run_dir = short_dir("odpfake")
+    try:
+        ctx = zmq.Context()
+        srv = ctx.socket(zmq.ROUTER)
+        srv.bind(f"ipc://{run_dir}/profd.sock")
+        proc = subprocess.Popen([str(ROOT / "bin" / "ondemandctl"), "status"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env=base_env(ONDEMAND_PROF_RUNTIME_DIR=str(run_dir)))
+        assert srv.poll(20_000)
+        route, _ = srv.recv_multipart()
+        srv.send_multipart([route, b"[" * 60_000])
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1 and "bad reply from the daemon" in err and "Traceback" not in err, err
+        ctx.destroy(linger=0)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+FLOOD = r"""
+import sys, time, zmq, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+ctx = zmq.Context(io_threads=2)
+ctx.set(zmq.MAX_SOCKETS, 2000)
+socks = []
+for i in range(int(sys.argv[2])):
+    s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.connect(sys.argv[1]); socks.append(s)
+time.sleep(3)
+for s in socks:
+    s.close()
+ctx.term()
+print("done")
+"""
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
+def test_more_clients_than_file_descriptors_do_not_abort_the_daemon(dirs: dict[str, Path]) -> None:
+    """libzmq aborts on EMFILE in accept(); the daemon stops accepting before that and serves again after."""
+    if (resource_hard := _hard_nofile()) < 4096:
+        pytest.skip(f"the flood client needs 4096 descriptors (hard limit {resource_hard})")
+    proc = subprocess.Popen(["prlimit", "--nofile=1024", str(ROOT / "bin" / "ondemand-profd"), "--runtime-dir",
+                             str(dirs["run"]), "--state-dir", str(dirs["state"])], env=base_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (dirs["run"] / "profd.sock").exists() or proc.poll() is not None, 30, "the socket")
+        flood = subprocess.run([sys.executable, "-c", FLOOD, f"ipc://{dirs['run']}/profd.sock", "1100"],
+                               capture_output=True, text=True, timeout=120)
+        assert flood.returncode == 0, flood.stderr
+        assert proc.poll() is None, "the daemon died under 1100 connections with 1024 descriptors"
+        wait_for(lambda: status_ok(dirs["run"]), 60, "a good request to succeed after the flood")
+        res = ctl(dirs["run"], "status")
+        assert res.returncode == 0, res.stderr
+    finally:
+        out, err = stop(proc)
+    assert "Too many open files" not in err and proc.returncode == 0, err[-3000:]
+    assert "not accepting new connections" in err  # it said what happened and what to do
+
+
+def _hard_nofile() -> int:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A throwaway second user, for the cross-user cases (root only)
+
+
+@pytest.fixture(scope="module")
+def other_user() -> Iterator[dict[str, Any]]:
+    if os.getuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("cross-user cases need root and useradd (they create a throwaway user); running as uid "
+                    f"{os.getuid()}")
+    tag = f"{os.getpid() % 100000}"
+    name, group = f"odpt{tag}", f"odptg{tag}"
+    subprocess.run(["groupadd", group], check=True, capture_output=True)
+    subprocess.run(["useradd", "-M", "-N", "-g", group, "-s", "/usr/sbin/nologin", name], check=True,
+                   capture_output=True)
+    try:
+        pw = pwd.getpwnam(name)
+        yield {"name": name, "group": group, "uid": pw.pw_uid, "gid": pw.pw_gid}
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+        subprocess.run(["groupdel", group], capture_output=True)
+
+
+def as_user(user: dict[str, Any], code: str, *args: str) -> subprocess.Popen:
+    """Python `code` run as `user`. The interpreter here may live where only root can read (a venv under
+    /root): the child imports as root, then drops to the user before it does anything (`drop()`)."""
+    prelude = (f"import os\ndef drop():\n    os.setgroups([{user['gid']}]); os.setgid({user['gid']}); "
+               f"os.setuid({user['uid']})\n")
+    return subprocess.Popen([sys.executable, "-c", prelude + code, *args], cwd="/tmp", env=base_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def train(tmp: Path, job: str, *extra: str, env: dict[str, str] | None = None, steps: int = 400) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ondemand_prof.demo.toy_train", "--no-dist", "--steps", str(steps),
+                             "--step-sleep", "0.02", "--profile-min-free-mb", "0", "--profile-job-id", job,
+                             "--profile-save-path", str(tmp / "profile"), *extra],
+                            env=base_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def published(save: Path) -> list[Path]:
+    return [d for d in save.glob("*/*") if d.is_dir() and not d.name.startswith(".")] if save.is_dir() else []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. Directories we create are ours
+
+
+def _squat_and_trigger(tmp_path: Path, prepare: Any, job: str) -> tuple[str, Path]:
+    """Prepare the default trigger dir's location with `prepare(path)`, start a rank, trigger it through the
+    fallback directory it chose, and return its log and the fallback."""
+    tmpdir, xdg = tmp_path / "tmp", tmp_path / "xdg"
+    tmpdir.mkdir()
+    xdg.mkdir(mode=0o700)
+    squatted = tmpdir / f"ondemand_prof-{os.getuid()}" / job
+    prepare(squatted)
+    proc = train(tmp_path, job, env={"TMPDIR": str(tmpdir), "XDG_RUNTIME_DIR": str(xdg)})
+    fallback = xdg / "ondemand_prof" / job
+    try:
+        wait_for(lambda: (fallback / "capture.status").is_dir() or proc.poll() is not None, 60, "the fallback dir")
+        time.sleep(0.5)
+        (fallback / "capture").write_text('{"steps": 1}')
+        wait_for(lambda: published(tmp_path / "profile") or proc.poll() is not None, 60, "a capture")
+    finally:
+        _, err = stop(proc)
+    assert published(tmp_path / "profile"), err[-3000:]
+    assert (fallback.stat().st_mode & 0o777) == 0o700
+    return err, squatted
+
+
+def test_world_writable_trigger_dir_is_refused_and_a_private_one_used(tmp_path: Path) -> None:
+    def prepare(d: Path) -> None:
+        d.mkdir(parents=True)
+        (d / "capture.status").mkdir()
+        for p in (d.parent, d, d / "capture.status"):
+            os.chmod(p, 0o777)
+
+    err, squatted = _squat_and_trigger(tmp_path, prepare, "squat")
+    assert "not using trigger directory" in err and "writable by others" in err, err[-3000:]
+    assert list((squatted / "capture.status").iterdir()) == []  # nothing of ours was written there
+
+
+def test_symlinked_status_dir_and_file_in_the_way_are_refused(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def link(d: Path) -> None:
+        d.mkdir(parents=True, mode=0o700)
+        d.parent.chmod(0o700)
+        (d / "capture.status").symlink_to(elsewhere)
+
+    err, _ = _squat_and_trigger(tmp_path, link, "linked")
+    assert "symbolic link" in err and list(elsewhere.iterdir()) == [], err[-3000:]
+
+    def blocker(d: Path) -> None:
+        d.parent.write_text("a regular file where our directory goes")
+
+    sub = tmp_path / "b"
+    sub.mkdir()
+    err, _ = _squat_and_trigger(sub, blocker, "blocked")
+    assert "not using trigger directory" in err
+
+
+def test_trigger_dir_owned_by_another_user_is_refused(tmp_path: Path, other_user: dict[str, Any]) -> None:
+    def prepare(d: Path) -> None:
+        d.mkdir(parents=True, mode=0o700)
+        for p in (d.parent, d):
+            os.chown(p, other_user["uid"], other_user["gid"])
+
+    err, squatted = _squat_and_trigger(tmp_path, prepare, "owned")
+    assert f"belongs to uid {other_user['uid']}" in err, err[-3000:]
+
+
+def test_job_ids_cannot_leave_the_trigger_base() -> None:
+    from ondemand_prof.rank.triggers import default_trigger_dir, job_dir_name
+
+    for bad in ("..", ".", "../../etc", "a/b", "/abs", "...", ""):
+        name = job_dir_name(bad)
+        assert name not in (".", "..") and "/" not in name and name
+        assert default_trigger_dir(bad).parent.name == f"ondemand_prof-{os.getuid()}"
+
+
+def test_atomic_writes_never_follow_a_planted_link(tmp_path: Path) -> None:
+    from ondemand_prof.core.files import write_json_atomic
+    from ondemand_prof.rank.triggers import claim_decision
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    d = tmp_path / "d"
+    d.mkdir(mode=0o700)
+    (d / "rank0.json").symlink_to(victim)
+    write_json_atomic(d / "rank0.json", {"a": 1})
+    assert victim.read_text() == "precious" and not (d / "rank0.json").is_symlink()
+    (d / ".window-v1.json").symlink_to(victim)  # a decision that is a link is not read, nor written through
+    assert claim_decision(d, "v1", {"start_step": 5, "anchor_step": 4})["start_step"] == 5
+    assert victim.read_text() == "precious"
+    assert [p.name for p in d.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_daemon_refuses_a_runtime_dir_it_does_not_own(dirs: dict[str, Path]) -> None:
+    run = dirs["run"]
+    run.chmod(0o777)
+    proc = subprocess.run([str(ROOT / "bin" / "ondemand-profd"), "--runtime-dir", str(run), "--state-dir",
+                           str(dirs["state"])], env=base_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "writable by others" in proc.stderr and str(run) in proc.stderr
+    assert "Traceback" not in proc.stderr and not (run / "profd.sock").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. The daemon knows who is talking
+
+
+FAKE_DAEMON = r"""
+import sys, zmq
+drop()
+ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.bind("ipc://" + sys.argv[1] + "/profd.sock")
+print("ready", flush=True)
+while True:
+    route, body = s.recv_multipart()
+    print(body[:200].decode(errors="replace"), flush=True)
+    s.send_multipart([route, b'{"v":1,"type":"register"}'])
+"""
+
+
+def test_ranks_and_ctl_do_not_trust_another_users_daemon(tmp_path: Path, other_user: dict[str, Any]) -> None:
+    run = Path(f"/tmp/odpfake{os.getpid()}")
+    run.mkdir(mode=0o755)
+    os.chown(run, other_user["uid"], other_user["gid"])
+    fake = as_user(other_user, FAKE_DAEMON, str(run))
+    try:
+        assert fake.stdout.readline().strip() == "ready"
+        res = ctl(run, "status")
+        assert res.returncode == 4 and f"belongs to uid {other_user['uid']}" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr
+        rank = train(tmp_path, "victim", env={"ONDEMAND_PROF_RUNTIME_DIR": str(run)}, steps=150)
+        _, err = rank.communicate(timeout=120)
+        assert rank.returncode == 0 and "not registering with the daemon" in err, err[-3000:]
+    finally:
+        fake.kill()
+        out, _ = fake.communicate()
+        shutil.rmtree(run, ignore_errors=True)
+    assert '"register"' not in out and "victim" not in out, out  # nothing about the job reached the fake daemon
+
+
+SPOOF = r"""
+import json, os, sys, time, zmq
+from ondemand_prof.core.options import make_config_class
+from ondemand_prof.core.requests import WindowDefaults
+drop()
+ctx = zmq.Context(); s = ctx.socket(zmq.DEALER); s.connect("ipc://" + sys.argv[1] + "/profd.sock")
+def ask(**m):
+    s.send(json.dumps({"v": 1, **m}).encode())
+    return json.loads(s.recv()) if s.poll(5000) else None
+base = {"type": "register", "rank": 0, "world_size": 1, "host": os.uname().nodename, "step": 5}
+print(json.dumps(ask(**base, job="theirs", pid=int(sys.argv[2]))), flush=True)   # a root process's pid
+print(json.dumps(ask(**base, job=sys.argv[3], pid=os.getpid())), flush=True)     # root's job, our pid
+defaults = WindowDefaults.from_config(make_config_class()()).to_wire()
+print(json.dumps(ask(**base, job="mine", pid=os.getpid(), save_root="/etc", defaults=defaults)), flush=True)
+deadline = time.time() + 60
+while time.time() < deadline:
+    s.send(json.dumps({"v": 1, "type": "hb", "step": 5}).encode())
+    if s.poll(300):
+        msg = json.loads(s.recv())
+        if msg["type"] == "capture":
+            cid = msg["window"]["capture_id"]
+            s.send(json.dumps({"v": 1, "type": "event", "capture_id": cid, "event": "done",
+                               "info": {"path": "/etc/shadow"}}).encode())
+"""
+
+
+OUTSIDER = r"""
+import sys
+from pathlib import Path
+from ondemand_prof.host import ctl
+drop()
+sys.exit(ctl.main(["status", "--runtime-dir", sys.argv[1]]))
+"""
+
+
+def test_spoofed_ranks_are_refused(tmp_path: Path, other_user: dict[str, Any]) -> None:
+    run, state = short_dir("odpgrp"), short_dir("odpgrps")
+    daemon = start_daemon(run, state, "--group", other_user["group"])
+    victim = train(tmp_path, "rootjob", env={"ONDEMAND_PROF_RUNTIME_DIR": str(run)}, steps=3000)
+    spoof = None
+    try:
+        wait_for(lambda: "rootjob" in ctl(run, "status").stdout, 60, "the root rank to register")
+        spoof = as_user(other_user, SPOOF, str(run), str(os.getpid()), "rootjob")
+        replies = [json.loads(spoof.stdout.readline()) for _ in range(3)]
+        assert replies[0]["type"] == "error" and "is not a process of uid" in replies[0]["error"], replies
+        assert replies[1]["type"] == "error" and "belongs to uid 0" in replies[1]["error"], replies
+        assert replies[2]["type"] == "registered", replies
+        res = ctl(run, "capture", "--job", "mine", "--steps", "1", "--wait", "--timeout", "30")
+        assert res.returncode != 0 and "/etc/shadow" in res.stdout + res.stderr, res.stdout + res.stderr
+        assert "reported output refused" in res.stdout + res.stderr
+        # a user outside the group gets a clear refusal, not a traceback
+        outsider = as_user({"uid": 65534, "gid": 65534}, OUTSIDER, str(run))
+        out, err = outsider.communicate(timeout=60)
+        assert outsider.returncode == 4 and "Traceback" not in err and "permission denied" in err, err
+    finally:
+        if spoof is not None:
+            spoof.kill()
+            spoof.communicate()
+        stop(victim)
+        stop(daemon)
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. Nothing left behind
+
+
+def test_a_stale_daemon_never_removes_its_successors_socket(dirs: dict[str, Path]) -> None:
+    first = start_daemon(dirs["run"], dirs["state"])
+    shutil.rmtree(dirs["run"])  # someone cleans /tmp under a running daemon
+    second = start_daemon(dirs["run"], short_dir("odpsec2"))
+    try:
+        stop(first)
+        assert first.returncode == 0
+        assert (dirs["run"] / "profd.sock").exists() and (dirs["run"] / "profd.pid").exists()
+        assert (dirs["run"] / "profd.pid").read_text().strip() == str(second.pid)
+        assert status_ok(dirs["run"])
+    finally:
+        stop(second)
+    assert not (dirs["run"] / "profd.sock").exists() and not (dirs["run"] / "profd.pid").exists()
+
+
+def _rank_with_open_window(tmp_path: Path, job: str) -> tuple[subprocess.Popen, Path]:
+    trig = tmp_path / "trig"
+    proc = train(tmp_path, job, "--profile-trigger-dir", str(trig), steps=5000)
+    wait_for(lambda: (trig / "capture.status").is_dir() or proc.poll() is not None, 60, "the trigger dir")
+    time.sleep(0.5)
+    (trig / "capture").write_text('{"steps": 2000}')
+    status = trig / "capture.status" / "rank0.json"
+    wait_for(lambda: status.exists() and json.loads(status.read_text())["latest"]["state"] == "recording", 60,
+             "the window to record")
+    return proc, status
+
+
+def test_sigterm_mid_window_leaves_a_final_status(tmp_path: Path) -> None:
+    proc, status = _rank_with_open_window(tmp_path, "termed")
+    proc.send_signal(15)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -15  # it still dies of SIGTERM, as before
+    latest = json.loads(status.read_text())["latest"]
+    assert latest["state"] == "failed" and "SIGTERM" in latest["error"], latest
+
+
+def test_kill_9_mid_window_reads_as_failed_and_is_settled_by_the_next_rank(tmp_path: Path) -> None:
+    from ondemand_prof.rank.terminate import read_status
+
+    proc, status = _rank_with_open_window(tmp_path, "killed")
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert json.loads(status.read_text())["latest"]["state"] == "recording"  # nobody could write it
+    seen = read_status(status)
+    assert seen is not None and seen["latest"]["state"] == "failed" and "is gone" in seen["latest"]["error"]
+    again = train(tmp_path, "killed", "--profile-trigger-dir", str(tmp_path / "trig"), steps=20)
+    again.communicate(timeout=120)
+    assert json.loads(status.read_text())["latest"]["state"] == "failed"
+
+
+PARENT = r"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import os, sys, time\n"
+    "from ondemand_prof.rank.postprocess import die_with_parent\n"
+    "die_with_parent(int(sys.argv[1])); print('ready', flush=True); time.sleep(120)", str(__import__('os').getpid())],
+    stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "ready"
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_post_processing_child_dies_with_its_rank() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], env=base_env(), stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.communicate()
+
+    def gone() -> bool:
+        try:
+            return Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except OSError:
+            return True
+
+    wait_for(gone, 30, "the post-processing child to die with its parent")
+    src = (ROOT / "ondemand_prof" / "rank" / "output.py").read_text()
+    assert '"--parent", str(os.getpid())' in src  # the real child is started that way
+
+
+@pytest.mark.parametrize("mode,files,dirs_", [(None, 0o640, 0o750), ("0600", 0o600, 0o700)])
+def test_output_is_not_world_readable(tmp_path: Path, mode: str | None, files: int, dirs_: int) -> None:
+    extra = ["--profile", "--profile-step-start", "3", "--profile-step-end", "5", "--no-profile-ondemand"]
+    if mode:
+        extra += ["--profile-file-mode", mode]
+    proc = train(tmp_path, "modes", *extra, steps=12)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    folders = [p for p in (tmp_path / "profile").iterdir()]
+    assert folders
+    for folder in folders:
+        assert folder.stat().st_mode & 0o777 == dirs_, oct(folder.stat().st_mode)
+        for p in folder.rglob("*"):
+            want = dirs_ if p.is_dir() else files
+            assert p.stat().st_mode & 0o777 == want, (p, oct(p.stat().st_mode))

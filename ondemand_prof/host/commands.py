@@ -229,6 +229,7 @@ class Capture(Command):
                 out: TextIO) -> tuple[dict[str, Any], bool]:
         """Long-poll the daemon for changes and print each rank's progress as it happens."""
         printed: dict[str, int] = {}  # history entries shown per rank: every state is shown, even brief ones
+        shown_step: dict[str, str] = {}
         deadline = time.monotonic() + args.timeout
         while True:
             if not args.json:
@@ -237,6 +238,10 @@ class Capture(Command):
                     for entry in history[printed.get(key, 0):]:
                         out.write(f"  rank {part['rank']:<4} {progress_text({**part, 'state': entry['state']})}\n")
                     printed[key] = len(history)
+                    step_text = recording_step(record, part)
+                    if step_text and shown_step.get(key) != step_text:
+                        shown_step[key] = step_text
+                        out.write(f"  rank {part['rank']:<4} {step_text}\n")
                 out.flush()
             if record["status"] != "running":
                 return record, True
@@ -246,6 +251,15 @@ class Capture(Command):
             hold = min(10.0, left)
             record = client.request("watch", wait_s=hold + client.timeout_s, capture_id=record["capture_id"],
                                     seen=record["version"], timeout_s=hold)
+
+
+def recording_step(record: dict[str, Any], part: dict[str, Any]) -> str:
+    """'recording step k of N' from the step a recording rank last reported (heartbeats, once a second)."""
+    at, window = part.get("at_step"), record.get("window")
+    if part["state"] != "recording" or at is None or not window:
+        return ""
+    total = window[1] - window[0]
+    return f"recording step {min(max(at - window[0] + 1, 1), total)} of {total}"
 
 
 def progress_text(part: dict[str, Any]) -> str:
@@ -323,9 +337,8 @@ class List(Command):
         return _table(rows, ["ID", "CREATED", "JOB", "STEPS", "DONE", "STATUS"])
 
 
-class Show(Command):
-    name = "show"
-    help = "one capture: the request, the window, and each rank's result"
+class OneCapture(Command):
+    """A command about one capture, named by its id or any unique part of it."""
 
     fields = {"capture_id": (str,)}
 
@@ -334,6 +347,11 @@ class Show(Command):
 
     def message(self, args: argparse.Namespace) -> dict[str, Any]:
         return {"capture_id": args.capture_id}
+
+
+class Show(OneCapture):
+    name = "show"
+    help = "one capture: the request, the window, and each rank's result"
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         record = service.find(msg["capture_id"])
@@ -372,16 +390,9 @@ class Watch(Command):
         return None
 
 
-class Cancel(Command):
+class Cancel(OneCapture):
     name = "cancel"
     help = "stop a scheduled or running capture on every rank (what was recorded so far is written, marked cancelled)"
-    fields = {"capture_id": (str,)}
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("capture_id", help="capture id, or any unique part of it")
-
-    def message(self, args: argparse.Namespace) -> dict[str, Any]:
-        return {"capture_id": args.capture_id}
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         record = service.find(msg["capture_id"])

@@ -87,7 +87,10 @@ class Service:
     # From ranks
 
     def on_register(self, route: bytes, msg: dict[str, Any]) -> bytes:
-        info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check)
+        try:
+            info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         log.info("ondemand-profd: rank %d/%d of job %s registered (host %s, pid %d, step %d)", info.rank,
                  info.world_size, info.job, info.host, info.pid, info.step)
         for item in msg.get("recent") or []:  # what happened to our captures while we could not hear it
@@ -96,9 +99,22 @@ class Service:
         return encode("registered", daemon_pid=os.getpid(), heartbeat_s=HEARTBEAT_S)
 
     def on_heartbeat(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
-        if self.registry.heartbeat(route, msg, time.monotonic()) is None:
+        info = self.registry.heartbeat(route, msg, time.monotonic())
+        if info is None:
             return encode("register")  # we restarted, or expired this rank: tell it to register again
+        if info.state == "recording" and info.windows:
+            self._progress(info)
         return None
+
+    def _progress(self, info: RankInfo) -> None:
+        """While a window records, its part shows the step reached (the CLI prints "recording step k of N")."""
+        running = info.windows[0] if info.windows else None
+        record = self.store.records.get(running["capture_id"]) if running else None
+        part = record.part(info.rank) if record is not None and record.data["job"] == info.job else None
+        if part is not None and part["state"] == "recording" and part.get("at_step") != info.step:
+            part["at_step"] = info.step
+            record.version += 1
+            self.changed(record)
 
     def on_event(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
         info = self.registry.by_route.get(route)

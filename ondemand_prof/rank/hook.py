@@ -27,10 +27,10 @@ from ..core.files import iso_time
 from ..core.options import ConfigError, ProfileConfig, WindowOptions, config_from_args, config_from_env, \
     config_from_mapping, default_job_id
 from ..core.window import Window
-from .backends import Backend, Identity, select_backend
+from .backends import Backend, Identity, Session, select_backend
 from .layout import CaptureLayout
 from .output import ExportJob, Exporter, disk_problem, writable_problem
-from .scheduler import IDLE, Active, Listener, Scheduler, Session, tell
+from .scheduler import IDLE, Active, Listener, Scheduler, tell
 
 log = logging.getLogger("ondemand_prof")
 

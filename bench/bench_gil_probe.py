@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.autograd.profiler import record_function  # noqa: E402
 
+from bench_hook import make_model, train_step  # noqa: E402  (the same model as the other benchmarks)
 from ondemand_prof import trace_save  # noqa: E402
 
 NATIVE_SOURCE = r"""
@@ -43,19 +44,6 @@ void save(py::object result, std::string path) {
   r->save(path);
 }
 """
-
-
-def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU()) for _ in range(8)])
-    return model, torch.optim.SGD(model.parameters(), lr=0.01)
-
-
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    loss = model(torch.randn(32, 512)).sum()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
 
 
 def record(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:

@@ -49,25 +49,10 @@ WINDOW_START = IDLE_STEPS + 5
 # One run (in a child process)
 
 
-def make_model() -> tuple[Any, Any]:
-    import torch
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU()) for _ in range(8)])
-    return model, torch.optim.SGD(model.parameters(), lr=0.01)
-
-
-def train_step(model: Any, opt: Any) -> None:
-    import torch
-
-    loss = model(torch.randn(32, 512)).sum()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-
-
 def drive(step: Callable[[], None], end: int, tail: int) -> dict[str, Any]:
     """Train steps 0 .. end+tail-1, calling step() after each; times every step and the call ending the window."""
+    from bench_hook import make_model, train_step  # the model of bench_hook's window-end benchmark
+
     model, opt = make_model()
     durations, stall, marks = [], 0.0, {}
     for i in range(end + tail):

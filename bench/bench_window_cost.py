@@ -15,8 +15,10 @@ idle steps (their median is the baseline), a 20-step window with_stack + record_
                        every 5 ms by this (parent) process from /proc, minus the process's RSS before the window
 
 Variants: torch = torch.profiler with schedule + tensorboard_trace_handler; ours = OnDemandProfiler with a static
-window (default settings: trace written by a forked child); ours-inprocess = ONDEMAND_PROF_FORK_SAVE=0 (the
-trace written on the export thread, as before issue 14). Numbers are CPU only (torch's CPU activity).
+window and default settings (trace written by a forked child, helpers at SCHED_IDLE); ours-inprocess =
+ONDEMAND_PROF_FORK_SAVE=0 (trace written on the export thread); ours-fork-nice = ONDEMAND_PROF_EXPORT_SCHED=nice
+(helpers 10 nice levels down instead of SCHED_IDLE); ours-before = both (what ondemand_prof did before issue 14).
+Numbers are CPU only (torch's CPU activity).
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@ idle steps (their median is the baseline), a 20-step window with_stack + record_
                        every 5 ms by this (parent) process from /proc, minus the process's RSS before the window
 
 Variants: torch = torch.profiler with schedule + tensorboard_trace_handler; ours = OnDemandProfiler with a static
-window (default settings: trace written by a forked child); ours-inprocess = ONDEMAND_PROF_FORK_SAVE=0 (the
-trace written on the export thread, as before issue 14). Numbers are CPU only (torch's CPU activity).
+window and default settings (trace written by a forked child, helpers at SCHED_IDLE); ours-inprocess =
+ONDEMAND_PROF_FORK_SAVE=0 (trace written on the export thread); ours-fork-nice = ONDEMAND_PROF_EXPORT_SCHED=nice
+(helpers 10 nice levels down instead of SCHED_IDLE); ours-before = both (what ondemand_prof did before issue 14).
+Numbers are CPU only (torch's CPU activity).
 """
 
 from __future__ import annotations
@@ -49,25 +51,10 @@ WINDOW_START = IDLE_STEPS + 5
 # One run (in a child process)
 
 
-def make_model() -> tuple[Any, Any]:
-    import torch
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU()) for _ in range(8)])
-    return model, torch.optim.SGD(model.parameters(), lr=0.01)
-
-
-def train_step(model: Any, opt: Any) -> None:
-    import torch
-
-    loss = model(torch.randn(32, 512)).sum()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-
-
 def drive(step: Callable[[], None], end: int, tail: int) -> dict[str, Any]:
     """Train steps 0 .. end+tail-1, calling step() after each; times every step and the call ending the window."""
+    from bench_hook import make_model, train_step  # the model of bench_hook's window-end benchmark
+
     model, opt = make_model()
     durations, stall, marks = [], 0.0, {}
     for i in range(end + tail):

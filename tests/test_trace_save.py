@@ -116,7 +116,7 @@ def test_fallback_is_logged_with_the_reason(monkeypatch: pytest.MonkeyPatch, tmp
                                             caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(trace_save, "_child_prepare", _exit_3)
     written: list[str] = []
-    with caplog.at_level(logging.WARNING, logger="ondemand_prof.rank.trace_save"):
+    with caplog.at_level(logging.WARNING, logger=trace_save.__name__):
         how = trace_save.save_trace(written.append, tmp_path / "t.json")
     assert how == "in-process" and written == [str(tmp_path / "t.json")]
     assert "exit status 3" in caplog.text

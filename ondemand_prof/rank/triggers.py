@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import safejson
+from ..core.files import read_nofollow
 from ..core.safedir import check_dir, ensure_private_dir, private_fallback
 
 log = logging.getLogger(__name__)
@@ -236,14 +237,9 @@ def claim_decision(status_dir: Path, version: str, decision: dict[str, Any]) -> 
 
 def _read_decision(path: Path) -> dict[str, Any] | None:
     """Another rank's decision, read without following links; None when absent or not a decision."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+    raw = read_nofollow(path, 4096)
+    if raw is None:
         return None
-    try:
-        raw = os.read(fd, 4096)
-    finally:
-        os.close(fd)
     try:
         data = safejson.loads(raw, 4096)
     except ValueError:

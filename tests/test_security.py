@@ -549,3 +549,71 @@ def test_output_is_not_world_readable(tmp_path: Path, mode: str | None, files: i
         for p in folder.rglob("*"):
             want = dirs_ if p.is_dir() else files
             assert p.stat().st_mode & 0o777 == want, (p, oct(p.stat().st_mode))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. Exactly the requested windows
+
+
+WRITER = r"""
+import json, os, random, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+random.seed(9)
+for i in range(n):
+    with open(path, "w") as fh:  # truncates, then (after a stall) writes: the trigger is empty in between
+        time.sleep(random.choice((0, 0, 0.001, 0.005, 0.02)))
+        fh.write(json.dumps({"steps": 1, "start_step": 10**9, "id": f"req{i}"}))
+    time.sleep(random.choice((0, 0.001, 0.003)))
+"""
+
+
+def _stepping_rank(tmp_path: Path, job: str) -> tuple[subprocess.Popen, Path]:
+    trig, steps = tmp_path / "trig", tmp_path / "steps.log"
+    proc = train(tmp_path, job, "--profile-trigger-dir", str(trig), "--status-file", str(steps), steps=100_000)
+    wait_for(lambda: (steps.exists() and len(steps.read_text().splitlines()) >= 3) or proc.poll() is not None,
+             180, "the rank to step")
+    return proc, trig
+
+
+def _handled(status: Path, request_id: str) -> Any:
+    entries = json.loads(status.read_text())["triggers"] if status.exists() else []
+    return next((e for e in entries if (e.get("request") or {}).get("id") == request_id), None)
+
+
+def test_metadata_only_changes_of_a_handled_trigger_open_nothing(tmp_path: Path) -> None:
+    proc, trig = _stepping_rank(tmp_path, "meta")
+    status = trig / "capture.status" / "rank0.json"
+    try:
+        (trig / "capture").write_text(json.dumps({"steps": 1, "start_step": 10**9, "id": "only"}))
+        wait_for(lambda: _handled(status, "only"), 180, "the request to be handled")
+        before = json.loads(status.read_text())["triggers"]
+        os.chmod(trig / "capture", 0o600)  # chmod
+        st = os.stat(trig / "capture")
+        os.utime(trig / "capture", ns=(time.time_ns(), st.st_mtime_ns))  # touch -a
+        os.link(trig / "capture", tmp_path / "hardlink")  # a hard link
+        time.sleep(2.0)
+        after = json.loads(status.read_text())["triggers"]
+    finally:
+        stop(proc)
+    assert [e["trigger"] for e in after] == [e["trigger"] for e in before], after
+
+
+@pytest.mark.xfail(strict=False, reason="an empty trigger left by a writer that stalls between truncate and write "
+                   "for longer than EMPTY_SETTLE_S, with its inotify event missed, is still taken for a touch "
+                   "(about 1 in 1000 on a heavily loaded host; see README-security.md)")
+def test_rewrites_with_stalls_open_no_unrequested_window(tmp_path: Path) -> None:
+    """Every request here is for step 10**9 (never reached): any window that records is one nobody asked for
+    (an empty, half-written trigger taken for a "touch"), and so is any handled trigger without our id."""
+    proc, trig = _stepping_rank(tmp_path, "exact")
+    status = trig / "capture.status" / "rank0.json"
+    try:
+        writer = subprocess.run([sys.executable, "-c", WRITER, str(trig / "capture"), "1000"], timeout=600)
+        assert writer.returncode == 0
+        last = json.loads((trig / "capture").read_text())["id"]
+        wait_for(lambda: _handled(status, last), 180, "the last request to be handled")
+        latest = json.loads(status.read_text())
+    finally:
+        stop(proc)
+    unrequested = [t for t in latest["triggers"] if "id" not in (t.get("request") or {})]
+    assert unrequested == [], unrequested
+    assert published(tmp_path / "profile") == [], "a window nobody asked for was recorded"

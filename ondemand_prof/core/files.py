@@ -39,6 +39,20 @@ def write_json_atomic(path: Path, data: Any, compact: bool = False, mode: int = 
         raise
 
 
+def read_nofollow(path: Path, limit: int) -> bytes | None:
+    """Up to `limit` bytes of a file, never through a symbolic link; None when it cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def pid_alive(pid: int, thorough: bool = False) -> bool:
     """Whether a process runs; `thorough` also rules out a zombie (a killed rank its launcher has not reaped)."""
     try:

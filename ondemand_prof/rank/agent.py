@@ -21,14 +21,15 @@ from .terminate import FINAL, TermFinalizer, settle_dead_ranks
 from ..core.requests import RequestError, WindowDefaults, absolute_start, parse_request, resolve
 from ..core.window import StepClock, Window
 from .triggers import STATUS_DIR, TRIGGER_NAME, DirWatcher, Trigger, claim_decision, default_trigger_dir, \
-    ensure_dir, prepare_trigger_dir, prune_decisions, read_trigger, stat_key
+    WriterTracker, ensure_dir, prepare_trigger_dir, prune_decisions, read_trigger, stat_key
 
 log = logging.getLogger("ondemand_prof.rank.agent")
 
 SAMPLE_S = 0.005  # step-clock resolution; also the agent's idle wake-up period
 SETTLE_S = 0.02  # let a writer finish ("echo > capture" truncates, then writes) before reading
 # An empty file is either "touch capture" or a writer caught between truncating and writing. inotify tells
-# them apart (the writer has not closed the file yet); polling cannot, and waits EMPTY_SETTLE_S instead.
+# them apart (the writer has not closed the file yet), and an empty file is also taken only once it stayed empty
+# for EMPTY_SETTLE_S.
 EMPTY_SETTLE_S = 0.25
 WRITER_STALL_S = 10.0  # a trigger a writer holds open longer than this is taken as it is
 RECHECK_S = 0.5  # stat the trigger even without an inotify event, in case one was missed
@@ -49,6 +50,7 @@ class Agent:
         ensure_dir(self.status_dir)
         self.trigger_path = self.trigger_dir / TRIGGER_NAME
         self._status_lock = threading.RLock()
+        self._empty_since: dict[str, float] = {}  # empty trigger versions -> when first seen
         try:
             settle_dead_ranks(self.status_dir)  # what ranks killed earlier left "recording" now reads failed
         except OSError as exc:
@@ -61,6 +63,12 @@ class Agent:
         existing = read_trigger(self.trigger_path)
         self._last_version = existing.version if existing else None  # written before we started: not replayed
         self.watcher = DirWatcher(self.trigger_dir, self._event, self.config.trigger_poll_s)
+        self.tracker: WriterTracker | None = None
+        if self.watcher.mode == "inotify":
+            try:
+                self.tracker = WriterTracker(self.trigger_dir)
+            except (OSError, AttributeError) as exc:
+                log.debug("ondemand_prof: no exact writer tracking (%s); using the watcher's events", exc)
         self._thread = threading.Thread(target=self._run, name="ondemand-prof-agent", daemon=True)
         self.extensions: list[Any] = []  # e.g. the daemon link: .poll(now) each loop, .close()
         if self.config.daemon:
@@ -81,6 +89,8 @@ class Agent:
         self._event.set()
         self._thread.join(timeout=5)
         self.watcher.stop()
+        if self.tracker is not None:
+            self.tracker.close()
         self.terminator.uninstall()
         if self._thread.is_alive():
             # status files and the daemon socket belong to the agent thread: never touch them beside it
@@ -156,9 +166,12 @@ class Agent:
         trig = read_trigger(self.trigger_path)
         if trig is None or trig.version == self._last_version:
             return False
+        if not trig.consistent:
+            return True  # torn read: a writer was at work
+        done = self._writer_done(trig)
         if stat_key(self.trigger_path) != before:
-            return True  # being written right now
-        if not self._writer_done(trig):
+            return True  # being written right now (checked after the writer state: nothing slips in between)
+        if not done:
             return True  # a writer is between truncating and writing, or its events are still on the way
         self._last_version = trig.version
         self._handle_trigger(trig)
@@ -167,17 +180,29 @@ class Agent:
     def _writer_done(self, trig: Trigger) -> bool:
         """Whether whoever wrote this version of the trigger is done with it.
 
-        With inotify: no writer holds the file (a truncate or write not yet followed by its close), and the
-        events of this version have arrived (a loaded host can deliver them late; until then the watcher's
-        state is the previous writer's). Polling cannot see writers: an empty file (touch, or a writer
-        caught after truncating) counts once it stayed empty for EMPTY_SETTLE_S.
+        With inotify: no writer holds the file (a truncate or write not yet followed by its close), read from
+        our own inotify queue after reading the file (WriterTracker: exact, whatever the load). An empty file
+        (touch, or a writer caught after truncating) counts once it stayed empty for SETTLE_S; polling cannot
+        see writers at all and waits EMPTY_SETTLE_S.
         """
         age = time.time() - trig.mtime
         if not trig.regular or age < 0 or age >= WRITER_STALL_S:
             return True  # nothing a writer fills, a clock skewed into the future, or a writer that never finishes
-        if self.watcher.mode == "inotify":
-            return not self.watcher.writer_open and self.watcher.last_event_at >= trig.mtime
-        return trig.data != {} or age >= EMPTY_SETTLE_S
+        if self.tracker is not None:
+            if self.tracker.writer_open():
+                return False  # truncated or written, not yet closed (queued before our read: exact)
+        elif self.watcher.mode == "inotify" and (self.watcher.writer_open or self.watcher.last_event_at < trig.mtime):
+            return False
+        if trig.data != {}:
+            return True
+        # Empty: a touch, or a writer caught between truncating and writing. Taken once it stayed empty, with no
+        # writer seen, for EMPTY_SETTLE_S: inotify does not always report a truncate (the kernel can skip the
+        # event for a file whose directory was watched anew), so the events alone are not proof.
+        now = time.monotonic()
+        first = self._empty_since.setdefault(trig.version, now)
+        if len(self._empty_since) > 64:
+            self._empty_since = {trig.version: first}
+        return now - first >= EMPTY_SETTLE_S
 
     def _handle_trigger(self, trig: Trigger) -> None:
         prof = self.prof

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..core import safejson
-from ..core.files import pid_alive, write_json_atomic
+from ..core.files import pid_alive, read_nofollow, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +108,9 @@ class TermFinalizer:
 
 def read_status(path: Path) -> dict[str, Any] | None:
     """A rank's status file; a trigger left in a non-final state by a process that is gone reads as failed."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+    raw = read_nofollow(path, 1 << 20)
+    if raw is None:
         return None
-    try:
-        raw = os.read(fd, 1 << 20)
-    finally:
-        os.close(fd)
     try:
         status = safejson.loads(raw, 1 << 20)
     except ValueError:

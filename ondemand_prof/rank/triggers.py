@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import stat
+import struct
 import tempfile
 import threading
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import safejson
+from ..core.files import read_nofollow
 from ..core.safedir import check_dir, ensure_private_dir, private_fallback
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,9 @@ class Trigger:
     data: dict[str, Any] | None  # None when error
     error: str | None
     regular: bool = True  # a regular file (not a symlink, a directory, ...): something a writer may still fill
+    # False when the bytes read are not as many as the size seen just before: a writer truncated or wrote in
+    # between (two writes within one clock tick leave the file's times and size unchanged, so only this shows)
+    consistent: bool = True
 
 
 def stat_key(path: Path) -> tuple[int, int, int, int] | None:
@@ -106,7 +111,9 @@ def read_trigger(path: Path) -> Trigger | None:
         return None
     except OSError as exc:
         return Trigger(f"err-{exc.errno}", time.time(), None, f"cannot stat {path}: {exc.strerror}")
-    base = f"{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{st.st_size}"
+    # the version follows what a writer changes (time of modification, inode, size, content), never the inode
+    # change time alone: a chmod, a hard link or `touch -a` of a handled trigger must not replay it
+    base = f"{st.st_mtime_ns}:{st.st_ino}:{st.st_size}"
     version = hashlib.sha1(base.encode()).hexdigest()[:16]
     if stat.S_ISLNK(st.st_mode):
         return Trigger(version, st.st_mtime, None, f"{path} is a symbolic link; write a regular file", regular=False)
@@ -128,6 +135,8 @@ def read_trigger(path: Path) -> Trigger | None:
     finally:
         os.close(fd)
     version = hashlib.sha1(base.encode() + b"\0" + raw).hexdigest()[:16]
+    if len(raw) != st.st_size:
+        return Trigger(version, st.st_mtime, None, "changed while being read", consistent=False)
     text = raw.decode("utf-8", errors="replace").strip()
     if not text:
         return Trigger(version, st.st_mtime, {}, None)
@@ -138,6 +147,67 @@ def read_trigger(path: Path) -> Trigger | None:
     if not isinstance(data, dict):
         return Trigger(version, st.st_mtime, None, f"expected a JSON object, got {type(data).__name__}")
     return Trigger(version, st.st_mtime, data, None)
+
+
+class WriterTracker:
+    """Whether a writer holds the trigger open, known exactly: our own inotify queue, read synchronously.
+
+    The kernel queues an inotify event inside the system call that causes it, so events read after we read the
+    trigger include every truncate, write and close that happened before. Watchdog's events (which wake the
+    agent) reach us later, from another thread, and file times are too coarse to order against them: a writer
+    that truncated within a jiffy of the previous close looked finished, and its empty file was taken for a
+    "touch" (39 of 86 windows nobody asked for, in one test). None of that applies here.
+    """
+
+    IN_MODIFY, IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x8, 0x40, 0x80
+    IN_CREATE, IN_DELETE, IN_Q_OVERFLOW = 0x100, 0x200, 0x4000
+    IN_NONBLOCK, IN_CLOEXEC = 0o4000, 0o2000000
+
+    def __init__(self, directory: Path, name: str = TRIGGER_NAME) -> None:
+        import ctypes
+
+        self.name = name.encode()
+        self.open = False
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = libc.inotify_init1(self.IN_NONBLOCK | self.IN_CLOEXEC)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1 failed")
+        mask = self.IN_MODIFY | self.IN_CLOSE_WRITE | self.IN_MOVED_FROM | self.IN_MOVED_TO | self.IN_CREATE | \
+            self.IN_DELETE
+        if libc.inotify_add_watch(fd, os.fsencode(str(directory)), mask) < 0:
+            err = ctypes.get_errno()
+            os.close(fd)
+            raise OSError(err, f"inotify_add_watch {directory} failed")
+        self.fd = fd
+
+    def writer_open(self) -> bool:
+        """Read every queued event; whether the trigger was modified or created and not yet closed since."""
+        while True:
+            try:
+                buf = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return self.open
+            except OSError:
+                return False
+            off = 0
+            while off + 16 <= len(buf):
+                _wd, mask, _cookie, length = struct.unpack_from("iIII", buf, off)
+                name = buf[off + 16:off + 16 + length].rstrip(b"\0")
+                off += 16 + length
+                if mask & self.IN_Q_OVERFLOW:
+                    self.open = False  # lost track: the settle time and the next close decide
+                elif name != self.name:
+                    continue
+                elif mask & (self.IN_MODIFY | self.IN_CREATE):
+                    self.open = True
+                elif mask & (self.IN_CLOSE_WRITE | self.IN_MOVED_TO | self.IN_MOVED_FROM | self.IN_DELETE):
+                    self.open = False
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
 
 
 def claim_decision(status_dir: Path, version: str, decision: dict[str, Any]) -> dict[str, Any]:
@@ -167,14 +237,9 @@ def claim_decision(status_dir: Path, version: str, decision: dict[str, Any]) -> 
 
 def _read_decision(path: Path) -> dict[str, Any] | None:
     """Another rank's decision, read without following links; None when absent or not a decision."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+    raw = read_nofollow(path, 4096)
+    if raw is None:
         return None
-    try:
-        raw = os.read(fd, 4096)
-    finally:
-        os.close(fd)
     try:
         data = safejson.loads(raw, 4096)
     except ValueError:

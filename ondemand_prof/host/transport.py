@@ -6,6 +6,7 @@ are batched on a timer."""
 from __future__ import annotations
 
 import grp
+import ipaddress
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from .. import __version__
 from ..core.protocol import PROTOCOL_VERSION, RANK_MESSAGES, ProtocolError, decode, encode, endpoint, reply_error, \
     socket_path
 from .commands import CLI_MESSAGES
+from .keys import SERVER, ZAP_DOMAIN, ZAP_ENDPOINT, KeyFileError, ZapHandler, load_pair
 from .records import RecordStore
 from .sdnotify import notify, watchdog_interval
 from .service import Service
@@ -33,6 +35,10 @@ TICK_S = 0.2  # housekeeping: expire ranks, write changed records, answer watche
 BATCH_S = 0.01
 BATCH_ABOVE_RATE = 1000  # heartbeats per second
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
+# routes of TCP peers carry this prefix, so the service's replies find the socket they came from (rank and
+# ipc routes never start with it: ranks name themselves "r/...", ZMQ's own identities start with a zero byte)
+TCP_ROUTE = b"\x01tcp/"
+TCP_FILE = "profd.tcp"  # the TCP endpoint actually bound (port 0 picks a free one)
 
 
 def _read_pid(pid_file: Path) -> int | None:
@@ -57,8 +63,12 @@ class DaemonError(RuntimeError):
 
 
 class Daemon:
-    def __init__(self, runtime_dir: Path, state_dir: Path, *, group: str | None = None) -> None:
+    def __init__(self, runtime_dir: Path, state_dir: Path, *, group: str | None = None, listen: str | None = None,
+                 keys: Path | None = None) -> None:
         self.runtime_dir = runtime_dir
+        self.listen = listen
+        self.keys = keys
+        self.tcp: TcpListener | None = None
         self.state_dir = state_dir
         self.group = group
         self.host = socket.gethostname()
@@ -99,6 +109,9 @@ class Daemon:
         self._bound = True
         (self.runtime_dir / "profd.pid").write_text(f"{os.getpid()}\n")
         log.info("ondemand-profd %s listening on %s (state in %s)", __version__, url, self.state_dir)
+        if self.listen:
+            self.tcp = TcpListener(self._ctx, self.listen, self.keys)
+            (self.runtime_dir / TCP_FILE).write_text(self.tcp.endpoint + "\n")
 
     def _prepare_runtime_dir(self) -> None:
         d = self.runtime_dir
@@ -139,6 +152,9 @@ class Daemon:
     def close(self) -> None:
         if self.service is not None:
             self.service.store.flush()
+        if self.tcp is not None:
+            self.tcp.close()
+            self.tcp = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -147,7 +163,7 @@ class Daemon:
             self._ctx = None
         if self._bound:  # never remove the socket or pid file of another daemon
             self._bound = False
-            for name in ("profd.sock", "profd.pid"):
+            for name in ("profd.sock", "profd.pid", TCP_FILE):
                 try:
                     (self.runtime_dir / name).unlink()
                 except OSError:
@@ -165,6 +181,10 @@ class Daemon:
         service = self.service
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        tcp = self.tcp
+        if tcp is not None:
+            for extra in tcp.sockets():
+                poller.register(extra, zmq.POLLIN)
         recv, getopt = sock.recv, sock.getsockopt
         rate = 0.0  # heartbeats per second over the last tick (requests and events do not count: they want speed)
         next_tick = time.monotonic() + TICK_S
@@ -173,8 +193,11 @@ class Daemon:
         notify("READY=1\nSTATUS=serving " + str(socket_path(self.runtime_dir)))
         while not self._stop:
             timeout = max(0.0, next_tick - time.monotonic())
-            if poller.poll(int(timeout * 1000)):
+            ready = poller.poll(int(timeout * 1000))
+            if ready:
                 woke = time.monotonic()
+                if tcp is not None and (len(ready) > 1 or ready[0][0] is not sock):
+                    self._serve_tcp()
                 for _ in range(10_000):  # drain, but let housekeeping run under a flood
                     try:
                         # two plain recv() calls: a quarter of recv_multipart's cost, which matters at 4096
@@ -244,17 +267,127 @@ class Daemon:
             for route, body in out:
                 self._send(route, body)
 
+    def _serve_tcp(self) -> None:
+        """Authenticate new TCP peers, then serve their requests (ondemandctl's messages only: a rank never
+        registers over TCP, and no message names a path)."""
+        tcp = self.tcp
+        assert tcp is not None and self.service is not None
+        tcp.answer_zap()
+        for route, frame in tcp.receive():
+            try:
+                msg = decode(frame, CLI_MESSAGES)
+            except ProtocolError as exc:
+                log.warning("ondemand-profd: bad TCP message (%d bytes): %s", len(frame), exc)
+                self._send(route, reply_error(None, str(exc)))
+                continue
+            out = self.service.handle(route, msg)
+            if out is not None:
+                self._send(route, out)
+        self._flush_outbox()
+
     def _send(self, route: bytes, body: bytes) -> None:
         assert self._sock is not None
+        sock = self._sock
+        if route.startswith(TCP_ROUTE) and self.tcp is not None:
+            sock, route = self.tcp.sock, route[len(TCP_ROUTE):]
         try:
-            self._sock.send(route, _NOBLOCK | _SNDMORE)
-            self._sock.send(body, _NOBLOCK)
+            sock.send(route, _NOBLOCK | _SNDMORE)
+            sock.send(body, _NOBLOCK)
         except zmq.Again:
             log.debug("ondemand-profd: peer not keeping up; reply dropped")
 
 
-def run(runtime_dir: Path, state_dir: Path, *, group: str | None = None) -> int:
-    daemon = Daemon(runtime_dir, state_dir, group=group)
+class TcpListener:
+    """The TCP side: a second ROUTER socket (CURVE_SERVER is set per socket, before bind) and, with keys, the
+    ZAP handler on the daemon's own loop. Without keys only a loopback address is served."""
+
+    def __init__(self, ctx: zmq.Context, listen: str, keys: Path | None) -> None:
+        host, port = parse_listen(listen)
+        if keys is None and not is_loopback(host):
+            raise DaemonError(f"--listen {listen} reaches beyond this host: give --keys DIR (CurveZMQ keys; create "
+                              "them with: ondemandctl keygen DIR), or listen on 127.0.0.1")
+        self.zap: ZapHandler | None = None
+        self._zap_sock: zmq.Socket | None = None
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1024 * 1024)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, 10_000)
+        try:
+            if keys is not None:
+                pair = load_pair(keys, SERVER)
+                self.zap = ZapHandler(keys)
+                self._zap_sock = ctx.socket(zmq.REP)
+                self._zap_sock.setsockopt(zmq.LINGER, 0)
+                self._zap_sock.bind(ZAP_ENDPOINT)  # before the listener: no handshake without the handler
+                self.sock.setsockopt(zmq.CURVE_SERVER, 1)
+                self.sock.setsockopt(zmq.CURVE_PUBLICKEY, pair.public)
+                self.sock.setsockopt(zmq.CURVE_SECRETKEY, pair.secret)
+                self.sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+            else:
+                log.warning("ondemand-profd: TCP on %s without keys: any local user can reach this daemon over TCP "
+                            "(give --keys DIR to require CurveZMQ keys)", host)
+            self.sock.bind(f"tcp://{host}:{port}")
+        except (KeyFileError, OSError) as exc:
+            self.close()
+            raise DaemonError(f"--listen {listen}: {exc}") from None
+        except zmq.ZMQError as exc:
+            self.close()
+            raise DaemonError(f"--listen {listen}: cannot bind: {exc}") from None
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        log.info("ondemand-profd: serving ondemandctl on %s (%s)", self.endpoint,
+                 "CurveZMQ, keys from " + str(keys) if keys else "no authentication")
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [s for s in (self.sock, self._zap_sock) if s is not None]
+
+    def answer_zap(self) -> None:
+        if self._zap_sock is None or self.zap is None:
+            return
+        while True:
+            try:
+                frames = self._zap_sock.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return
+            self._zap_sock.send_multipart(self.zap.reply(frames))
+
+    def receive(self, limit: int = 10_000) -> list[tuple[bytes, bytes]]:
+        out = []
+        for _ in range(limit):
+            try:
+                frames = self.sock.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) == 2:
+                out.append((TCP_ROUTE + frames[0], frames[1]))
+        return out
+
+    def close(self) -> None:
+        for s in self.sockets():
+            s.close(linger=0)
+        self._zap_sock = None
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """tcp://HOST:PORT (HOST may be [v6]) -> (host, port); DaemonError says what is wrong."""
+    rest = listen[len("tcp://"):] if listen.startswith("tcp://") else None
+    host, sep, port = (rest or "").rpartition(":")
+    if rest is None or not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise DaemonError(f"--listen {listen!r}: expected tcp://HOST:PORT, e.g. tcp://0.0.0.0:7355")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # an interface name or a hostname: treated as reaching beyond this host
+
+
+def run(runtime_dir: Path, state_dir: Path, *, group: str | None = None, listen: str | None = None,
+        keys: Path | None = None) -> int:
+    daemon = Daemon(runtime_dir, state_dir, group=group, listen=listen, keys=keys)
     try:
         daemon.open()
     except (DaemonError, ProtocolError, OSError, zmq.ZMQError) as exc:

@@ -452,7 +452,23 @@ def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> dic
 
 
 COMMANDS.append(Report())
-from .summaries import Summaries  # noqa: E402 - it builds on Command, above
+
+
+class Summaries(Command):
+    """The summaries (summary.json) of a capture's parts on this host: ondemandctl's report across hosts merges
+    these instead of reading traces (host/summaries.py)."""
+
+    name = "summaries"
+    cli = False
+    fields = {"capture_id": (str,)}
+
+    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        from .summaries import part_summaries
+
+        record = service.find(msg["capture_id"])
+        return {**{k: record.data.get(k) for k in ("capture_id", "job", "window", "status", "options")},
+                "parts": part_summaries(record.data)}
+
 
 DAEMON_COMMANDS: dict[str, Command] = {c.name: c for c in [*COMMANDS, Watch(), Summaries()] if c.needs_daemon}
 CLI_MESSAGES: dict[str, Fields] = {name: c.fields for name, c in DAEMON_COMMANDS.items()}

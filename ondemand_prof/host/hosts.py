@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-DEFAULT_PORT = 7355
+from ..core.protocol import TCP_PORT as DEFAULT_PORT
+
 MAX_HOSTS = 100_000  # a mistyped range must not expand into millions of names
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")

@@ -102,23 +102,24 @@ def authorized_keys(key_dir: Path) -> dict[bytes, str]:
     return keys
 
 
-def keygen(key_dir: Path, client: str = CLIENT) -> list[Path]:
-    """Create what is missing: the server pair, the client pair `client`, and the client's authorisation.
-    Existing keys are kept (a second run never replaces a key hosts already trust). Returns the new files."""
-    if not client.replace("-", "").replace("_", "").isalnum():
-        raise KeyFileError(f"client name {client!r}: use letters, digits, '-' and '_'")
+def keygen(key_dir: Path, client_only: bool = False) -> list[Path]:
+    """Create what is missing: the server pair, the client pair, and the client's authorisation (with
+    `client_only`, the client pair alone: a user's own keys, authorised by copying client.key into the daemons'
+    authorized/ directory). Existing keys are kept (a second run never replaces a key hosts already trust).
+    Returns the new files."""
+    client = CLIENT
     created: list[Path] = []
     old = os.umask(0o077)  # the files are never, even briefly, readable by others
     try:
-        for d in (key_dir, key_dir / AUTHORIZED):
+        for d in (key_dir,) if client_only else (key_dir, key_dir / AUTHORIZED):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(d, 0o700)
             _check(d, directory=True)
-        for name in (SERVER, client):
+        for name in (client,) if client_only else (SERVER, client):
             if not (key_dir / f"{name}.key_secret").exists():
                 created += [Path(p) for p in zmq.auth.create_certificates(key_dir, name)]
         auth = key_dir / AUTHORIZED / f"{client}.key"
-        if not auth.exists():
+        if not client_only and not auth.exists():
             auth.write_bytes((key_dir / f"{client}.key").read_bytes())
             created.append(auth)
         for path in created:

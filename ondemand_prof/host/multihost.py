@@ -13,19 +13,21 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import TYPE_CHECKING, Any, Callable, TextIO
 
-from ..core.protocol import FINAL_STATES
+from ..core.protocol import FINAL_STATES, TCP_PORT as DEFAULT_PORT
 from ..core.ranks import spans
 from .client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, CtlError, dumps
 from .commands import Capture, Command, List, Show, Status, _table, _window, progress_text
-from .fanout import Fanout, Reply
-from .hosts import DEFAULT_PORT, HostSpecError, Target, parse_hosts, read_hostfile, slurm_hosts
-from .keys import KeyFileError, keygen
 from .records import new_capture_id
 from .registry import DELIVERY_S, RankInfo, plan_window
 from .summaries import merge_summaries
+
+if TYPE_CHECKING:  # the fan-out, key and host-list modules load only when a command goes across hosts
+    from .fanout import Fanout, Reply
+    from .hosts import Target
 
 WATCH_HOLD_S = 1.0  # each round of watches waits at most this long for a change on any host
 
@@ -46,19 +48,21 @@ def add_global_flags(parser: argparse.ArgumentParser) -> None:
 
 def targets_from(args: argparse.Namespace) -> list[Target] | None:
     """The hosts the global flags name, or None for this host's daemon over its unix socket."""
+    if args.hosts is None and args.hostfile is None and args.slurm is None:
+        if args.keys is not None:
+            raise CtlError("--keys is for --hosts, --hostfile or --slurm", EXIT_USAGE)
+        return None
     if not 0 < args.port < 65536:
         raise CtlError(f"--port {args.port}: expected 1-65535", EXIT_USAGE)
+    from .hosts import HostSpecError, parse_hosts, read_hostfile, slurm_hosts
+
     try:
         if args.hosts is not None:
             targets = parse_hosts(args.hosts, args.port)
         elif args.hostfile is not None:
             targets = read_hostfile(args.hostfile, args.port)
-        elif args.slurm is not None:
-            targets = slurm_hosts(args.slurm, args.port)
         else:
-            if args.keys is not None:
-                raise CtlError("--keys is for --hosts, --hostfile or --slurm", EXIT_USAGE)
-            return None
+            targets = slurm_hosts(args.slurm, args.port)
     except HostSpecError as exc:
         raise CtlError(str(exc), EXIT_USAGE) from None
     if not targets:
@@ -73,11 +77,15 @@ class Keygen(Command):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("dir", type=Path, help="the key directory (created 0700, files 0600)")
-        parser.add_argument("--client", default="client", help="the client key pair's name (default client)")
+        parser.add_argument("--client-only", action="store_true", help="only a client key pair (a user's own "
+                            "keys: copy its client.key into the daemons' authorized/ directory, and the daemons' "
+                            "server.key into DIR)")
 
     def run(self, client: Any, args: argparse.Namespace, out: TextIO) -> int:
+        from .keys import KeyFileError, keygen
+
         try:
-            created = keygen(args.dir, args.client)
+            created = keygen(args.dir, args.client_only)
         except KeyFileError as exc:
             raise CtlError(f"keygen {args.dir}: {exc}") from None
         except OSError as exc:
@@ -88,8 +96,13 @@ class Keygen(Command):
             out.write(f"{args.dir}: every key exists already; nothing changed\n")
         else:
             out.write("".join(f"created {p}\n" for p in created))
-            out.write(f"copy {args.dir} to every host (owner-only), start ondemand-profd with --keys {args.dir}, and "
-                      f"use ondemandctl --keys {args.dir}\n")
+            if args.client_only:
+                out.write(f"to be let in: add {args.dir}/client.key to each daemon's authorized/ directory (under a "
+                          f"name of yours), and copy the daemons' server.key into {args.dir}\n")
+            else:
+                out.write(f"on every host: server.key, server.key_secret and authorized/ (owner-only), and "
+                          f"ondemand-profd --listen tcp://0.0.0.0:7355 --keys DIR; here: ondemandctl --keys {args.dir}"
+                          "\n")
         return EXIT_OK
 
 
@@ -103,6 +116,8 @@ def run_multi(cmd: Command, args: argparse.Namespace, targets: list[Target], out
     runner = RUNNERS.get(cmd.name)
     if runner is None:
         raise CtlError(f"{cmd.name} does not work across hosts; run it on the host", EXIT_USAGE)
+    from .fanout import Fanout
+
     with Fanout(targets, args.keys, getattr(args, "connect_timeout", 5.0)) as fan:
         return runner(fan, cmd, args, out)
 
@@ -321,14 +336,29 @@ def plan_across(targets: dict[str, list[RankInfo]], request: dict[str, Any], rou
         raise CtlError(str(exc)) from None
 
 
-def _capture(fan: Fanout, cmd: Command, args: argparse.Namespace, out: TextIO) -> int:
-    msg = Capture().message(args)
-    request = dict(msg["request"])
+@dataclass
+class Launched:
+    """A capture sent to every host: what each accepted (`found`: host -> record), which hosts failed and
+    why, the parts of ranks on failed hosts (`lost`), the plan, and how long sending took."""
+
+    capture_id: str
+    job: str
+    targets: dict[str, list[RankInfo]]
+    plan: dict[str, Any]
+    found: dict[str, dict[str, Any]]
+    failed: dict[str, str]
+    lost: dict[str, dict[str, Any]]
+    sent_s: float
+
+
+def launch(fan: Fanout, request: dict[str, Any], job: str | None) -> Launched:
+    """Ask every daemon for its ranks' steps, plan one window, send it with one capture id to every host."""
+    request = dict(request)
     t0 = time.monotonic()
     statuses = fan.request("status")
     round_trip = max((r.seconds for r in statuses.values() if r.ok), default=0.0)
     failed = _failures(statuses)
-    job, infos = rank_infos(statuses, args.job)
+    job, infos = rank_infos(statuses, job)
     targets = choose_targets(infos, request.pop("ranks"))
     if not targets:
         raise CtlError("no target ranks on the hosts that answered")
@@ -346,27 +376,31 @@ def _capture(fan: Fanout, cmd: Command, args: argparse.Namespace, out: TextIO) -
             for i in ranks}
     if not found:
         raise CtlError("no host accepted the capture: " + "; ".join(f"{n}: {e}" for n, e in failed.items()))
+    return Launched(capture_id, job, targets, plan, found, failed, lost, sent_s)
+
+
+def _capture(fan: Fanout, cmd: Command, args: argparse.Namespace, out: TextIO) -> int:
+    run = launch(fan, Capture().message(args)["request"], args.job)
+    found, failed, plan = run.found, run.failed, run.plan
     if not args.json:
-        _print_plan(capture_id, job, targets, plan, failed, sent_s, out)
+        _print_plan(run, out)
     wait = args.report or (sys.stdout.isatty() if args.wait is None else args.wait)
     finished = True
     if wait:
-        finished = _follow(fan, found, failed, args, out)
+        finished = follow(fan, found, failed, args.timeout, None if args.json else out)
     record = merged_record(found, failed)
-    record["parts"].update(lost)
-    record["status"] = merge_status([d["status"] for d in found.values()] + ["failed"] * len(failed))
+    record["parts"].update(run.lost)
     record["plan"] = {**plan, "current_steps": {str(k): v for k, v in plan["current_steps"].items()},
-                      "sent_s": round(sent_s, 4)}
+                      "sent_s": round(run.sent_s, 4)}
     if args.json and not args.report:
         out.write(dumps(record) + "\n")
     elif not args.json:
         out.write(result_lines(record, finished, wait))
-    if args.report and found:
+    if args.report:
         if not args.json:
             out.write("\n")
-        summaries = fan.request("summaries", {"capture_id": capture_id}, hosts=list(found))
-        data = merge_summaries((n, r.data) for n, r in summaries.items() if r.ok)
-        render(data, args, out)
+        summaries = fan.request("summaries", {"capture_id": run.capture_id}, hosts=list(found))
+        render(merge_summaries((n, r.data) for n, r in summaries.items() if r.ok), args, out)
     if not wait:
         return EXIT_PARTIAL if failed else EXIT_OK
     if not finished:
@@ -379,27 +413,32 @@ def _lost_part(info: RankInfo, daemon: str, error: str) -> dict[str, Any]:
             "error": f"host {daemon}: {error}", "history": [{"state": "failed"}]}
 
 
-def _print_plan(capture_id: str, job: str, targets: dict[str, list[RankInfo]], plan: dict[str, Any],
-                failed: dict[str, str], sent_s: float, out: TextIO) -> None:
-    n = sum(len(r) for r in targets.values())
+def _print_plan(run: Launched, out: TextIO) -> None:
+    plan = run.plan
+    n = sum(len(r) for r in run.targets.values())
     steps = plan["current_steps"].values()
-    out.write(f"capture {capture_id}: job {job}, {n} rank(s) on {len(targets)} host(s), steps "
+    out.write(f"capture {run.capture_id}: job {run.job}, {n} rank(s) on {len(run.targets)} host(s), steps "
               f"[{plan['start_step']}, {plan['end_step']}) (ranks were at step {min(steps)}-{max(steps)}; lead "
-              f"{plan['lead_steps']} steps; sent to every host in {sent_s * 1000:.0f} ms)\n")
+              f"{plan['lead_steps']} steps; sent to every host in {run.sent_s * 1000:.0f} ms)\n")
     if plan.get("note"):
         out.write(f"  note: {plan['note']}\n")
-    for name, error in failed.items():
+    for name, error in run.failed.items():
         out.write(f"  host {name} FAILED: {error}\n")
     out.flush()
 
 
-def _follow(fan: Fanout, found: dict[str, dict[str, Any]], failed: dict[str, str], args: argparse.Namespace,
-            out: TextIO) -> bool:
-    """Long-poll every host whose part of the capture is running; a host that stops answering is failed."""
+def _running(data: dict[str, Any]) -> bool:
+    return data["status"] == "running"
+
+
+def follow(fan: Fanout, found: dict[str, dict[str, Any]], failed: dict[str, str], timeout: float,
+           out: TextIO | None, pending: Callable[[dict[str, Any]], bool] = _running) -> bool:
+    """Long-poll every host whose record is `pending` (default: still running), printing each rank's progress
+    to `out`; a host that stops answering is failed. False when `timeout` ran out first."""
     printed: dict[str, int] = {}
-    deadline = time.monotonic() + args.timeout
+    deadline = time.monotonic() + timeout
     while True:
-        if not args.json:
+        if out is not None:
             for name, data in found.items():
                 for key, part in sorted(data["parts"].items(), key=lambda kv: int(kv[0])):
                     history = part.get("history") or [{"state": part["state"]}]
@@ -408,16 +447,16 @@ def _follow(fan: Fanout, found: dict[str, dict[str, Any]], failed: dict[str, str
                                   f"{progress_text({**part, 'state': entry['state']})}\n")
                     printed[key] = len(history)
             out.flush()
-        running = [n for n, d in found.items() if d["status"] == "running"]
-        if not running:
+        waiting = [n for n, d in found.items() if pending(d)]
+        if not waiting:
             return True
         left = deadline - time.monotonic()
         if left <= 0:
             return False
         hold = min(WATCH_HOLD_S, left)
         per_host = {n: {"capture_id": found[n]["capture_id"], "seen": found[n]["version"], "timeout_s": hold}
-                    for n in running}
-        replies = fan.request("watch", per_host=per_host, wait_s=hold + fan.timeout_s, hosts=running)
+                    for n in waiting}
+        replies = fan.request("watch", per_host=per_host, wait_s=hold + fan.timeout_s, hosts=waiting)
         for name, reply in replies.items():
             if reply.ok:
                 found[name] = reply.data

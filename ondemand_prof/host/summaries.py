@@ -1,7 +1,7 @@
 """Reports that scale with the cluster: each rank's post-processing writes summary.json beside its trace
-(rank/postprocess.py); the daemon command `summaries` returns those of one capture's parts on its host, read
-from the paths in its record (bounded in size); ondemandctl merges them across hosts (`merge_summaries`)
-without ever reading a trace over the network."""
+(rank/postprocess.py); the daemon command `summaries` (host/commands.py) returns those of one capture's parts
+on its host, read here from the paths in its record (bounded in size); ondemandctl merges them across hosts
+(`merge_summaries`) without ever reading a trace over the network."""
 
 from __future__ import annotations
 
@@ -12,13 +12,11 @@ import stat
 import time
 from typing import Any, Iterable
 
-from ..rank.postprocess import SUMMARY_FILE
-from .commands import Command
-from .service import Service
 
 log = logging.getLogger("ondemand_prof.daemon")
 
 MAX_SUMMARY_BYTES = 512 * 1024
+SUMMARY_FILE = "summary.json"  # rank/postprocess.py writes it (not imported: the daemon and CLI need not load it)
 
 
 def read_summary(rank_dir: str) -> dict[str, Any]:
@@ -39,30 +37,21 @@ def read_summary(rank_dir: str) -> dict[str, Any]:
     return data
 
 
-class Summaries(Command):
-    """The summaries of a capture's parts on this host (one entry per part: its summary, or why there is none)."""
-
-    name = "summaries"
-    cli = False
-    fields = {"capture_id": (str,)}
-
-    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
-        record = service.find(msg["capture_id"])
-        parts = []
-        for part in sorted(record.data["parts"].values(), key=lambda p: p["rank"]):
-            entry: dict[str, Any] = {"rank": part["rank"], "host": part["host"], "pid": part["pid"],
-                                     "state": part["state"], "path": part.get("path"), "late_by": part.get("late_by")}
-            if part["state"] != "done" or not part.get("path"):
-                entry["error"] = part.get("error") or f"no trace ({part['state']})"
-            else:
-                try:
-                    entry["summary"] = read_summary(part["path"])
-                except (OSError, ValueError) as exc:
-                    entry["error"] = f"no summary: {exc}"
-            parts.append(entry)
-        data = record.data
-        return {"capture_id": record.capture_id, "job": data["job"], "window": data["window"],
-                "status": data["status"], "options": data.get("options"), "parts": parts}
+def part_summaries(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """One entry per part of a capture record: its summary, or why there is none."""
+    parts = []
+    for part in sorted(record["parts"].values(), key=lambda p: p["rank"]):
+        entry: dict[str, Any] = {"rank": part["rank"], "host": part["host"], "pid": part["pid"],
+                                 "state": part["state"], "path": part.get("path"), "late_by": part.get("late_by")}
+        if part["state"] != "done" or not part.get("path"):
+            entry["error"] = part.get("error") or f"no trace ({part['state']})"
+        else:
+            try:
+                entry["summary"] = read_summary(part["path"])
+            except (OSError, ValueError) as exc:
+                entry["error"] = f"no summary: {exc}"
+        parts.append(entry)
+    return parts
 
 
 def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, Any]:

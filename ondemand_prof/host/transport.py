@@ -23,7 +23,6 @@ from .. import __version__
 from ..core.protocol import PROTOCOL_VERSION, RANK_MESSAGES, ProtocolError, decode, encode, endpoint, reply_error, \
     socket_path
 from .commands import CLI_MESSAGES
-from .keys import SERVER, ZAP_DOMAIN, ZAP_ENDPOINT, KeyFileError, ZapHandler, load_pair
 from .records import RecordStore
 from .sdnotify import notify, watchdog_interval
 from .service import Service
@@ -111,7 +110,9 @@ class Daemon:
         log.info("ondemand-profd %s listening on %s (state in %s)", __version__, url, self.state_dir)
         if self.listen:
             self.tcp = TcpListener(self._ctx, self.listen, self.keys)
-            (self.runtime_dir / TCP_FILE).write_text(self.tcp.endpoint + "\n")
+            staged = self.runtime_dir / f".{TCP_FILE}.{os.getpid()}"
+            staged.write_text(self.tcp.endpoint + "\n")
+            os.replace(staged, self.runtime_dir / TCP_FILE)  # readers never see it half-written
 
     def _prepare_runtime_dir(self) -> None:
         d = self.runtime_dir
@@ -302,11 +303,13 @@ class TcpListener:
     ZAP handler on the daemon's own loop. Without keys only a loopback address is served."""
 
     def __init__(self, ctx: zmq.Context, listen: str, keys: Path | None) -> None:
+        from .keys import SERVER, ZAP_DOMAIN, ZAP_ENDPOINT, KeyFileError, ZapHandler, load_pair
+
         host, port = parse_listen(listen)
         if keys is None and not is_loopback(host):
             raise DaemonError(f"--listen {listen} reaches beyond this host: give --keys DIR (CurveZMQ keys; create "
                               "them with: ondemandctl keygen DIR), or listen on 127.0.0.1")
-        self.zap: ZapHandler | None = None
+        self.zap: Any = None  # keys.ZapHandler
         self._zap_sock: zmq.Socket | None = None
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)

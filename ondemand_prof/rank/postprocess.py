@@ -253,7 +253,7 @@ def write_db(path: Path, events: list[dict[str, Any]], steps: list[dict[str, Any
         con.close()
 
 
-SUMMARY_FILE = "summary.json"
+SUMMARY_FILE = "summary.json"  # host/summaries.py reads it back
 SUMMARY_TOP = 15
 
 

@@ -31,43 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import zmq  # noqa: E402
-
-from bench_daemon import SimAgent, SimProf, pct  # noqa: E402
+from bench_daemon import pct, run_links  # noqa: E402
 from ondemand_prof.host.client import CtlError  # noqa: E402
 from ondemand_prof.host.fanout import Fanout  # noqa: E402
 from ondemand_prof.host.hosts import Target  # noqa: E402
 from ondemand_prof.host.keys import keygen  # noqa: E402
 from ondemand_prof.host.multihost import follow, launch  # noqa: E402
-from ondemand_prof.rank.daemon_link import DaemonLink  # noqa: E402
 
 SCHEDULED = ("scheduled", "recording", "writing", "done")
-
-
-def ranks_process(assign: list[tuple[str, range]], world: int, stop: Any, ready: Any) -> None:
-    """Simulated ranks for several daemons: (runtime dir, ranks) pairs."""
-    ctx = zmq.Context(io_threads=1)
-    t0 = time.time()
-    links = []
-    for run_dir, ranks in assign:
-        for r in ranks:
-            agent = SimAgent(SimProf(r, world, "bench", t0))
-            links.append((DaemonLink(agent, Path(run_dir), context=ctx), agent))  # type: ignore[arg-type]
-    poller = zmq.Poller()
-    for link, _ in links:
-        poller.register(link.socket, zmq.POLLIN)
-    for i, (link, _) in enumerate(links):
-        link._next_beat = time.monotonic() + i / len(links)  # noqa: SLF001 - the bench drives the link
-    ready.set()
-    while not stop.is_set():
-        events = dict(poller.poll(20))
-        now = time.monotonic()
-        for link, agent in links:
-            if link.socket in events or now >= link._next_beat or link._outbox:  # noqa: SLF001
-                link.poll(now)
-    for link, _ in links:
-        link.close()
-    ctx.term()
 
 
 def start_daemons(n: int, keys: Path, tmp: Path, out: list[tuple[subprocess.Popen, Path, int]]
@@ -130,7 +101,7 @@ def main() -> None:
         per = -(-len(assign) // args.procs)
         for k in range(args.procs):
             ready = mp.Event()
-            w = mp.Process(target=ranks_process, args=(assign[k * per:(k + 1) * per], world, stop, ready), daemon=True)
+            w = mp.Process(target=run_links, args=(assign[k * per:(k + 1) * per], world, stop, ready), daemon=True)
             w.start()
             ready.wait(120)
             workers.append(w)

@@ -12,15 +12,13 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from conftest import ROOT, base_env, free_port, short_dir, trace_steps, wait_for
-from ondemand_prof.host.hosts import HostSpecError, Target, expand_nodelist, parse_hosts, read_hostfile, \
-    slurm_nodelist
+from ondemand_prof.host.hosts import HostSpecError, expand_nodelist, parse_hosts, read_hostfile, slurm_nodelist
 from ondemand_prof.host.keys import KeyFileError, authorized_keys, keygen, load_pair
 
 DAEMONS = 16
@@ -121,6 +119,18 @@ def test_daemon_refuses_tcp_beyond_loopback_without_keys_and_with_unsafe_keys(tm
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 1 and "readable by others" in res.stderr
         assert not (run_dir / "profd.sock").exists()
+        # loopback without keys is served (with a warning), and ondemandctl needs no keys for it
+        proc = subprocess.Popen([*base, "--listen", "tcp://127.0.0.1:0"], env=base_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: (run_dir / "profd.tcp").exists() or proc.poll() is not None, 60, "the daemon")
+            port = (run_dir / "profd.tcp").read_text().strip().rsplit(":", 1)[1]
+            res = subprocess.run([str(ROOT / "bin" / "ondemandctl"), "--hosts", f"127.0.0.1:{port}", "status"],
+                                 env=base_env(), capture_output=True, text=True, timeout=120)
+            assert res.returncode == 0 and "no ranks registered" in res.stdout, res.stderr
+        finally:
+            proc.terminate()
+            assert "without keys: any local user can reach this daemon" in proc.communicate(timeout=60)[1]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(state, ignore_errors=True)
@@ -209,6 +219,23 @@ def test_status_across_16_daemons_lists_every_rank_by_host(cluster: Cluster) -> 
     assert ranks == {i: f"127.0.0.1:{cluster.daemons[i]['port']}" for i in range(RANKS)}
     text = cluster.ctl("status")
     assert text.returncode == 0 and text.stdout.count("== 127.0.0.1:") == DAEMONS
+
+
+def test_hostfile_and_slurm_name_the_same_daemons(cluster: Cluster, tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"127.0.0.1:{d['port']}  # daemon {i}\n" for i, d in enumerate(cluster.daemons[:2])))
+    cmd = [str(ROOT / "bin" / "ondemandctl"), "--keys", str(cluster.keys)]
+    res = subprocess.run([*cmd, "--hostfile", str(hostfile), "status", "--json"], env=base_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert len(json.loads(res.stdout)["hosts"]) == 2
+    # inside SLURM job 77 whose nodelist is this host: --slurm reads the job's environment (no SLURM installed)
+    port = cluster.daemons[1]["port"]
+    res = subprocess.run([*cmd, "--slurm", "77", "--port", str(port), "status", "--json"], capture_output=True,
+                         env=base_env(SLURM_JOB_ID="77", SLURM_JOB_NODELIST="127.0.0.[1]"), text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    hosts = json.loads(res.stdout)["hosts"]
+    assert list(hosts) == ["127.0.0.1"] and [r["rank"] for r in hosts["127.0.0.1"]["data"]["jobs"].popitem()[1]] == [1]
 
 
 def test_one_aligned_capture_across_hosts_with_one_id_and_summaries_merged(cluster: Cluster) -> None:

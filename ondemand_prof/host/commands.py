@@ -432,10 +432,17 @@ class Report(Command):
 def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
     """Build, print (text or --json) and optionally write the HTML report; shared by report and capture."""
     from ..report import build_report
+
+    data = build_report(paths, top=max(args.top, 15))
+    render_report(data, args, out)
+    return data
+
+
+def render_report(data: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None:
+    """Print a report's data (text or --json) and write --html; also ondemandctl's report across hosts."""
     from ..report.html import render_html
     from ..report.text import render_text
 
-    data = build_report(paths, top=max(args.top, 15))
     if getattr(args, "html", None):
         try:
             with open(args.html, "w", encoding="utf-8") as fh:
@@ -448,7 +455,6 @@ def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> dic
         out.write(render_text(data, top=args.top, per_rank=not getattr(args, "summary", False)))
         if getattr(args, "html", None):
             out.write(f"HTML report: {os.path.abspath(args.html)}\n")
-    return data
 
 
 COMMANDS.append(Report())

@@ -109,7 +109,7 @@ def _target(text: str, default_port: int) -> list[Target]:
         port = rest[1:] if rest.startswith(":") else ""
         if rest and not rest.startswith(":"):
             raise HostSpecError(f"{text!r}: expected [IPv6]:PORT")
-        return [Target(text if not port else f"[{host}]", host, _port(port, text, default_port))]
+        return [Target(text, host, _port(port, text, default_port))]
     base, port = text, ""
     if ":" in text.rsplit("]", 1)[-1]:
         base, _, port = text.rpartition(":")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, TextIO
 from ..core.protocol import FINAL_STATES, TCP_PORT as DEFAULT_PORT
 from ..core.ranks import spans
 from .client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, CtlError, dumps
-from .commands import Capture, Command, List, Show, Status, _table, _window, progress_text
+from .commands import Capture, Command, Show, Status, _table, _window, progress_text, render_report
 from .records import new_capture_id
 from .registry import DELIVERY_S, RankInfo, plan_window
 from .summaries import merge_summaries
@@ -260,27 +260,11 @@ def _report(fan: Fanout, cmd: Command, args: argparse.Namespace, out: TextIO) ->
     failed = _failures(replies, _no_capture)
     data = merge_summaries((n, r.data) for n, r in found.items())
     data["failed_hosts"] = failed
-    render(data, args, out)
+    render_report(data, args, out)
     _warn(failed, sys.stderr)
     if failed:
         return EXIT_PARTIAL
     return EXIT_OK if data["ranks_read"] else EXIT_FAILED
-
-
-def render(data: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None:
-    from ..report.html import render_html
-    from ..report.text import render_text
-
-    if getattr(args, "html", None):
-        try:
-            with open(args.html, "w", encoding="utf-8") as fh:
-                fh.write(render_html(data))
-        except OSError as exc:
-            raise CtlError(f"--html {args.html}: cannot write: {exc.strerror}") from None
-    if args.json:
-        out.write(dumps(data) + "\n")
-    else:
-        out.write(render_text(data, top=args.top, per_rank=not getattr(args, "summary", False)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -400,7 +384,7 @@ def _capture(fan: Fanout, cmd: Command, args: argparse.Namespace, out: TextIO) -
         if not args.json:
             out.write("\n")
         summaries = fan.request("summaries", {"capture_id": run.capture_id}, hosts=list(found))
-        render(merge_summaries((n, r.data) for n, r in summaries.items() if r.ok), args, out)
+        render_report(merge_summaries((n, r.data) for n, r in summaries.items() if r.ok), args, out)
     if not wait:
         return EXIT_PARTIAL if failed else EXIT_OK
     if not finished:

@@ -249,16 +249,21 @@ class Daemon:
                 if out is not None:
                     self._send(route, out)
                 return
+        self._request(route, frame, SCHEMA)
+        self._flush_outbox()
+
+    def _request(self, route: bytes, frame: bytes, schema: dict[str, Any]) -> None:
+        """Decode one message against `schema` and send the service's reply (or the decoder's error)."""
+        assert self.service is not None
         try:
-            msg = decode(frame, SCHEMA)
+            msg = decode(frame, schema)
         except ProtocolError as exc:
             log.warning("ondemand-profd: bad message (%d bytes): %s", len(frame), exc)
             self._send(route, reply_error(None, str(exc)))
             return
-        out = service.handle(route, msg)
+        out = self.service.handle(route, msg)
         if out is not None:
             self._send(route, out)
-        self._flush_outbox()
 
     def _flush_outbox(self) -> None:
         service = self.service
@@ -275,15 +280,7 @@ class Daemon:
         assert tcp is not None and self.service is not None
         tcp.answer_zap()
         for route, frame in tcp.receive():
-            try:
-                msg = decode(frame, CLI_MESSAGES)
-            except ProtocolError as exc:
-                log.warning("ondemand-profd: bad TCP message (%d bytes): %s", len(frame), exc)
-                self._send(route, reply_error(None, str(exc)))
-                continue
-            out = self.service.handle(route, msg)
-            if out is not None:
-                self._send(route, out)
+            self._request(route, frame, CLI_MESSAGES)
         self._flush_outbox()
 
     def _send(self, route: bytes, body: bytes) -> None:

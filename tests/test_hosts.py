@@ -300,6 +300,23 @@ def test_host_that_does_not_answer_is_named_and_the_rest_proceed(cluster: Cluste
     assert hosts[dead]["kind"] == "timeout" and sum(h["ok"] for h in hosts.values()) == DAEMONS
 
 
+def test_capture_without_waiting_then_cancel_across_hosts(cluster: Cluster) -> None:
+    res = cluster.ctl("capture", "--steps", "400", "--no-wait")
+    assert res.returncode == 0, res.stderr
+    head = res.stdout.splitlines()[0]
+    assert f"{RANKS} rank(s) on {RANKS} host(s), steps [" in head, res.stdout
+    capture_id = head.split()[1].rstrip(":")
+    cancel = cluster.ctl("cancel", capture_id, "--json")
+    assert cancel.returncode == 0, cancel.stderr
+    hosts = json.loads(cancel.stdout)["hosts"]
+    assert sorted(r for h in hosts.values() if h["ok"] for r in h["data"]["ranks"]) == list(range(RANKS))
+    shown = wait_for(lambda: (lambda r: r if r["status"] != "running" else None)(
+        json.loads(cluster.ctl("show", capture_id, "--json").stdout)), 120, "the cancelled capture to settle")
+    assert shown["status"] == "cancelled" and len(shown["hosts"]) == RANKS
+    again = cluster.ctl("cancel", capture_id)
+    assert again.returncode == 1 and "already cancelled" in again.stderr
+
+
 def test_daemon_stopped_mid_capture_is_reported_failed_while_the_others_finish(cluster: Cluster) -> None:
     victim = cluster.daemons[RANKS - 1]
     records = victim["state"] / "captures"

@@ -199,9 +199,18 @@ def _one_capture(replies: dict[str, Reply]) -> dict[str, Reply]:
         raise CtlError(f"the id matches different captures on different hosts ({', '.join(sorted(ids))}); give more "
                        "of it", EXIT_USAGE)
     if not found:
-        errors = {r.error for r in replies.values()}
-        raise CtlError("; ".join(sorted(errors)) or "no capture")
+        raise _none_found(replies)
     return found
+
+
+def _none_found(replies: dict[str, Reply]) -> CtlError:
+    """No host could act: what the daemons said, once each ("no capture ...", "already cancelled"), after naming
+    the hosts that did not answer (then the exit status is partial: the capture may be on those)."""
+    _warn({n: r.error for n, r in replies.items() if r.kind != "error"}, sys.stderr)
+    said = {r.error for r in replies.values() if r.kind == "error" and not _no_capture(r)} or \
+        {r.error for r in replies.values() if r.kind == "error"}
+    unreachable = any(r.kind != "error" for r in replies.values())
+    return CtlError("; ".join(sorted(said)) or "no host answered", EXIT_PARTIAL if unreachable else EXIT_FAILED)
 
 
 def merged_record(found: dict[str, dict[str, Any]], failed: dict[str, str]) -> dict[str, Any]:
@@ -238,8 +247,8 @@ def _cancel(fan: Fanout, cmd: Command, args: argparse.Namespace, out: TextIO) ->
     replies = fan.request("cancel", cmd.message(args))
     sent = {n: r.data["ranks"] for n, r in replies.items() if r.ok}
     failed = _failures(replies, _no_capture)
-    if not sent and not failed:
-        raise CtlError("; ".join(sorted({r.error for r in replies.values()})))
+    if not sent:  # nothing to cancel anywhere
+        raise _none_found(replies)
     if args.json:
         out.write(dumps({"hosts": {n: r.as_dict() for n, r in replies.items()}}) + "\n")
     else:

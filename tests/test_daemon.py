@@ -91,7 +91,8 @@ def test_capture_records_the_same_steps_on_every_rank(env: dict[str, Any]) -> No
     for _, path in printed:
         assert Path(path).is_dir()
     for state in ("received", "scheduled", "recording", "writing", "done"):
-        assert len(re.findall(rf"^  rank \d\s+{state}\b", res.stdout, re.M)) == 3, (state, res.stdout)
+        # each state once per rank ("recording step k of N" progress lines are not states)
+        assert len(re.findall(rf"^  rank \d\s+{state}\b(?! step)", res.stdout, re.M)) == 3, (state, res.stdout)
     assert "late by" not in res.stdout
 
     caps = captures(env["save"])
@@ -322,3 +323,42 @@ def test_systemd_unit_verifies_and_readiness_is_notified(env: dict[str, Any], tm
         assert s.recv(4096).startswith(b"READY=1")
         assert s.recv(4096) == b"WATCHDOG=1"  # pings at half of WatchdogSec
     os.unlink(notify_path)
+
+
+def test_cancel_progress_and_usage_errors(env: dict[str, Any]) -> None:
+    """A long capture shows 'recording step k of N' while it records; `cancel` stops it on every rank and what was
+    recorded is written, marked cancelled; bad usage prints the command's own usage."""
+    daemon(env)
+    procs = ranks(env, 2, 100000, "--step-sleep", "0.05")
+    wait_stepping(env, 2)
+    follow = subprocess.Popen([str(ROOT / "bin" / "ondemandctl"), "capture", "--steps", "150", "--wait",
+                               "--timeout", "120"], env={**os.environ, "ONDEMAND_PROF_RUNTIME_DIR": str(env["run"]),
+                                                          "PYTHONPATH": str(ROOT)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env["procs"].append(follow)
+    capture_id = wait_for(lambda: (ctl_json(env["run"], "list")["captures"] or [{}])[0].get("capture_id"), 30,
+                          "the capture to be created")
+    # heartbeats move a recording part to the step it reached
+    wait_for(lambda: any(p.get("at_step") for p in ctl_json(env["run"], "show", capture_id)["parts"].values()),
+             60, "a recording rank to report its step")
+    cancelled = ctl(env["run"], "cancel", capture_id[-6:])  # any unique part of the id
+    assert cancelled.returncode == 0 and "cancel sent to rank(s) 0-1" in cancelled.stdout, cancelled.stderr
+    out, err = follow.communicate(timeout=120)
+    assert re.search(r"rank [01]\s+recording step \d+ of 150", out), out
+    shown = ctl(env["run"], "show", capture_id, "--json")
+    record = json.loads(shown.stdout)
+    assert record["status"] == "cancelled" and shown.returncode == 1, record  # not done as asked: exit 1
+    caps = [c for c in captures(env["save"]) if c["capture_id"] == capture_id]
+    assert len(caps) == 2 and all(c["window"]["cancelled"] for c in caps)
+    for cap in caps:  # the steps recorded before the cancel are in the trace, no more
+        steps = trace_steps(cap)
+        assert steps and steps == cap["window"]["recorded_steps"] and len(steps) < 150
+    again = ctl(env["run"], "cancel", capture_id)
+    assert again.returncode == 1 and "already cancelled" in again.stderr
+    bogus = ctl(env["run"], "capture", "--bogus")
+    assert bogus.returncode == 2 and bogus.stderr.startswith("usage: ondemandctl capture") and \
+        "unrecognized arguments: --bogus" in bogus.stderr, bogus.stderr
+    html = ctl(env["run"], "capture", "--html", "x.html")
+    assert html.returncode == 2 and "--html needs --report" in html.stderr
+    for p in procs:
+        p.terminate()

@@ -108,3 +108,47 @@ def test_messages_are_versioned_and_checked() -> None:
                        (b"\xff\xfe", "not a JSON message")]:
         with pytest.raises(ProtocolError, match=text):
             decode(body, CLI_MESSAGES)
+
+
+def test_service_handlers_without_sockets(tmp_path) -> None:
+    """The daemon's service is driven directly: register, capture (resolved once, capped and said), progress
+    from heartbeats ("recording step k of N"), cancel, and typed errors for bad requests."""
+    from ondemand_prof.core.options import ProfileConfig
+    from ondemand_prof.core.requests import WindowDefaults, window_from_wire
+    from ondemand_prof.host.commands import DAEMON_COMMANDS, recording_step
+    from ondemand_prof.host.records import RecordStore
+    from ondemand_prof.host.service import Service
+
+    svc = Service(RecordStore(tmp_path), DAEMON_COMMANDS, host="h", runtime_dir=tmp_path, state_dir=tmp_path,
+                  pid_check=lambda pid, thorough: True)
+    defaults = WindowDefaults.from_config(ProfileConfig(max_window_steps=5, with_stack=True)).to_wire()
+    for r in (0, 1):
+        reply = svc.handle(f"r{r}".encode(), {"type": "register", "job": "j", "rank": r, "world_size": 2, "host": "h",
+                                              "pid": 10 + r, "step": 100, "began": 1e9, "defaults": defaults})
+        assert reply is not None and json.loads(reply)["type"] == "registered"
+    reply = json.loads(svc.handle(b"cli", {"type": "capture", "id": 1, "request": {"steps": 50, "ranks": "0-1"}}))
+    assert reply["type"] == "ok", reply
+    record = reply["data"]
+    start, end = record["window"]
+    assert end - start == 5 and record["options"]["with_stack"] is True  # the ranks' cap and defaults, once
+    assert "steps capped from 50 to 5" in record["plan"]["note"]
+    sent = {route: json.loads(body) for route, body in svc.outbox}
+    assert set(sent) == {b"r0", b"r1"}
+    window = window_from_wire(sent[b"r0"]["window"])
+    assert (window.start, window.end, window.options.with_stack) == (start, end, True)
+    cid = record["capture_id"]
+    svc.handle(b"r0", {"type": "event", "capture_id": cid, "event": "recording", "info": {"late_by": 0}})
+    svc.handle(b"r0", {"type": "hb", "step": start + 2, "state": "recording",
+                       "windows": [{"capture_id": cid, "start": start, "end": end, "source": "daemon",
+                                    "state": "recording"}]})
+    shown = svc.store.records[cid].data
+    assert recording_step(shown, shown["parts"]["0"]) == "recording step 3 of 5"
+    svc.outbox.clear()
+    cancel = json.loads(svc.handle(b"cli", {"type": "cancel", "id": 2, "capture_id": cid[-6:]}))
+    assert cancel["data"]["ranks"] == [0, 1] and {json.loads(b)["type"] for _, b in svc.outbox} == {"cancel"}
+    for body, text in [({"type": "capture", "id": 3, "request": {"steps": 2, "ranks": "0-9"}}, "out of range"),
+                       ({"type": "capture", "id": 4, "request": {"save_path": "/etc"}}, "unknown field"),
+                       ({"type": "show", "id": 5, "capture_id": "zzz"}, "no capture 'zzz'"),
+                       ({"type": "status", "id": 6, "job": "nope"}, "no live job 'nope'")]:
+        err = json.loads(svc.handle(b"cli", body))
+        assert err["type"] == "error" and text in err["error"], err

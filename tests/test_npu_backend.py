@@ -85,7 +85,8 @@ def test_static_window_through_the_npu_backend(stand_in, tmp_path):
     transits = [args for name, args in calls if name == "transit"]
     assert transits[0] == ("NONE", "WARMUP", 2)  # one warmup step before the window
     assert transits[-1] == ("RECORD_AND_SAVE", None, 5)
-    (out,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    (folder,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]  # one folder per capture
+    (out,) = [p for p in folder.iterdir() if not p.name.startswith(".")]  # MindStudio imports it as a cluster
     assert out.name.endswith("_ascend_pt")
     assert json.loads((out / "FRAMEWORK" / "steps.json").read_text()) == [3, 4, 5]
     assert (out / "ASCEND_PROFILER_OUTPUT" / "step_trace_time.csv").is_file()

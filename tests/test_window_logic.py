@@ -6,7 +6,8 @@ import pytest
 
 from ondemand_prof import ProfileConfig
 from ondemand_prof.core.ranks import RankSpecError, parse_ranks, spans
-from ondemand_prof.core.requests import RequestError, WindowDefaults, absolute_start, parse_request, resolve
+from ondemand_prof.core.requests import RequestError, WindowDefaults, absolute_start, parse_request, resolve, \
+    window_from_wire
 from ondemand_prof.core.window import Phase, StepClock, Window, plan_begin, recorded_steps
 
 
@@ -69,7 +70,7 @@ def test_requests_are_checked_then_resolved_once():
     assert (capped.start, capped.end, capped.options.with_stack) == (100, 150, True)
     assert capped.note == "steps capped from 500 to 50 (--profile-max-window-steps)"
     # the wire form is what the daemon sends; the rank takes it as it is
-    assert Window.from_wire(capped.to_wire()) == capped
+    assert window_from_wire(capped.to_wire()) == capped
     for bad, msg in [({"start": 1, "start_step": 3}, "not both"), ({"steps": 2.5}, "must be an integer"),
                      ({"with_stack": "yes"}, "field 'with_stack' must be true or false"),
                      ({"level": "max"}, "field 'level' must be one of level_none"),
@@ -80,4 +81,4 @@ def test_requests_are_checked_then_resolved_once():
     for bad_wire in [{"start_step": -1, "end_step": 3}, {"start_step": 1, "end_step": 3, "options": {}},
                      {**capped.to_wire(), "options": {**capped.to_wire()["options"], "level": "x"}}]:
         with pytest.raises(ValueError):
-            Window.from_wire(bad_wire)
+            window_from_wire(bad_wire)

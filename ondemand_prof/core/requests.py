@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from .options import MAX_STEP, OPTIONS, ConfigError, Option, WindowOptions, window_options
 from .ranks import RankSpecError, parse_ranks
-from .window import Window
+from .window import Window, _step
 
 MAX_START_OFFSET = 1_000_000
 MAX_REQUEST_STEPS = 1_000_000_000
@@ -157,3 +157,21 @@ def absolute_start(request: CaptureRequest, anchor_step: int) -> int:
         return request.start_step
     assert request.start is not None
     return anchor_step + request.start
+
+
+def window_from_wire(data: Mapping[str, Any]) -> Window:
+    """A window planned elsewhere (the daemon): checked for shape and bounds, not planned again.
+    ValueError says what is wrong."""
+    start, end = data.get("start_step"), data.get("end_step")
+    if not _step(start) or not _step(end):
+        raise ValueError(f"bad window steps [{start!r}, {end!r})")
+    try:
+        options = check_options(data.get("options") or {}, complete=True)
+    except RequestError as exc:
+        raise ValueError(str(exc)) from None
+    requested = data.get("requested") or {}
+    note = data.get("note") or ""
+    if not isinstance(requested, Mapping) or not isinstance(note, str):
+        raise ValueError("bad window: 'requested' must be an object and 'note' a string")
+    return Window(start, end, WindowOptions(**options), source=str(data.get("source") or "daemon")[:32],
+                  capture_id=str(data.get("capture_id") or "")[:128], requested=dict(requested), note=note[:512])

@@ -50,30 +50,10 @@ class Window:
         return self.start < b_end and start < a_end
 
     def to_wire(self) -> dict[str, Any]:
-        """The window as the daemon sends it to a rank (JSON); Window.from_wire is its only reader."""
+        """The window as the daemon sends it to a rank (JSON); core.requests.window_from_wire is its only reader."""
         return {"capture_id": self.capture_id, "start_step": self.start, "end_step": self.end,
                 "options": asdict(self.options), "source": self.source, "note": self.note,
                 "requested": dict(self.requested)}
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> "Window":
-        """A window planned elsewhere (the daemon): checked for shape and bounds, not planned again.
-        ValueError says what is wrong."""
-        from .requests import RequestError, check_options  # requests imports this module
-
-        start, end = data.get("start_step"), data.get("end_step")
-        if not _step(start) or not _step(end):
-            raise ValueError(f"bad window steps [{start!r}, {end!r})")
-        try:
-            options = check_options(data.get("options") or {}, complete=True)
-        except RequestError as exc:
-            raise ValueError(str(exc)) from None
-        requested = data.get("requested") or {}
-        note = data.get("note") or ""
-        if not isinstance(requested, Mapping) or not isinstance(note, str):
-            raise ValueError("bad window: 'requested' must be an object and 'note' a string")
-        return cls(start, end, WindowOptions(**options), source=str(data.get("source") or "daemon")[:32],
-                   capture_id=str(data.get("capture_id") or "")[:128], requested=dict(requested), note=note[:512])
 
 
 def _step(value: Any) -> bool:

@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
     print(f"[demo] training finished (exit {rc}). Captures under {save}:")
     rows = []
-    for d in sorted(p for p in save.iterdir() if not p.name.startswith(".")):
-        meta = json.loads((d / "metadata.json").read_text())
+    for d in sorted(save.glob("*/*/metadata.json")):  # {save}/{capture}/{rank directory}/ (README "Output")
+        meta = json.loads(d.read_text())
+        d = d.parent
         rows.append((meta["rank"], meta["trigger"]["source"], meta["steps_in_trace"], meta["status"], d))
     order = {"static": 0, "daemon": 1, "file": 2}
     for rank, source, steps, status, d in sorted(rows, key=lambda r: (order.get(r[1], 3), r[0])):
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] $ ondemandctl report {save} --summary --html {html}")
     subprocess.run([sys.executable, "-m", "ondemand_prof.host.ctl", "report", str(save), "--summary", "--html",
                     str(html)])
-    print("[demo] open a trace in https://ui.perfetto.dev, or: tensorboard --logdir", save)
+    print("[demo] each capture folder under", save, "is one HTA trace_dir and one TensorBoard run (a worker per "
+          "rank); traces open in https://ui.perfetto.dev too")
     return rc
 
 

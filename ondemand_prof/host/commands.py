@@ -230,6 +230,7 @@ class Capture(Command):
                 out: TextIO) -> tuple[dict[str, Any], bool]:
         """Long-poll the daemon for changes and print each rank's progress as it happens."""
         printed: dict[str, int] = {}  # history entries shown per rank: every state is shown, even brief ones
+        shown_step: dict[str, str] = {}
         deadline = time.monotonic() + args.timeout
         while True:
             if not args.json:
@@ -238,6 +239,10 @@ class Capture(Command):
                     for entry in history[printed.get(key, 0):]:
                         out.write(f"  rank {part['rank']:<4} {progress_text({**part, 'state': entry['state']})}\n")
                     printed[key] = len(history)
+                    step_text = recording_step(record, part)
+                    if step_text and shown_step.get(key) != step_text:
+                        shown_step[key] = step_text
+                        out.write(f"  rank {part['rank']:<4} {step_text}\n")
                 out.flush()
             if record["status"] != "running":
                 return record, True
@@ -247,6 +252,15 @@ class Capture(Command):
             hold = min(10.0, left)
             record = client.request("watch", wait_s=hold + client.timeout_s, capture_id=record["capture_id"],
                                     seen=record["version"], timeout_s=hold)
+
+
+def recording_step(record: dict[str, Any], part: dict[str, Any]) -> str:
+    """'recording step k of N' from the step a recording rank last reported (heartbeats, once a second)."""
+    at, window = part.get("at_step"), record.get("window")
+    if part["state"] != "recording" or at is None or not window:
+        return ""
+    total = window[1] - window[0]
+    return f"recording step {min(max(at - window[0] + 1, 1), total)} of {total}"
 
 
 def progress_text(part: dict[str, Any]) -> str:
@@ -324,9 +338,8 @@ class List(Command):
         return _table(rows, ["ID", "CREATED", "JOB", "STEPS", "DONE", "STATUS"])
 
 
-class Show(Command):
-    name = "show"
-    help = "one capture: the request, the window, and each rank's result"
+class OneCapture(Command):
+    """A command about one capture, named by its id or any unique part of it."""
 
     fields = {"capture_id": (str,)}
 
@@ -335,6 +348,11 @@ class Show(Command):
 
     def message(self, args: argparse.Namespace) -> dict[str, Any]:
         return {"capture_id": args.capture_id}
+
+
+class Show(OneCapture):
+    name = "show"
+    help = "one capture: the request, the window, and each rank's result"
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         record = service.find(msg["capture_id"])
@@ -373,16 +391,9 @@ class Watch(Command):
         return None
 
 
-class Cancel(Command):
+class Cancel(OneCapture):
     name = "cancel"
     help = "stop a scheduled or running capture on every rank (what was recorded so far is written, marked cancelled)"
-    fields = {"capture_id": (str,)}
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("capture_id", help="capture id, or any unique part of it")
-
-    def message(self, args: argparse.Namespace) -> dict[str, Any]:
-        return {"capture_id": args.capture_id}
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         record = service.find(msg["capture_id"])

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .. import __version__
 from ..core.files import iso_time, pid_alive
@@ -32,8 +32,9 @@ class BadRequest(Exception):
 
 
 class Service:
-    def __init__(self, store: RecordStore, *, host: str, runtime_dir: Path, state_dir: Path,
-                 pid_check: Callable[[int, bool], bool] = pid_alive) -> None:
+    def __init__(self, store: RecordStore, commands: Mapping[str, Any], *, host: str, runtime_dir: Path,
+                 state_dir: Path, pid_check: Callable[[int, bool], bool] = pid_alive) -> None:
+        """`commands`: message type -> an object whose execute(service, route, msg) serves it (host/commands.py)."""
         self.store = store
         self.host = host
         self.runtime_dir = runtime_dir
@@ -46,9 +47,7 @@ class Service:
         self.watches: list[tuple[bytes, Any, str, float]] = []  # (route, request id, capture id, deadline)
         self._watch_due: set[str] = set()
         self._next_pid_check = 0.0
-        from .commands import DAEMON_COMMANDS  # the commands' daemon ends; commands import this module
-
-        self.commands = DAEMON_COMMANDS
+        self.commands = commands
         self.rank_handlers: dict[str, Callable[[bytes, dict[str, Any]], bytes | None]] = {
             "register": self.on_register, "hb": self.on_heartbeat, "event": self.on_event, "bye": self.on_bye}
 
@@ -88,7 +87,10 @@ class Service:
     # From ranks
 
     def on_register(self, route: bytes, msg: dict[str, Any]) -> bytes:
-        info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check)
+        try:
+            info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         log.info("ondemand-profd: rank %d/%d of job %s registered (host %s, pid %d, step %d)", info.rank,
                  info.world_size, info.job, info.host, info.pid, info.step)
         for item in msg.get("recent") or []:  # what happened to our captures while we could not hear it
@@ -97,9 +99,22 @@ class Service:
         return encode("registered", daemon_pid=os.getpid(), heartbeat_s=HEARTBEAT_S)
 
     def on_heartbeat(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
-        if self.registry.heartbeat(route, msg, time.monotonic()) is None:
+        info = self.registry.heartbeat(route, msg, time.monotonic())
+        if info is None:
             return encode("register")  # we restarted, or expired this rank: tell it to register again
+        if info.state == "recording" and info.windows:
+            self._progress(info)
         return None
+
+    def _progress(self, info: RankInfo) -> None:
+        """While a window records, its part shows the step reached (the CLI prints "recording step k of N")."""
+        running = info.windows[0] if info.windows else None
+        record = self.store.records.get(running["capture_id"]) if running else None
+        part = record.part(info.rank) if record is not None and record.data["job"] == info.job else None
+        if part is not None and part["state"] == "recording" and part.get("at_step") != info.step:
+            part["at_step"] = info.step
+            record.version += 1
+            self.changed(record)
 
     def on_event(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
         info = self.registry.by_route.get(route)

@@ -22,7 +22,7 @@ import zmq
 from .. import __version__
 from ..core.protocol import PROTOCOL_VERSION, RANK_MESSAGES, ProtocolError, decode, encode, endpoint, reply_error, \
     socket_path
-from .commands import CLI_MESSAGES
+from .commands import CLI_MESSAGES, DAEMON_COMMANDS
 from .records import RecordStore
 from .sdnotify import notify, watchdog_interval
 from .service import Service
@@ -83,7 +83,7 @@ class Daemon:
 
     def open(self) -> None:
         self._prepare_runtime_dir()
-        self.service = Service(RecordStore(self.state_dir), host=self.host, runtime_dir=self.runtime_dir,
+        self.service = Service(RecordStore(self.state_dir), DAEMON_COMMANDS, host=self.host, runtime_dir=self.runtime_dir,
                                state_dir=self.state_dir)
         path = socket_path(self.runtime_dir)
         url = endpoint(self.runtime_dir)

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..core.files import iso_time, write_json_atomic
 from ..core.ranks import selects
@@ -20,9 +20,6 @@ from ..core.requests import RequestError, WindowDefaults, absolute_start, parse_
 from ..core.window import StepClock, Window
 from .triggers import STATUS_DIR, TRIGGER_NAME, DirWatcher, Trigger, claim_decision, default_trigger_dir, \
     ensure_dir, prune_decisions, read_trigger, stat_key
-
-if TYPE_CHECKING:
-    from .hook import OnDemandProfiler
 
 log = logging.getLogger("ondemand_prof.rank.agent")
 
@@ -38,7 +35,8 @@ LEAD_MARGIN_S = 0.05  # scheduling slack (a loaded host delays agent threads)
 
 
 class Agent:
-    def __init__(self, prof: "OnDemandProfiler") -> None:
+    def __init__(self, prof: Any) -> None:
+        """`prof`: the OnDemandProfiler this agent serves (rank/hook.py creates the agent)."""
         self.prof = prof
         self.config = prof.config
         self.clock = StepClock()
@@ -74,6 +72,11 @@ class Agent:
         self._event.set()
         self._thread.join(timeout=5)
         self.watcher.stop()
+        if self._thread.is_alive():
+            # status files and the daemon socket belong to the agent thread: never touch them beside it
+            log.warning("ondemand_prof: the agent thread did not stop within 5 s; its last status updates are "
+                        "not written")
+            return
         self._flush_status()
         for ext in self.extensions:
             try:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from .. import __version__
 from ..core.protocol import HEARTBEAT_S, ProtocolError, decode, default_runtime_dir, encode, endpoint
-from ..core.requests import WindowDefaults
+from ..core.requests import WindowDefaults, window_from_wire
 from ..core.window import Window
 
 log = logging.getLogger("ondemand_prof")
@@ -178,7 +178,7 @@ class DaemonLink:
         capture_id = str(wire.get("capture_id") or "")
         listener = self._listener(capture_id)
         try:
-            window = Window.from_wire(wire)
+            window = window_from_wire(wire)
         except ValueError as exc:
             listener("rejected", {"error": str(exc)})
             return

@@ -27,10 +27,10 @@ from ..core.files import iso_time
 from ..core.options import ConfigError, ProfileConfig, WindowOptions, config_from_args, config_from_env, \
     config_from_mapping, default_job_id
 from ..core.window import Window
-from .backends import Backend, Identity, select_backend
+from .backends import Backend, Identity, Session, select_backend
 from .layout import CaptureLayout
 from .output import ExportJob, Exporter, disk_problem, writable_problem
-from .scheduler import IDLE, Active, Listener, Scheduler, Session
+from .scheduler import IDLE, Active, Listener, Scheduler, tell
 
 log = logging.getLogger("ondemand_prof")
 
@@ -261,8 +261,6 @@ class OnDemandProfiler:
 
     def _on_published(self, active: Active, result: dict[str, Any]) -> None:
         event = "done" if result.get("status") in ("ok", "partial") else "failed"
-        from .scheduler import tell
-
         tell(active.listener, event, active.window, path=result.get("path"), status=result.get("status"),
              error=result.get("error"), steps=result.get("steps_in_trace"), cancelled=active.cancelled or None)
 

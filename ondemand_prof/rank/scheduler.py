@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ..core.window import Phase, Window, plan_begin, recorded_steps
+from .backends.base import Session
 
 log = logging.getLogger("ondemand_prof")
 
@@ -22,13 +23,6 @@ IDLE = 1 << 62  # "no step needs attention"
 MAX_CONSECUTIVE_FAILURES = 3
 
 Listener = Callable[[str, dict[str, Any]], None]
-
-
-class Session(Protocol):
-    def warmup(self, step: int) -> None: ...
-    def record(self, step: int) -> None: ...
-    def finish(self) -> Any: ...
-    def abort(self) -> None: ...
 
 
 class Driver(Protocol):

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from ...core.options import OPTIONS, Option, window_options
 from ...core.window import Window
-from . import Export, Identity, Written
+from .base import Export, Identity, Written
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,188 @@
+"""The rank's window policy, case by case, with a fake driver and fake sessions: no threads, no torch, no files.
+The fake clock is the step number itself: the scheduler is only ever called at step boundaries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ondemand_prof.core.options import WindowOptions
+from ondemand_prof.core.window import Window
+from ondemand_prof.rank.scheduler import IDLE, MAX_CONSECUTIVE_FAILURES, Active, Scheduler
+
+
+class FakeSession:
+    def __init__(self, log: list[tuple[Any, ...]], window: Window, fail_on: str = "") -> None:
+        self.log, self.window, self.fail_on = log, window, fail_on
+
+    def _call(self, what: str, *args: Any) -> None:
+        if what == self.fail_on:
+            raise RuntimeError(f"{what} failed")
+        self.log.append((what, self.window.capture_id, *args))
+
+    def warmup(self, step: int) -> None:
+        self._call("warmup", step)
+
+    def record(self, step: int) -> None:
+        self._call("record", step)
+
+    def finish(self) -> str:
+        self._call("finish")
+        return "export"
+
+    def abort(self) -> None:
+        self.log.append(("abort", self.window.capture_id))
+
+
+class FakeDriver:
+    def __init__(self, selected: bool = True, disk: str | None = None, fail_on: str = "") -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.exports: list[tuple[str, list[int]]] = []
+        self.selected, self.disk, self.fail_on = selected, disk, fail_on
+
+    def open(self, window: Window) -> tuple[FakeSession, Any]:
+        return FakeSession(self.log, window, self.fail_on), {}
+
+    def collect(self, active: Active) -> Any:
+        return active.session.finish()
+
+    def export(self, active: Active, steps: list[int], export: Any) -> None:
+        self.exports.append((active.window.capture_id, steps))
+
+    def static_selected(self) -> bool:
+        return self.selected
+
+    def disk_problem(self) -> str | None:
+        return self.disk
+
+    def who(self) -> str:
+        return "rank 0"
+
+
+def window(start: int, end: int | None, cid: str = "w", source: str = "daemon") -> Window:
+    return Window(start, end, WindowOptions(), source=source, capture_id=cid)
+
+
+def run(sched: Scheduler, first: int, last: int) -> None:
+    for step in range(first, last + 1):
+        sched.boundary(step)
+
+
+def heard() -> tuple[list[tuple[str, dict[str, Any]]], Any]:
+    events: list[tuple[str, dict[str, Any]]] = []
+    return events, lambda event, info: events.append((event, info))
+
+
+def test_window_with_warmup_records_exactly_its_steps() -> None:
+    driver = FakeDriver()
+    sched = Scheduler(driver, warmup_steps=1)
+    events, listener = heard()
+    assert sched.submit(window(5, 8), listener) == (True, "scheduled")
+    assert sched.next_wake(0) == 4  # nothing to do before the warmup step
+    run(sched, 0, 9)
+    assert driver.log == [("warmup", "w", 4), ("record", "w", 5), ("record", "w", 6), ("record", "w", 7),
+                          ("finish", "w")]
+    assert driver.exports == [("w", [5, 6, 7])]
+    assert [e for e, _ in events] == ["started", "recording", "writing"]
+    assert sched.next_wake(9) == IDLE and sched.state == "idle"
+
+
+def test_overlapping_request_is_busy_and_names_the_blocker() -> None:
+    sched = Scheduler(FakeDriver())
+    assert sched.submit(window(5, 8, "a"))[0]
+    ok, reason = sched.submit(window(7, 9, "b"))
+    assert not ok and reason == "busy: window [5, 8) (daemon, a) holds the profiler"
+    assert sched.submit(window(8, 9, "c"))[0]  # adjacent is fine
+    assert [w["capture_id"] for w in sched.windows()] == ["a", "c"]
+
+
+def test_late_on_demand_window_is_moved_and_says_so() -> None:
+    driver = FakeDriver()
+    sched = Scheduler(driver, warmup_steps=1)
+    events, listener = heard()
+    sched.submit(window(5, 7), listener)
+    run(sched, 20, 23)  # the request arrived after its end: it records its length from now
+    assert driver.exports == [("w", [20, 21])]
+    recording = dict(events)["recording"]
+    assert recording["late_by"] == 15 and "moved from [5, 7)" in recording["note"]
+
+
+def test_static_window_is_skipped_for_an_on_demand_one_and_when_missed() -> None:
+    driver = FakeDriver()
+    sched = Scheduler(driver, warmup_steps=0)
+    sched.submit(window(10, 12, "static", source="static"))
+    sched.submit(window(11, 13, "od"))
+    run(sched, 0, 14)
+    assert driver.exports == [("od", [11, 12])]  # the static one overlapping it was skipped
+    missed = Scheduler(FakeDriver(), warmup_steps=0)
+    events, listener = heard()
+    missed.submit(window(2, 4, "s", source="static"), listener)
+    run(missed, 10, 11)  # a resumed run already past the static window
+    assert events[0][0] == "skipped" and "missed" in events[0][1]["error"]
+
+
+def test_static_window_on_an_unselected_rank_and_full_disk() -> None:
+    driver = FakeDriver(selected=False)
+    sched = Scheduler(driver)
+    sched.submit(window(1, 2, source="static"))
+    run(sched, 0, 3)
+    assert driver.log == []
+    full = FakeDriver(disk="only 1 MB free")
+    sched = Scheduler(full)
+    events, listener = heard()
+    sched.submit(window(1, 3), listener)
+    run(sched, 0, 4)
+    assert events == [("failed", {"capture_id": "w", "window": [1, 3], "error": "disk: only 1 MB free"})]
+
+
+@pytest.mark.parametrize("ending", ["close", "jump"])
+def test_a_window_that_ends_in_its_warmup_step_tells_its_listener(ending: str) -> None:
+    driver = FakeDriver()
+    sched = Scheduler(driver, warmup_steps=1)
+    events, listener = heard()
+    sched.submit(window(5, 8), listener)
+    sched.boundary(4)  # warmup begins
+    if ending == "close":
+        sched.close(4)
+    else:
+        sched.boundary(9)  # the loop's numbers jumped past the window
+    assert [e for e, _ in events] == ["started", "failed"]
+    assert ("abort", "w") in driver.log and driver.exports == []
+    assert "nothing was recorded" in events[-1][1]["error"] or "before the window began" in events[-1][1]["error"]
+
+
+def test_cancel_writes_what_was_recorded_and_drops_queued_ones() -> None:
+    driver = FakeDriver()
+    sched = Scheduler(driver, warmup_steps=0)
+    events, listener = heard()
+    sched.submit(window(1, 10, "run"), listener)
+    q_events, q_listener = heard()
+    sched.submit(window(20, 22, "queued"), q_listener)
+    run(sched, 0, 3)
+    assert sched.cancel("run", 4) and sched.cancel("queued", 4)
+    assert driver.exports == [("run", [1, 2, 3])]
+    assert dict(events)["writing"]["cancelled"] is True
+    assert q_events[0][0] == "cancelled" and not sched.cancel("nope", 4)
+
+
+def test_close_fails_windows_that_never_began() -> None:
+    sched = Scheduler(FakeDriver())
+    events, listener = heard()
+    sched.submit(window(50, 52), listener)
+    sched.close(3)
+    assert events == [("failed", {"capture_id": "w", "window": [50, 52],
+                                  "error": "training ended before the window"})]
+    assert sched.submit(window(60, 61)) == (False, "profiler closed")
+
+
+def test_repeated_failures_disable_the_scheduler() -> None:
+    driver = FakeDriver(fail_on="record")
+    sched = Scheduler(driver, warmup_steps=0)
+    for i in range(MAX_CONSECUTIVE_FAILURES):
+        events, listener = heard()
+        assert sched.submit(window(10 * i + 1, 10 * i + 3, f"w{i}"), listener)[0]
+        run(sched, 10 * i, 10 * i + 4)
+        assert events[-1][0] == "failed" and "record failed" in events[-1][1]["error"]
+    assert sched.disabled and sched.state == "disabled"
+    assert sched.submit(window(100, 101)) == (False, "profiler disabled")

@@ -20,6 +20,8 @@ import pytest
 from conftest import ROOT, base_env, free_port, short_dir, trace_steps, wait_for
 from ondemand_prof.host.hosts import HostSpecError, expand_nodelist, parse_hosts, read_hostfile, slurm_nodelist
 from ondemand_prof.host.keys import KeyFileError, authorized_keys, keygen, load_pair
+from ondemand_prof.host.multihost import merge_status
+from ondemand_prof.host.summaries import MAX_SUMMARY_BYTES, merge_summaries, part_summaries, read_summary
 
 DAEMONS = 16
 RANKS = 4  # rank i registers with daemon i
@@ -72,6 +74,39 @@ def test_slurm_nodelist_from_the_job_environment_or_squeue() -> None:
         slurm_nodelist("456", env, run=never, which=lambda _: None)
     with pytest.raises(HostSpecError, match="job id"):
         slurm_nodelist("12; rm -rf /", env, run=never, which=lambda _: None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Summaries and merged states
+
+def test_summaries_are_read_safely_and_merged_with_the_failed_parts(tmp_path: Path) -> None:
+    ok = tmp_path / "r0"
+    ok.mkdir()
+    (ok / "summary.json").write_text(json.dumps({"rank": 0, "step_ms_mean": 10.0, "steps": [{"step": 5}]}))
+    linked = tmp_path / "r1"
+    linked.mkdir()
+    (linked / "summary.json").symlink_to(ok / "summary.json")
+    big = tmp_path / "r2"
+    big.mkdir()
+    (big / "summary.json").write_text(" " * (MAX_SUMMARY_BYTES + 1))
+    assert read_summary(str(ok))["step_ms_mean"] == 10.0
+    with pytest.raises(OSError):
+        read_summary(str(linked))  # never followed: a rank cannot point the daemon at another file
+    with pytest.raises(ValueError, match="limit"):
+        read_summary(str(big))
+    record = {"parts": {str(r): {"rank": r, "host": "h", "pid": r, "state": "done", "path": str(d)}
+                        for r, d in enumerate([ok, linked, big])}}
+    record["parts"]["3"] = {"rank": 3, "host": "h", "pid": 3, "state": "failed", "error": "rank 3 is gone"}
+    parts = part_summaries(record)
+    assert [("summary" in p, p.get("error", "")[:10]) for p in parts] == [
+        (True, ""), (False, "no summary"), (False, "no summary"), (False, "rank 3 is ")]
+    reply = {"capture_id": "c1", "job": "j", "window": [5, 6], "status": "partial", "options": {}, "parts": parts}
+    merged = merge_summaries([("node1", reply)])
+    group = merged["captures"][0]
+    assert merged["ranks_read"] == 1 and [r["rank"] for r in group["ranks"]] == [0]
+    assert sorted(f["rank"] for f in group["failed"]) == [1, 2, 3]
+    assert merge_status(["done", "done"]) == "done" and merge_status(["done", "failed"]) == "partial"
+    assert merge_status(["running", "done"]) == "running" and merge_status(["failed", "cancelled"]) == "failed"
 
 
 # ----------------------------------------------------------------------------------------------------------

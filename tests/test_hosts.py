@@ -51,6 +51,8 @@ def test_host_lists_with_ports_ranges_and_files(tmp_path: Path) -> None:
     assert targets[0].name == "node01:7400" and targets[2].name == "gpu1" and targets[4].url == "tcp://[::1]:9"
     with pytest.raises(HostSpecError, match="port"):
         parse_hosts("node1:99999")
+    with pytest.raises(HostSpecError, match="not an IPv6 address"):
+        parse_hosts("[::/../x]:1")
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# the job's hosts\nnode[1-2] slots=8\n\nnode3:7000  # spare\n")
     assert [t.name for t in read_hostfile(hostfile)] == ["node1", "node2", "node3:7000"]

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import shutil
@@ -109,6 +110,10 @@ def _target(text: str, default_port: int) -> list[Target]:
         port = rest[1:] if rest.startswith(":") else ""
         if rest and not rest.startswith(":"):
             raise HostSpecError(f"{text!r}: expected [IPv6]:PORT")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise HostSpecError(f"{text!r}: {host!r} is not an IPv6 address") from None
         return [Target(text, host, _port(port, text, default_port))]
     base, port = text, ""
     if ":" in text.rsplit("]", 1)[-1]:

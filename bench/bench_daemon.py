@@ -81,13 +81,19 @@ class SimAgent:
 
 
 def ranks_process(run_dir: str, ranks: range, world: int, stop: Any, ready: Any) -> None:
+    run_links([(run_dir, ranks)], world, stop, ready)
+
+
+def run_links(assign: list[tuple[str, range]], world: int, stop: Any, ready: Any) -> None:
+    """Simulated ranks until `stop`: for each (runtime dir, ranks) pair, those ranks linked to that daemon."""
     ctx = zmq.Context(io_threads=1)
-    ctx.setsockopt(zmq.MAX_SOCKETS, len(ranks) + 64)
+    ctx.setsockopt(zmq.MAX_SOCKETS, sum(len(r) for _, r in assign) + 64)
     t0 = time.time()
     links = []
-    for r in ranks:
-        agent = SimAgent(SimProf(r, world, "bench", t0))
-        links.append((DaemonLink(agent, Path(run_dir), context=ctx), agent))  # type: ignore[arg-type]
+    for run_dir, ranks in assign:
+        for r in ranks:
+            agent = SimAgent(SimProf(r, world, "bench", t0))
+            links.append((DaemonLink(agent, Path(run_dir), context=ctx), agent))  # type: ignore[arg-type]
     poller = zmq.Poller()
     for link, _ in links:
         poller.register(link.socket, zmq.POLLIN)
@@ -100,7 +106,7 @@ def ranks_process(run_dir: str, ranks: range, world: int, stop: Any, ready: Any)
         now = time.monotonic()
         for link, agent in links:
             if link.socket in events or now >= link._next_beat or link._outbox:  # noqa: SLF001
-                link.poll(agent, now)
+                link.poll(now)
     for link, _ in links:
         link.close()
     ctx.term()

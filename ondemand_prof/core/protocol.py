@@ -32,6 +32,7 @@ MAX_SOCKET_PATH = 107
 # what happens to a rank's part of a capture ends in one of these (the daemon records it, the CLI shows it)
 FINAL_STATES = ("done", "failed", "rejected", "cancelled")
 
+TCP_PORT = 7355  # ondemand-profd --listen's customary port across hosts (ondemandctl --port's default)
 HEARTBEAT_S = 1.0  # a rank's heartbeat period
 RANK_TIMEOUT_S = 3.5  # no heartbeat for this long: the rank is gone
 

@@ -72,7 +72,7 @@ def loads(raw: bytes | str, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
     except UnsafeJSON:
         raise
     except RecursionError:  # the depth scan makes this unreachable; kept so nothing escapes as a crash
-        raise UnsafeJSON(f"nested too deeply") from None
+        raise UnsafeJSON("nested too deeply") from None
     except json.JSONDecodeError as exc:
         raise UnsafeJSON(f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except (UnicodeDecodeError, ValueError) as exc:

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -172,7 +173,7 @@ class Capture(Command):
             plan = plan_window(targets, wall, start=request.start, start_step=request.start_step, steps=steps)
         except (RequestError, ValueError) as exc:
             raise BadRequest(str(exc)) from None
-        capture_id = new_capture_id(wall)
+        capture_id = _adopted_id(service, msg) or new_capture_id(wall)
         windows = {t.rank: resolve(request, _with_cap(t.defaults or defaults, defaults.max_steps),
                                    plan["start_step"], source="daemon", capture_id=capture_id,
                                    extra={"via": "ondemand-profd"}) for t in targets}
@@ -442,10 +443,17 @@ class Report(Command):
 def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
     """Build, print (text or --json) and optionally write the HTML report; shared by report and capture."""
     from ..report import build_report
+
+    data = build_report(paths, top=max(args.top, 15))
+    render_report(data, args, out)
+    return data
+
+
+def render_report(data: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None:
+    """Print a report's data (text or --json) and write --html; also ondemandctl's report across hosts."""
     from ..report.html import render_html
     from ..report.text import render_text
 
-    data = build_report(paths, top=max(args.top, 15))
     if getattr(args, "html", None):
         try:
             with open(args.html, "w", encoding="utf-8") as fh:
@@ -458,11 +466,28 @@ def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> dic
         out.write(render_text(data, top=args.top, per_rank=not getattr(args, "summary", False)))
         if getattr(args, "html", None):
             out.write(f"HTML report: {os.path.abspath(args.html)}\n")
-    return data
 
 
 COMMANDS.append(Report())
-DAEMON_COMMANDS: dict[str, Command] = {c.name: c for c in [*COMMANDS, Watch()] if c.needs_daemon}
+
+
+class Summaries(Command):
+    """The summaries (summary.json) of a capture's parts on this host: ondemandctl's report across hosts merges
+    these instead of reading traces (host/summaries.py)."""
+
+    name = "summaries"
+    cli = False
+    fields = {"capture_id": (str,)}
+
+    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        from .summaries import part_summaries
+
+        record = service.find(msg["capture_id"])
+        return {**{k: record.data.get(k) for k in ("capture_id", "job", "window", "status", "options")},
+                "parts": part_summaries(record.data)}
+
+
+DAEMON_COMMANDS: dict[str, Command] = {c.name: c for c in [*COMMANDS, Watch(), Summaries()] if c.needs_daemon}
 CLI_MESSAGES: dict[str, Fields] = {name: c.fields for name, c in DAEMON_COMMANDS.items()}
 
 
@@ -470,6 +495,21 @@ def _opt_str(msg: dict[str, Any], key: str) -> str | None:
     value = msg.get(key)
     if value is not None and not isinstance(value, str):
         raise BadRequest(f"field {key!r} must be a string")
+    return value
+
+
+_CAPTURE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _adopted_id(service: Service, msg: dict[str, Any]) -> str | None:
+    """A capture id chosen by the caller (ondemandctl across hosts: one id on every host), when well-formed."""
+    value = msg.get("capture_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _CAPTURE_ID.match(value):
+        raise BadRequest(f"capture_id {value!r}: expected 1-64 letters, digits, '.', '_' or '-'")
+    if value in service.store.records:
+        raise BadRequest(f"capture {value} already exists on this host")
     return value
 
 

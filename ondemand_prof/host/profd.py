@@ -1,4 +1,5 @@
-"""ondemand-profd [--runtime-dir DIR] [--state-dir DIR] [--group NAME] [--log-level LEVEL]"""
+"""ondemand-profd [--runtime-dir DIR] [--state-dir DIR] [--group NAME] [--listen tcp://HOST:PORT --keys DIR]
+[--log-level LEVEL]"""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", type=Path, default=None,
                    help=f"where capture records are kept (env {STATE_ENV}; default {default_state_dir()})")
     p.add_argument("--group", default=None, help="share the socket with this group (default: owner only)")
+    p.add_argument("--listen", metavar="tcp://HOST:PORT", default=None,
+                   help="also serve ondemandctl over TCP (for other hosts); beyond loopback this needs --keys")
+    p.add_argument("--keys", type=Path, default=None, metavar="DIR",
+                   help="CurveZMQ keys for --listen (ondemandctl keygen DIR): the server key pair and "
+                   "DIR/authorized/*.key, the clients allowed in")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="logging level (default INFO)")
     p.add_argument("--version", action="version", version=f"ondemand-profd {__version__}")
@@ -31,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(message)s")
     from .transport import run
 
-    return run(args.runtime_dir or default_runtime_dir(), args.state_dir or default_state_dir(), group=args.group)
+    return run(args.runtime_dir or default_runtime_dir(), args.state_dir or default_state_dir(), group=args.group,
+               listen=args.listen, keys=args.keys)
 
 
 if __name__ == "__main__":

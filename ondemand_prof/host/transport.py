@@ -6,6 +6,7 @@ are batched on a timer."""
 from __future__ import annotations
 
 import grp
+import ipaddress
 import json
 import logging
 import os
@@ -37,6 +38,10 @@ BATCH_S = 0.01
 BATCH_ABOVE_RATE = 1000  # heartbeats per second
 MAX_FRAME_BYTES = 1024 * 1024
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
+# routes of TCP peers carry this prefix, so the service's replies find the socket they came from (rank and
+# ipc routes never start with it: ranks name themselves "r/...", ZMQ's own identities start with a zero byte)
+TCP_ROUTE = b"\x01tcp/"
+TCP_FILE = "profd.tcp"  # the TCP endpoint actually bound (port 0 picks a free one)
 
 
 def _read_pid(pid_file: Path) -> int | None:
@@ -74,8 +79,12 @@ def write_pid_file(path: Path) -> tuple[int, int]:
 
 
 class Daemon:
-    def __init__(self, runtime_dir: Path, state_dir: Path, *, group: str | None = None) -> None:
+    def __init__(self, runtime_dir: Path, state_dir: Path, *, group: str | None = None, listen: str | None = None,
+                 keys: Path | None = None) -> None:
         self.runtime_dir = runtime_dir
+        self.listen = listen
+        self.keys = keys
+        self.tcp: TcpListener | None = None
         self.state_dir = state_dir
         self.group = group
         self.host = socket.gethostname()
@@ -113,6 +122,11 @@ class Daemon:
         self._listener.attach(sock)
         self._pid_identity = write_pid_file(self.runtime_dir / "profd.pid")
         log.info("ondemand-profd %s listening on %s (state in %s)", __version__, url, self.state_dir)
+        if self.listen:
+            self.tcp = TcpListener(self._ctx, self.listen, self.keys)
+            staged = self.runtime_dir / f".{TCP_FILE}.{os.getpid()}"
+            staged.write_text(self.tcp.endpoint + "\n")
+            os.replace(staged, self.runtime_dir / TCP_FILE)  # readers never see it half-written
 
     def _prepare_runtime_dir(self) -> None:
         d = self.runtime_dir
@@ -157,6 +171,9 @@ class Daemon:
     def close(self) -> None:
         if self.service is not None:
             self.service.store.flush()
+        if self.tcp is not None:
+            self.tcp.close()
+            self.tcp = None
         if self._listener is not None and self._sock is not None:
             self._listener.close()
         if self._sock is not None:
@@ -172,6 +189,10 @@ class Daemon:
                 self._listener.remove()
             if self._pid_identity is not None:
                 remove_if_same(self.runtime_dir / "profd.pid", self._pid_identity)
+            try:
+                (self.runtime_dir / TCP_FILE).unlink()
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------------------------------------------
     # Loop
@@ -189,6 +210,10 @@ class Daemon:
         assert listener is not None
         if listener.monitor is not None:
             poller.register(listener.monitor, zmq.POLLIN)
+        tcp = self.tcp
+        if tcp is not None:
+            for extra in tcp.sockets():
+                poller.register(extra, zmq.POLLIN)
         recv, getopt = sock.recv, sock.getsockopt
         rate = 0.0  # heartbeats per second over the last tick (requests and events do not count: they want speed)
         next_tick = time.monotonic() + TICK_S
@@ -197,9 +222,12 @@ class Daemon:
         notify("READY=1\nSTATUS=serving " + str(socket_path(self.runtime_dir)))
         while not self._stop:
             timeout = max(0.0, next_tick - time.monotonic())
-            if poller.poll(int(timeout * 1000)):
+            ready = poller.poll(int(timeout * 1000))
+            if ready:
                 woke = time.monotonic()
                 listener.check()
+                if tcp is not None and (len(ready) > 1 or ready[0][0] is not sock):
+                    self._serve_tcp()
                 for n in range(10_000):  # drain, but let housekeeping run under a flood
                     try:
                         # two plain recv() calls: a quarter of recv_multipart's cost, which matters at 4096
@@ -265,8 +293,16 @@ class Daemon:
                 if out is not None:
                     self._send(route, out)
                 return
+        self._request(route, frame, SCHEMA, carrier)
+        self._flush_outbox()
+
+    def _request(self, route: bytes, frame: bytes, schema: dict[str, Any], carrier: Any = None) -> None:
+        """Decode one message against `schema` and send the service's reply (or the decoder's error).
+        `carrier`: the zmq.Frame of a unix-socket message (its peer credentials); None over TCP."""
+        service = self.service
+        assert service is not None
         try:
-            msg = decode(frame, SCHEMA)
+            msg = decode(frame, schema)
         except ProtocolError as exc:
             log.warning("ondemand-profd: bad message (%d bytes): %s", len(frame), exc)
             self._send(route, reply_error(None, str(exc)))
@@ -275,7 +311,6 @@ class Daemon:
         out = service.handle(route, msg)
         if out is not None:
             self._send(route, out)
-        self._flush_outbox()
 
     def _flush_outbox(self) -> None:
         service = self.service
@@ -285,17 +320,121 @@ class Daemon:
             for route, body in out:
                 self._send(route, body)
 
+    def _serve_tcp(self) -> None:
+        """Authenticate new TCP peers, then serve their requests (ondemandctl's messages only: a rank never
+        registers over TCP, and no message names a path)."""
+        tcp = self.tcp
+        assert tcp is not None and self.service is not None
+        tcp.answer_zap()
+        for route, frame in tcp.receive():
+            self._request(route, frame, CLI_MESSAGES)
+        self._flush_outbox()
+
     def _send(self, route: bytes, body: bytes) -> None:
         assert self._sock is not None
+        sock = self._sock
+        if route.startswith(TCP_ROUTE) and self.tcp is not None:
+            sock, route = self.tcp.sock, route[len(TCP_ROUTE):]
         try:
-            self._sock.send(route, _NOBLOCK | _SNDMORE)
-            self._sock.send(body, _NOBLOCK)
+            sock.send(route, _NOBLOCK | _SNDMORE)
+            sock.send(body, _NOBLOCK)
         except zmq.Again:
             log.debug("ondemand-profd: peer not keeping up; reply dropped")
 
 
-def run(runtime_dir: Path, state_dir: Path, *, group: str | None = None) -> int:
-    daemon = Daemon(runtime_dir, state_dir, group=group)
+class TcpListener:
+    """The TCP side: a second ROUTER socket (CURVE_SERVER is set per socket, before bind) and, with keys, the
+    ZAP handler on the daemon's own loop. Without keys only a loopback address is served."""
+
+    def __init__(self, ctx: zmq.Context, listen: str, keys: Path | None) -> None:
+        from .keys import SERVER, ZAP_DOMAIN, ZAP_ENDPOINT, KeyFileError, ZapHandler, load_pair
+
+        host, port = parse_listen(listen)
+        if keys is None and not is_loopback(host):
+            raise DaemonError(f"--listen {listen} reaches beyond this host: give --keys DIR (CurveZMQ keys; create "
+                              "them with: ondemandctl keygen DIR), or listen on 127.0.0.1")
+        self.zap: Any = None  # keys.ZapHandler
+        self._zap_sock: zmq.Socket | None = None
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1024 * 1024)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, 10_000)
+        try:
+            if keys is not None:
+                pair = load_pair(keys, SERVER)
+                self.zap = ZapHandler(keys)
+                self._zap_sock = ctx.socket(zmq.REP)
+                self._zap_sock.setsockopt(zmq.LINGER, 0)
+                self._zap_sock.bind(ZAP_ENDPOINT)  # before the listener: no handshake without the handler
+                self.sock.setsockopt(zmq.CURVE_SERVER, 1)
+                self.sock.setsockopt(zmq.CURVE_PUBLICKEY, pair.public)
+                self.sock.setsockopt(zmq.CURVE_SECRETKEY, pair.secret)
+                self.sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+            else:
+                log.warning("ondemand-profd: TCP on %s without keys: any local user can reach this daemon over TCP "
+                            "(give --keys DIR to require CurveZMQ keys)", host)
+            self.sock.bind(f"tcp://{host}:{port}")
+        except (KeyFileError, OSError) as exc:
+            self.close()
+            raise DaemonError(f"--listen {listen}: {exc}") from None
+        except zmq.ZMQError as exc:
+            self.close()
+            raise DaemonError(f"--listen {listen}: cannot bind: {exc}") from None
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        log.info("ondemand-profd: serving ondemandctl on %s (%s)", self.endpoint,
+                 "CurveZMQ, keys from " + str(keys) if keys else "no authentication")
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [s for s in (self.sock, self._zap_sock) if s is not None]
+
+    def answer_zap(self) -> None:
+        if self._zap_sock is None or self.zap is None:
+            return
+        while True:
+            try:
+                frames = self._zap_sock.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return
+            self._zap_sock.send_multipart(self.zap.reply(frames))
+
+    def receive(self, limit: int = 10_000) -> list[tuple[bytes, bytes]]:
+        out = []
+        for _ in range(limit):
+            try:
+                frames = self.sock.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) == 2:
+                out.append((TCP_ROUTE + frames[0], frames[1]))
+        return out
+
+    def close(self) -> None:
+        for s in self.sockets():
+            s.close(linger=0)
+        self._zap_sock = None
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """tcp://HOST:PORT (HOST may be [v6]) -> (host, port); DaemonError says what is wrong."""
+    rest = listen[len("tcp://"):] if listen.startswith("tcp://") else None
+    host, sep, port = (rest or "").rpartition(":")
+    if rest is None or not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise DaemonError(f"--listen {listen!r}: expected tcp://HOST:PORT, e.g. tcp://0.0.0.0:7355")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # an interface name or a hostname: treated as reaching beyond this host
+
+
+def run(runtime_dir: Path, state_dir: Path, *, group: str | None = None, listen: str | None = None,
+        keys: Path | None = None) -> int:
+    daemon = Daemon(runtime_dir, state_dir, group=group, listen=listen, keys=keys)
     try:
         daemon.open()
     except (DaemonError, ProtocolError, OSError, zmq.ZMQError) as exc:

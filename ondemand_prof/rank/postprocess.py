@@ -278,6 +278,31 @@ def write_db(path: Path, events: list[dict[str, Any]], steps: list[dict[str, Any
         con.close()
 
 
+SUMMARY_FILE = "summary.json"  # host/summaries.py reads it back
+SUMMARY_TOP = 15
+
+
+def write_rank_summary(out_dir: Path, trace: dict[str, Any], spec: dict[str, Any]) -> str:
+    """summary.json: this rank's report (step split, top operators and kernels, memory peaks), computed here
+    where the trace is written, so that a report across hosts merges these instead of reading traces."""
+    from ..report.analyze import RankAnalyzer  # the report's own definitions (it imports this module)
+
+    analyzer = RankAnalyzer()
+    analyzer.feed(trace["traceEvents"])
+    summary = analyzer.result(SUMMARY_TOP)
+    if summary.get("memory"):
+        summary["memory"] = {"devices": summary["memory"]["devices"]}  # the series stays in the trace
+    base = trace.get("baseTimeNanoseconds")
+    if isinstance(base, (int, float)) and base > 0:  # as the report does: wall-clock comparable step starts
+        for step in summary.get("steps") or []:
+            step["start_us"] += base / 1000
+    summary.update({k: v for k, v in (spec.get("meta") or {}).items() if k != "window"})
+    summary.update(rank=spec["rank"], world_size=spec["world_size"], summary_version=1)
+    with open(out_dir / SUMMARY_FILE, "w", encoding="utf-8") as fh:
+        json.dump(summary, fh, separators=(",", ":"), default=str)
+    return SUMMARY_FILE
+
+
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -304,6 +329,7 @@ def process(spec: dict[str, Any]) -> dict[str, Any]:
         files.append("profile.db")
     else:
         files += write_text_summaries(out_dir, steps, ops)
+    files.append(write_rank_summary(out_dir, trace, spec))
     return {"files": files, "steps_in_trace": [s["step"] for s in steps], "dropped": dropped,
             "events": len(events), "trace": files[0]}
 

@@ -264,7 +264,6 @@ def _memory_view(group: dict[str, Any], gid: str) -> str:
         sx = (width - 2 * pad) / ((t1 - t0) or 1.0)
         sy = (height - 2 * 20) / peak
         pts = " ".join(f"{pad + (t - t0) * sx:.1f},{height - 20 - v * sy:.1f}" for t, v in series)
-        d = mem["devices"][0]
         out.append(f"<h3>Rank {_rank(r)}: allocated memory on {_e(mem.get('series_device'))}</h3>"
                    + _memory_summary(mem) +
                    f'<svg class="chart" id="mem-chart-{_e(rid)}" width="{width}" height="{height}" role="img">'
@@ -354,6 +353,3 @@ def _open_traces(group: dict[str, Any]) -> str:
             "<code>tensorboard --logdir &lt;save path&gt;</code>; or HTA's <code>TraceAnalysis(trace_dir=...)</code>."
             "</p><ul>" + "".join(items) + "</ul>")
 
-
-def report_json(report: dict[str, Any]) -> str:
-    return json.dumps(report, indent=2, default=str)

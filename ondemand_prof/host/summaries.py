@@ -1,0 +1,84 @@
+"""Reports that scale with the cluster: each rank's post-processing writes summary.json beside its trace
+(rank/postprocess.py); the daemon command `summaries` (host/commands.py) returns those of one capture's parts
+on its host, read here from the paths in its record (bounded in size); ondemandctl merges them across hosts
+(`merge_summaries`) without ever reading a trace over the network."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import time
+from typing import Any, Iterable
+
+
+log = logging.getLogger("ondemand_prof.daemon")
+
+MAX_SUMMARY_BYTES = 512 * 1024
+SUMMARY_FILE = "summary.json"  # rank/postprocess.py writes it (not imported: the daemon and CLI need not load it)
+
+
+def read_summary(rank_dir: str) -> dict[str, Any]:
+    """A rank's summary.json: a regular file (no symlink followed), at most MAX_SUMMARY_BYTES, a JSON object.
+    OSError/ValueError say why not."""
+    if not os.path.isabs(rank_dir):
+        raise ValueError(f"not an absolute path: {rank_dir!r}")
+    fd = os.open(os.path.join(rank_dir, SUMMARY_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{SUMMARY_FILE} is not a regular file")
+        if st.st_size > MAX_SUMMARY_BYTES:
+            raise ValueError(f"{SUMMARY_FILE} is {st.st_size} bytes; the limit is {MAX_SUMMARY_BYTES}")
+        data = json.loads(fh.read(MAX_SUMMARY_BYTES + 1))
+    if not isinstance(data, dict):
+        raise ValueError(f"{SUMMARY_FILE} does not hold a JSON object")
+    return data
+
+
+def part_summaries(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """One entry per part of a capture record: its summary, or why there is none."""
+    parts = []
+    for part in sorted(record["parts"].values(), key=lambda p: p["rank"]):
+        entry: dict[str, Any] = {"rank": part["rank"], "host": part["host"], "pid": part["pid"],
+                                 "state": part["state"], "path": part.get("path"), "late_by": part.get("late_by")}
+        if part["state"] != "done" or not part.get("path"):
+            entry["error"] = part.get("error") or f"no trace ({part['state']})"
+        else:
+            try:
+                entry["summary"] = read_summary(part["path"])
+            except (OSError, ValueError) as exc:
+                entry["error"] = f"no summary: {exc}"
+        parts.append(entry)
+    return parts
+
+
+def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """(daemon name, `summaries` reply) pairs -> the report's data (what report/text.py renders): one capture
+    group with a member per rank, the across-ranks figures computed by the report's own summarize_group."""
+    from ..report import summarize_group
+
+    t0 = time.monotonic()
+    members: list[dict[str, Any]] = []
+    first: dict[str, Any] | None = None
+    for daemon, reply in replies:
+        first = first or reply
+        for part in reply["parts"]:
+            member = {"kind": "capture", "rank": part["rank"], "host": part["host"], "daemon": daemon,
+                      "pid": part["pid"], "path": part.get("path") or "", "capture_id": reply["capture_id"],
+                      "job_id": reply["job"], "status": part["state"], "late_by": part.get("late_by"),
+                      "warnings": []}
+            if part.get("summary") is not None:
+                member.update({k: v for k, v in part["summary"].items() if k not in member or member[k] is None})
+            else:
+                member["error"] = part.get("error") or "no summary"
+            members.append(member)
+    if first is None:
+        return {"captures": [], "problems": [], "ranks_read": 0, "seconds": 0.0}
+    group = summarize_group((first["job"], first["capture_id"]), members)
+    start, end = first["window"]
+    group["window"] = {"start": start, "end": end}
+    group["options"] = first.get("options")
+    return {"captures": [group], "problems": [], "ranks_read": len(group["ranks"]),
+            "seconds": round(time.monotonic() - t0, 3)}

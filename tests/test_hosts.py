@@ -1,0 +1,375 @@
+"""Many hosts, simulated on loopback: 16 real ondemand-profd processes (each its own runtime and state
+directory and TCP port on 127.0.0.1, all with CurveZMQ keys), the 4 ranks of one real gloo job split among
+the first four of them (one rank each; the other 12 daemons have no ranks of the job), and the real
+ondemandctl fanning out over TCP. Plus the pure parts: host lists, SLURM nodelists, key files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from conftest import ROOT, base_env, free_port, short_dir, trace_steps, wait_for
+from ondemand_prof.host.hosts import HostSpecError, expand_nodelist, parse_hosts, read_hostfile, slurm_nodelist
+from ondemand_prof.host.keys import KeyFileError, authorized_keys, keygen, load_pair
+from ondemand_prof.host.multihost import merge_status
+from ondemand_prof.host.summaries import MAX_SUMMARY_BYTES, merge_summaries, part_summaries, read_summary
+
+DAEMONS = 16
+RANKS = 4  # rank i registers with daemon i
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host lists
+
+def test_nodelists_expand_as_scontrol_show_hostnames() -> None:
+    assert expand_nodelist("a[1-2],b[01-03,7]") == ["a1", "a2", "b01", "b02", "b03", "b7"]
+    assert expand_nodelist("node[01-64]")[0] == "node01" and expand_nodelist("node[01-64]")[-1] == "node64"
+    assert len(expand_nodelist("node[01-64]")) == 64
+    assert expand_nodelist("gpu[1-3,7]") == ["gpu1", "gpu2", "gpu3", "gpu7"]
+    assert expand_nodelist("rack[1-2]-n[8-10]") == ["rack1-n8", "rack1-n9", "rack1-n10", "rack2-n8", "rack2-n9",
+                                                    "rack2-n10"]
+    assert expand_nodelist("n[098-101]") == ["n098", "n099", "n100", "n101"]
+    assert expand_nodelist("solo,pair[1-2]") == ["solo", "pair1", "pair2"]
+    for bad in ("node[01-", "node]1[", "node[3-1]", "node[a-b]", "node[1-2000000]", "bad/name"):
+        with pytest.raises(HostSpecError):
+            expand_nodelist(bad)
+
+
+def test_host_lists_with_ports_ranges_and_files(tmp_path: Path) -> None:
+    targets = parse_hosts("node[01-02]:7400,gpu[1-2],[::1]:9,gpu1", 7355)
+    assert [(t.host, t.port) for t in targets] == [("node01", 7400), ("node02", 7400), ("gpu1", 7355),
+                                                  ("gpu2", 7355), ("::1", 9)]  # the second gpu1 is dropped
+    assert targets[0].name == "node01:7400" and targets[2].name == "gpu1" and targets[4].url == "tcp://[::1]:9"
+    with pytest.raises(HostSpecError, match="port"):
+        parse_hosts("node1:99999")
+    with pytest.raises(HostSpecError, match="not an IPv6 address"):
+        parse_hosts("[::/../x]:1")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the job's hosts\nnode[1-2] slots=8\n\nnode3:7000  # spare\n")
+    assert [t.name for t in read_hostfile(hostfile)] == ["node1", "node2", "node3:7000"]
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(HostSpecError, match="no hosts"):
+        read_hostfile(tmp_path / "empty")
+
+
+def test_slurm_nodelist_from_the_job_environment_or_squeue() -> None:
+    env = {"SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "gpu[1-2],cpu7"}
+    never = lambda argv: pytest.fail(f"ran {argv}")  # noqa: E731
+    assert slurm_nodelist("123", env, run=never, which=lambda _: None) == "gpu[1-2],cpu7"
+    asked: list[list[str]] = []
+    out = slurm_nodelist("456", env, run=lambda argv: asked.append(argv) or "n[01-02]\n",
+                         which=lambda name: "/usr/bin/" + name)
+    assert out == "n[01-02]" and asked == [["squeue", "-h", "-j", "456", "-o", "%N"]]
+    scontrol = "JobId=456 JobName=x\n   NodeList=n[3-4] BatchHost=n3\n   ReqNodeList=(null)\n"
+    assert slurm_nodelist("456", {}, run=lambda argv: scontrol,
+                          which=lambda name: "/bin/scontrol" if name == "scontrol" else None) == "n[3-4]"
+    with pytest.raises(HostSpecError, match="neither squeue nor scontrol"):
+        slurm_nodelist("456", env, run=never, which=lambda _: None)
+    with pytest.raises(HostSpecError, match="job id"):
+        slurm_nodelist("12; rm -rf /", env, run=never, which=lambda _: None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Summaries and merged states
+
+def test_summaries_are_read_safely_and_merged_with_the_failed_parts(tmp_path: Path) -> None:
+    ok = tmp_path / "r0"
+    ok.mkdir()
+    (ok / "summary.json").write_text(json.dumps({"rank": 0, "step_ms_mean": 10.0, "steps": [{"step": 5}]}))
+    linked = tmp_path / "r1"
+    linked.mkdir()
+    (linked / "summary.json").symlink_to(ok / "summary.json")
+    big = tmp_path / "r2"
+    big.mkdir()
+    (big / "summary.json").write_text(" " * (MAX_SUMMARY_BYTES + 1))
+    assert read_summary(str(ok))["step_ms_mean"] == 10.0
+    with pytest.raises(OSError):
+        read_summary(str(linked))  # never followed: a rank cannot point the daemon at another file
+    with pytest.raises(ValueError, match="limit"):
+        read_summary(str(big))
+    record = {"parts": {str(r): {"rank": r, "host": "h", "pid": r, "state": "done", "path": str(d)}
+                        for r, d in enumerate([ok, linked, big])}}
+    record["parts"]["3"] = {"rank": 3, "host": "h", "pid": 3, "state": "failed", "error": "rank 3 is gone"}
+    parts = part_summaries(record)
+    assert [("summary" in p, p.get("error", "")[:10]) for p in parts] == [
+        (True, ""), (False, "no summary"), (False, "no summary"), (False, "rank 3 is ")]
+    reply = {"capture_id": "c1", "job": "j", "window": [5, 6], "status": "partial", "options": {}, "parts": parts}
+    merged = merge_summaries([("node1", reply)])
+    group = merged["captures"][0]
+    assert merged["ranks_read"] == 1 and [r["rank"] for r in group["ranks"]] == [0]
+    assert sorted(f["rank"] for f in group["failed"]) == [1, 2, 3]
+    assert merge_status(["done", "done"]) == "done" and merge_status(["done", "failed"]) == "partial"
+    assert merge_status(["running", "done"]) == "running" and merge_status(["failed", "cancelled"]) == "failed"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Keys
+
+def test_keygen_makes_owner_only_keys_and_unsafe_ones_are_refused(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    res = subprocess.run([str(ROOT / "bin" / "ondemandctl"), "keygen", str(keys)], env=base_env(),
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o700 and stat.S_IMODE((keys / "authorized").stat().st_mode) == 0o700
+    for f in [*keys.iterdir(), *(keys / "authorized").iterdir()]:
+        if f.is_file():
+            assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    server = load_pair(keys, "server")
+    assert list(authorized_keys(keys)) == [load_pair(keys, "client").public] != [server.public]
+    again = subprocess.run([str(ROOT / "bin" / "ondemandctl"), "keygen", str(keys)], env=base_env(),
+                           capture_output=True, text=True)
+    assert again.returncode == 0 and "nothing changed" in again.stdout
+    assert load_pair(keys, "server") == server  # a second run never replaces a key hosts trust
+
+    os.chmod(keys / "server.key_secret", 0o640)
+    with pytest.raises(KeyFileError, match="readable by others"):
+        load_pair(keys, "server")
+    os.chmod(keys / "server.key_secret", 0o600)
+    os.chmod(keys / "authorized", 0o777)
+    with pytest.raises(KeyFileError, match="writable by group or others"):
+        authorized_keys(keys)
+    os.chmod(keys / "authorized", 0o700)
+    (keys / "link.key_secret").symlink_to(keys / "server.key_secret")
+    with pytest.raises(KeyFileError, match="symlinks"):
+        load_pair(keys, "link")
+
+
+def test_daemon_refuses_tcp_beyond_loopback_without_keys_and_with_unsafe_keys(tmp_path: Path) -> None:
+    run_dir, state = short_dir("odph"), short_dir("odphs")
+    try:
+        base = [str(ROOT / "bin" / "ondemand-profd"), "--runtime-dir", str(run_dir), "--state-dir", str(state)]
+        res = subprocess.run([*base, "--listen", "tcp://0.0.0.0:0"], env=base_env(), capture_output=True,
+                             text=True, timeout=60)
+        assert res.returncode == 1 and "reaches beyond this host: give --keys" in res.stderr
+        keygen(tmp_path / "k")
+        os.chmod(tmp_path / "k" / "server.key_secret", 0o644)
+        res = subprocess.run([*base, "--listen", "tcp://0.0.0.0:0", "--keys", str(tmp_path / "k")], env=base_env(),
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 1 and "readable by others" in res.stderr
+        assert not (run_dir / "profd.sock").exists()
+        # loopback without keys is served (with a warning), and ondemandctl needs no keys for it
+        proc = subprocess.Popen([*base, "--listen", "tcp://127.0.0.1:0"], env=base_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: (run_dir / "profd.tcp").exists() or proc.poll() is not None, 60, "the daemon")
+            port = (run_dir / "profd.tcp").read_text().strip().rsplit(":", 1)[1]
+            res = subprocess.run([str(ROOT / "bin" / "ondemandctl"), "--hosts", f"127.0.0.1:{port}", "status"],
+                                 env=base_env(), capture_output=True, text=True, timeout=120)
+            assert res.returncode == 0 and "no ranks registered" in res.stdout, res.stderr
+        finally:
+            proc.terminate()
+            assert "without keys: any local user can reach this daemon" in proc.communicate(timeout=60)[1]
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A simulated cluster
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.keys = root / "keys"
+        keygen(self.keys)
+        self.save = root / "profile"
+        self.daemons: list[dict[str, Any]] = []
+        self.ranks: list[subprocess.Popen] = []
+
+    def start_daemon(self, i: int, port: int = 0) -> dict[str, Any]:
+        d = {"run": short_dir(f"odh{i}-"), "state": short_dir(f"odhs{i}-"), "log": self.root / f"profd{i}.log"}
+        d["proc"] = subprocess.Popen(
+            [str(ROOT / "bin" / "ondemand-profd"), "--runtime-dir", str(d["run"]), "--state-dir", str(d["state"]),
+             "--listen", f"tcp://127.0.0.1:{port}", "--keys", str(self.keys)],
+            env=base_env(), stdout=subprocess.DEVNULL, stderr=open(d["log"], "w"))
+        wait_for(lambda: (d["run"] / "profd.tcp").exists() or d["proc"].poll() is not None, 60, "a daemon")
+        assert d["proc"].poll() is None, d["log"].read_text()
+        d["port"] = int((d["run"] / "profd.tcp").read_text().strip().rsplit(":", 1)[1])
+        return d
+
+    def start_ranks(self, steps: int) -> None:
+        port = str(free_port())
+        for rank in range(RANKS):
+            env = base_env(RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=port, ONDEMAND_PROF_RUNTIME_DIR=str(self.daemons[rank]["run"]))
+            self.ranks.append(subprocess.Popen(
+                [sys.executable, "-m", "ondemand_prof.demo.toy_train", "--steps", str(steps), "--step-sleep", "0.02",
+                 "--profile-min-free-mb", "0", "--profile-save-path", str(self.save)],
+                env=env, stdout=subprocess.DEVNULL, stderr=open(self.root / f"rank{rank}.log", "w")))
+
+    @property
+    def hosts(self) -> str:
+        return ",".join(f"127.0.0.1:{d['port']}" for d in self.daemons)
+
+    def ctl(self, *args: str, keys: Path | None = None, hosts: str | None = None, timeout: float = 180
+            ) -> subprocess.CompletedProcess:
+        return subprocess.run([str(ROOT / "bin" / "ondemandctl"), "--hosts", hosts or self.hosts, "--keys",
+                               str(keys or self.keys), *args], env=base_env(), capture_output=True, text=True,
+                              timeout=timeout)
+
+    def stop(self) -> None:
+        for p in [*self.ranks, *(d["proc"] for d in self.daemons)]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for d in self.daemons:
+            shutil.rmtree(d["run"], ignore_errors=True)
+            shutil.rmtree(d["state"], ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        c.daemons = [c.start_daemon(i) for i in range(DAEMONS)]
+        c.start_ranks(100_000)
+
+        def stepping() -> bool:
+            res = c.ctl("status", "--json")
+            if res.returncode != 0:
+                return False
+            ranks = [r for h in json.loads(res.stdout)["hosts"].values() for rs in h["data"]["jobs"].values()
+                     for r in rs]
+            return len(ranks) == RANKS and all(r["step_time_s"] for r in ranks)
+
+        wait_for(stepping, 300, "4 ranks registered with 4 of the 16 daemons and stepping")
+        yield c
+    finally:
+        c.stop()
+
+
+def test_status_across_16_daemons_lists_every_rank_by_host(cluster: Cluster) -> None:
+    res = cluster.ctl("status", "--json")
+    assert res.returncode == 0, res.stderr
+    hosts = json.loads(res.stdout)["hosts"]
+    assert len(hosts) == DAEMONS and all(h["ok"] for h in hosts.values())
+    ranks = {r["rank"]: name for name, h in hosts.items() for rs in h["data"]["jobs"].values() for r in rs}
+    assert ranks == {i: f"127.0.0.1:{cluster.daemons[i]['port']}" for i in range(RANKS)}
+    text = cluster.ctl("status")
+    assert text.returncode == 0 and text.stdout.count("== 127.0.0.1:") == DAEMONS
+
+
+def test_hostfile_and_slurm_name_the_same_daemons(cluster: Cluster, tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"127.0.0.1:{d['port']}  # daemon {i}\n" for i, d in enumerate(cluster.daemons[:2])))
+    cmd = [str(ROOT / "bin" / "ondemandctl"), "--keys", str(cluster.keys)]
+    res = subprocess.run([*cmd, "--hostfile", str(hostfile), "status", "--json"], env=base_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert len(json.loads(res.stdout)["hosts"]) == 2
+    # inside SLURM job 77 whose nodelist is this host: --slurm reads the job's environment (no SLURM installed)
+    port = cluster.daemons[1]["port"]
+    res = subprocess.run([*cmd, "--slurm", "77", "--port", str(port), "status", "--json"], capture_output=True,
+                         env=base_env(SLURM_JOB_ID="77", SLURM_JOB_NODELIST="127.0.0.[1]"), text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    hosts = json.loads(res.stdout)["hosts"]
+    assert list(hosts) == ["127.0.0.1"] and [r["rank"] for r in hosts["127.0.0.1"]["data"]["jobs"].popitem()[1]] == [1]
+
+
+def test_one_aligned_capture_across_hosts_with_one_id_and_summaries_merged(cluster: Cluster) -> None:
+    res = cluster.ctl("capture", "--steps", "3", "--wait", "--json", "--timeout", "120")
+    assert res.returncode == 0, res.stdout + res.stderr
+    record = json.loads(res.stdout)
+    assert record["status"] == "done" and len(record["parts"]) == RANKS
+    start, end = record["window"]
+    assert end - start == 3
+    for part in record["parts"].values():
+        assert part["state"] == "done" and part["daemon"] == f"127.0.0.1:{cluster.daemons[part['rank']]['port']}"
+    capture_id = record["capture_id"]
+    # every rank recorded the same ProfilerStep# set, the window asked for
+    for part in record["parts"].values():
+        meta = json.loads((Path(part["path"]) / "metadata.json").read_text())
+        assert meta["capture_id"] == capture_id
+        assert trace_steps({**meta, "dir": Path(part["path"])}) == list(range(start, end)), part["rank"]
+    # one id, and a record on each daemon that had ranks (and on no other)
+    for i, d in enumerate(cluster.daemons):
+        assert (d["state"] / "captures" / f"{capture_id}.json").exists() == (i < RANKS)
+    listed = json.loads(cluster.ctl("list", "--json").stdout)["captures"]
+    assert listed[0]["capture_id"] == capture_id and len(listed[0]["hosts"]) == RANKS and listed[0]["ranks"] == RANKS
+    shown = cluster.ctl("show", capture_id[-6:], "--json")
+    assert shown.returncode == 0 and len(json.loads(shown.stdout)["parts"]) == RANKS
+    # the report merges the summaries written beside the traces: it works with the traces gone
+    for part in record["parts"].values():
+        for f in Path(part["path"]).iterdir():
+            if f.name not in ("metadata.json", "summary.json"):
+                f.unlink()
+    rep = cluster.ctl("report", capture_id, "--json")
+    assert rep.returncode == 0, rep.stderr
+    report = json.loads(rep.stdout)
+    group = report["captures"][0]
+    assert report["ranks_read"] == RANKS and [r["rank"] for r in group["ranks"]] == list(range(RANKS))
+    for r in group["ranks"]:
+        assert [s["step"] for s in r["steps"]] == list(range(start, end)) and r["step_ms_mean"] > 0 and r["top_self"]
+    assert group["slowest"]["rank"] in range(RANKS)
+    text = cluster.ctl("report", capture_id)
+    assert text.returncode == 0 and "rank" in text.stdout
+
+
+def test_unauthorised_client_is_refused_and_logged(cluster: Cluster, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    keygen(other)
+    shutil.copy(cluster.keys / "server.key", other / "server.key")  # knows the daemons, is not known by them
+    one = f"127.0.0.1:{cluster.daemons[0]['port']}"
+    res = cluster.ctl("status", keys=other, hosts=one)
+    assert res.returncode == 4 and "refused this client's key" in res.stderr
+    log = cluster.daemons[0]["log"]
+    wait_for(lambda: "refused a client from 127.0.0.1" in log.read_text(), 10, "the refusal in the daemon's log")
+    # and without keys at all, a daemon that has keys does not answer
+    plain = subprocess.run([str(ROOT / "bin" / "ondemandctl"), "--hosts", one, "status", "--connect-timeout", "1"],
+                           env=base_env(), capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 4 and one in plain.stderr
+
+
+def test_host_that_does_not_answer_is_named_and_the_rest_proceed(cluster: Cluster) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    res = cluster.ctl("status", "--json", "--connect-timeout", "1", hosts=cluster.hosts + "," + dead)
+    assert res.returncode == 3
+    hosts = json.loads(res.stdout)["hosts"]
+    assert hosts[dead]["kind"] == "timeout" and sum(h["ok"] for h in hosts.values()) == DAEMONS
+
+
+def test_capture_without_waiting_then_cancel_across_hosts(cluster: Cluster) -> None:
+    res = cluster.ctl("capture", "--steps", "400", "--no-wait")
+    assert res.returncode == 0, res.stderr
+    head = res.stdout.splitlines()[0]
+    assert f"{RANKS} rank(s) on {RANKS} host(s), steps [" in head, res.stdout
+    capture_id = head.split()[1].rstrip(":")
+    cancel = cluster.ctl("cancel", capture_id, "--json")
+    assert cancel.returncode == 0, cancel.stderr
+    hosts = json.loads(cancel.stdout)["hosts"]
+    assert sorted(r for h in hosts.values() if h["ok"] for r in h["data"]["ranks"]) == list(range(RANKS))
+    shown = wait_for(lambda: (lambda r: r if r["status"] != "running" else None)(
+        json.loads(cluster.ctl("show", capture_id, "--json").stdout)), 120, "the cancelled capture to settle")
+    assert shown["status"] == "cancelled" and len(shown["hosts"]) == RANKS
+    again = cluster.ctl("cancel", capture_id)
+    assert again.returncode == 1 and "already cancelled" in again.stderr
+
+
+def test_daemon_stopped_mid_capture_is_reported_failed_while_the_others_finish(cluster: Cluster) -> None:
+    victim = cluster.daemons[RANKS - 1]
+    records = victim["state"] / "captures"
+    before = set(records.glob("*.json"))
+    proc = subprocess.Popen([str(ROOT / "bin" / "ondemandctl"), "--hosts", cluster.hosts, "--keys", str(cluster.keys),
+                             "capture", "--steps", "150", "--wait", "--json", "--timeout", "120",
+                             "--connect-timeout", "2"], env=base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any('"recording"' in p.read_text() for p in set(records.glob("*.json")) - before), 60,
+             "the capture recording on the victim's rank")
+    victim["proc"].send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 3, out + err
+    record = json.loads(out)
+    states = {int(k): p["state"] for k, p in record["parts"].items()}
+    assert states == {0: "done", 1: "done", 2: "done", 3: "failed"}, json.dumps(record["parts"], indent=1)
+    name = f"127.0.0.1:{victim['port']}"
+    assert record["hosts"][name]["status"] == "unreachable" and "stopped answering" in record["hosts"][name]["error"]
+    assert name in record["parts"]["3"]["error"] or record["parts"]["3"]["daemon"] == name

@@ -4,7 +4,6 @@ tabs and sorting; nothing is fetched), with an Operator view, a Memory view and 
 from __future__ import annotations
 
 import html
-import json
 import os
 from pathlib import Path
 from typing import Any

@@ -40,6 +40,7 @@ RANK_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
     "hb": {"step": (int,)},
     "event": {"capture_id": (str,), "event": (str,), "info": (dict,)},
     "bye": {},
+    "triage_result": {"triage_id": (str,), "result": (dict,)},
 }
 class ProtocolError(ValueError):
     """A message that cannot be taken; the text goes back to the sender as the error reply."""

@@ -49,8 +49,12 @@ class Service:
         from .commands import DAEMON_COMMANDS  # the commands' daemon ends; commands import this module
 
         self.commands = DAEMON_COMMANDS
+        from .triage import TriageBook
+
+        self.triage = TriageBook(self)  # stacks, memory, flight-recorder requests waiting for their ranks
         self.rank_handlers: dict[str, Callable[[bytes, dict[str, Any]], bytes | None]] = {
-            "register": self.on_register, "hb": self.on_heartbeat, "event": self.on_event, "bye": self.on_bye}
+            "register": self.on_register, "hb": self.on_heartbeat, "event": self.on_event, "bye": self.on_bye,
+            "triage_result": self.triage.on_result}
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -164,6 +168,7 @@ class Service:
             if now - self.started > RANK_TIMEOUT_S + HEARTBEAT_S and self.store.running():
                 self._fail_orphans(wall)
         self.store.flush()
+        self.triage.tick(now)
         if self.watches:
             self.answer_due_watches(now)
 

@@ -45,6 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _hold_gil(seconds: float) -> None:
+    """Spin in C code that keeps the GIL and that no signal cuts short: a backtracking regular expression
+    (each extra character about doubles its time; measured on a short one, sized to about `seconds`)."""
+    import math
+    import re
+
+    pattern = re.compile(r"(a+)+$")
+    t0 = time.perf_counter()
+    pattern.match("a" * 16 + "b")
+    base = max(time.perf_counter() - t0, 1e-4)
+    n = 16 + max(0, math.ceil(math.log(max(seconds / base, 1.0), 1.9)))
+    pattern.match("a" * n + "b")
+
+
 def _stall(args: argparse.Namespace, it: int, status: object) -> None:
     """Triage demos: one rank stalls while the others wait in a collective."""
     if it != args.stall_at_step or int(os.environ.get("RANK", "0")) != args.stall_rank:
@@ -52,9 +66,7 @@ def _stall(args: argparse.Namespace, it: int, status: object) -> None:
     if status:
         status.write(json.dumps({"stall": it}) + "\n")  # type: ignore[attr-defined]
     if args.stall_holding_gil:
-        import ctypes
-
-        ctypes.PyDLL(None).sleep(int(args.stall_s))  # a PyDLL call keeps the GIL for its whole duration
+        _hold_gil(args.stall_s)
     else:
         time.sleep(args.stall_s)
 

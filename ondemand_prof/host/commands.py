@@ -467,6 +467,10 @@ DAEMON_COMMANDS: dict[str, Command] = {c.name: c for c in [*COMMANDS, Watch()] i
 CLI_MESSAGES: dict[str, Fields] = {name: c.fields for name, c in DAEMON_COMMANDS.items()}
 
 
+def _raise(exc: Exception) -> Any:
+    raise exc
+
+
 def _opt_str(msg: dict[str, Any], key: str) -> str | None:
     value = msg.get(key)
     if value is not None and not isinstance(value, str):
@@ -536,9 +540,7 @@ class _TriageCommand(Command):
             raise BadRequest(f"field 'timeout_s' must be a number from 0.5 to {MAX_TRIAGE_S:g}, got {timeout!r}")
         try:
             args = check_args(self.action, msg.get("args"))
-            job = service.registry.resolve_job(_opt_str(msg, "job"))
-            world = max(r.world_size for r in service.registry.jobs()[job])
-            targets = service.registry.select(job, select_ranks(msg.get("ranks", -1), world))
+            targets, silent = self._targets(service, _opt_str(msg, "job"), msg.get("ranks", -1))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         wall, now = time.time(), time.monotonic()
@@ -546,12 +548,32 @@ class _TriageCommand(Command):
         for t in targets:
             service.send(t.route, encode("triage", triage_id=triage_id, action=self.action, args=args,
                                          capture_id=triage_id))
-        service.triage.add(Pending(triage_id, self.action, route, msg.get("id"), job,
-                                   {t.route: target_of(t, service.host) for t in targets},
+        job = (targets or silent)[0].job
+        by_route = {t.route: target_of(t, service.host) for t in targets}
+        by_route.update({b"silent/%d" % t.rank: target_of(t, service.host) for t in silent})
+        service.triage.add(Pending(triage_id, self.action, route, msg.get("id"), job, by_route,
                                    answer_by=now + max(0.5, timeout - 1.0), deadline=now + timeout,
                                    finish=self.finish))
         log.info("ondemand-profd: %s %s: job %s, %d rank(s)", self.name, triage_id, job, len(targets))
         return None
+
+    def _targets(self, service: Service, job: str | None, spec: Any) -> tuple[list[Any], list[Any]]:
+        """The live ranks asked for, and (stacks) those whose heartbeats stopped while their process lives on:
+        they cannot answer, but a native dump can still be had. ValueError says what is wrong."""
+        silent = service.triage.silent_ranks(job, time.monotonic()) if self.action == "stacks" else []
+        live = service.registry.jobs()
+        if silent and not live.get(job or silent[0].job):
+            job = job or silent[0].job
+            wanted = select_ranks(spec, max(r.world_size for r in silent))
+            return [], [r for r in silent if r.job == job and (-1 in wanted or r.rank in wanted)] or \
+                _raise(ValueError(f"rank(s) {spans(wanted)} of job {job!r} are not registered"))
+        job = service.registry.resolve_job(job)
+        world = max(r.world_size for r in live[job])
+        wanted = select_ranks(spec, world)
+        here = {r.rank for r in live[job]}
+        silent = [r for r in silent if r.job == job and r.rank not in here and (-1 in wanted or r.rank in wanted)]
+        named = [r for r in wanted if r == -1 or r in here or r not in {s.rank for s in silent}]
+        return (service.registry.select(job, named) if named else []), silent
 
     def finish(self, pending: Any) -> dict[str, Any]:
         return {"triage_id": pending.triage_id, "job": pending.job, "action": pending.action,

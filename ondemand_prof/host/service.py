@@ -164,6 +164,7 @@ class Service:
             self._next_pid_check = now + PID_CHECK_S
             for info, reason in self.registry.expire(now, self.pid_check):
                 log.warning("ondemand-profd: rank %d of job %s left: %s", info.rank, info.job, reason)
+                self.triage.forget_later(info, reason, now)  # a hung rank stays reachable for a native dump
                 self._fail_parts(info, f"rank {info.rank} is gone: {reason}", wall)
             if now - self.started > RANK_TIMEOUT_S + HEARTBEAT_S and self.store.running():
                 self._fail_orphans(wall)

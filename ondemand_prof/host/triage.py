@@ -68,12 +68,31 @@ def target_of(info: "RankInfo", host: str) -> Target:
                   native if isinstance(native, dict) else None)
 
 
+SILENT_KEEP_S = 600.0  # how long a rank whose heartbeats stopped (its process still there) stays reachable
+
+
 class TriageBook:
-    """Pending triage requests of one daemon (Service.triage)."""
+    """Pending triage requests of one daemon (Service.triage), and the ranks whose heartbeats stopped while
+    their process lives on: a rank hung with the GIL held is exactly the one whose stack is wanted."""
 
     def __init__(self, service: "Service") -> None:
         self.service = service
         self.pending: dict[str, Pending] = {}
+        self.silent: dict[tuple[str, int], tuple["RankInfo", float]] = {}  # (job, rank) -> (info, since)
+
+    def forget_later(self, info: "RankInfo", reason: str, now: float) -> None:
+        if reason.startswith("no heartbeat") and info.pid_visible and info.host == self.service.host:
+            self.silent[(info.job, info.rank)] = (info, now)
+
+    def silent_ranks(self, job: str | None, now: float) -> list["RankInfo"]:
+        """Ranks of `job` (any job when None) silent for less than SILENT_KEEP_S whose process still exists."""
+        out = []
+        for key, (info, since) in list(self.silent.items()):
+            if now - since > SILENT_KEEP_S or not self.service.pid_check(info.pid, True):
+                del self.silent[key]
+            elif job in (None, info.job):
+                out.append(info)
+        return sorted(out, key=lambda i: i.rank)
 
     def add(self, pending: Pending) -> None:
         self.pending[pending.triage_id] = pending
@@ -186,7 +205,7 @@ def group_stacks(results: dict[int, dict[str, Any]]) -> dict[str, Any]:
         threads.append({"thread": name, "stacks": [  # odd: fewer ranks than the most common stack
             {"ranks": ranks, "rank_spans": spans(ranks), "odd": len(ranks) < top, "frames": frames_of[key]}
             for key, ranks in ordered]})
-    native = {r: res for r, res in results.items() if res.get("method") == "native"}
+    native = {r: dict(res) for r, res in results.items() if res.get("method") == "native"}
     failed = {r: res.get("error", "") for r, res in results.items() if not res.get("ok")}
     return {"threads": threads, "native": {str(r): v for r, v in sorted(native.items())},
             "failed": {str(r): v for r, v in sorted(failed.items())},

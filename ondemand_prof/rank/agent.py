@@ -233,6 +233,7 @@ class Agent:
                               "threads": len(result["threads"])}
                 except OSError as exc:
                     result = {"ok": False, "error": f"cannot write {path}: {exc.strerror}"}
+            result.pop("entries", None)  # the flight recorder's digest: the dump file has it all
             listener("done" if result.get("ok") else "failed", result)
 
         args = {"steps": request.steps} if request.action == "memory" and request.steps else {}

@@ -150,3 +150,96 @@ def test_flight_recorder_without_a_process_group_says_how(env: dict[str, Any]) -
     wait_for(lambda: len(live_ranks(env["run"])) == 1, 60, "1 rank")
     res = ctl(env["run"], "flight-recorder")
     assert res.returncode == 1 and "no process group in this rank" in res.stdout, res.stdout + res.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Synthetic fixtures (shaped like the real dumps; no CUDA or NCCL here)
+
+def synthetic_fr_dump(rank: int, last_seq: int, state_of_last: str = "scheduled") -> dict[str, Any]:
+    """SYNTHETIC flight-recorder dump, in torch's format (torch/distributed/flight_recorder: version, pg_config,
+    pg_status, entries with process_group, collective_seq_id, profiling_name, state, ...)."""
+    entries = []
+    for seq in range(1, last_seq + 1):
+        entries.append({"record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"),
+                        "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq,
+                        "profiling_name": "nccl:all_reduce" if seq % 2 else "nccl:all_gather",
+                        "time_created_ns": 10**18 + seq, "input_sizes": [[1024]], "input_dtypes": ["Float"],
+                        "output_sizes": [[1024]], "output_dtypes": ["Float"],
+                        "state": "completed" if seq < last_seq else state_of_last, "retired": seq < last_seq,
+                        "timeout_ms": 600000, "is_p2p": False, "frames": []})
+    return {"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2, 3]"}},
+            "pg_status": {"0": {"last_enqueued_collective": last_seq, "last_started_collective": last_seq,
+                                "last_completed_collective": last_seq - 1}},
+            "entries": entries}
+
+
+def test_flight_recorder_summary_names_the_collective_a_rank_did_not_enter() -> None:
+    from ondemand_prof.host.triage import summarize_flight_recorder
+    from ondemand_prof.rank.triage import flight_recorder_digest
+
+    # ranks 0, 1, 3 entered collective 7; rank 2 is stuck before it
+    digests = {r: flight_recorder_digest(synthetic_fr_dump(r, 6 if r == 2 else 7, "started")) for r in range(4)}
+    summary = summarize_flight_recorder(digests)
+    (pg,) = summary["process_groups"]
+    assert not summary["in_step"]
+    assert pg["mismatches"] == [{"seq": 7, "collective": "nccl:all_reduce", "entered": [0, 1, 3],
+                                 "entered_spans": "0-1,3", "missing": [2], "missing_spans": "2"}]
+    assert (pg["min_seq"], pg["max_seq"]) == (6, 7)
+    in_step = summarize_flight_recorder({r: flight_recorder_digest(synthetic_fr_dump(r, 7)) for r in range(4)})
+    assert in_step["in_step"] and not in_step["process_groups"][0]["mismatches"]
+    # a bounded history: ranks whose buffer no longer holds an old number are not reported missing for it
+    short = flight_recorder_digest(synthetic_fr_dump(0, 7), limit=3)
+    assert [e["seq"] for e in short["entries"]] == [5, 6, 7]
+    mixed = summarize_flight_recorder({0: short, 1: flight_recorder_digest(synthetic_fr_dump(1, 7))})
+    assert mixed["in_step"], mixed
+
+
+def synthetic_cuda_snapshot() -> dict[str, Any]:
+    """SYNTHETIC torch.cuda.memory._snapshot() result (segments with blocks and frames; device_traces)."""
+    frames = [{"filename": "/x/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
+              {"filename": "/x/train.py", "line": 42, "name": "step"}]
+    return {"segments": [
+        {"device": 0, "address": 1 << 32, "total_size": 20 << 20, "allocated_size": 12 << 20, "active_size": 12 << 20,
+         "requested_size": 12 << 20, "stream": 0, "segment_type": "large", "segment_pool_id": (0, 0),
+         "is_expandable": False, "frames": [],
+         "blocks": [{"address": 1 << 32, "size": 8 << 20, "requested_size": 8 << 20, "state": "active_allocated",
+                     "frames": frames},
+                    {"address": (1 << 32) + (8 << 20), "size": 4 << 20, "requested_size": 4 << 20,
+                     "state": "active_allocated", "frames": frames[1:]},
+                    {"address": (1 << 32) + (12 << 20), "size": 8 << 20, "state": "inactive", "frames": []}]}],
+        "device_traces": [[{"action": "alloc", "addr": 1, "size": 8 << 20, "stream": 0, "frames": frames},
+                           {"action": "free_requested", "addr": 1, "size": 8 << 20, "stream": 0, "frames": frames},
+                           {"action": "alloc", "addr": 2, "size": 4 << 20, "stream": 0, "frames": frames}]],
+        "allocator_settings": {}}
+
+
+class FakeCudaMemory:
+    """Stands in for torch.cuda.memory: records what was switched on and off, returns the synthetic snapshot."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def _record_memory_history(self, enabled: Any = "all", **kw: Any) -> None:
+        self.calls.append({"enabled": enabled, **kw})
+
+    def _snapshot(self) -> dict[str, Any]:
+        return synthetic_cuda_snapshot()
+
+
+def test_memory_recording_switches_history_on_for_the_steps_then_off(tmp_path: Path) -> None:
+    from ondemand_prof.rank.triage import MemoryRecording
+
+    mod = FakeCudaMemory()
+    got: list[dict[str, Any]] = []
+    rec = MemoryRecording(mod, "cuda", 3, 5000, "python", tmp_path / "cap" / "h_1_rank0.memory.pickle", got.append)
+    assert mod.calls == []  # nothing before the request's first step
+    rec.begin(10)
+    assert mod.calls == [{"enabled": "all", "max_entries": 5000, "stacks": "python"}]
+    rec.end(13)
+    assert mod.calls[-1] == {"enabled": None}  # switched off after
+    result = rec.write()
+    assert result["ok"] and result["steps"] == [10, 13]
+    assert pickle.loads(Path(result["path"]).read_bytes()) == synthetic_cuda_snapshot()
+    s = result["summary"]
+    assert (s["reserved_bytes"], s["allocated_bytes"], s["history_entries"]) == (20 << 20, 12 << 20, 3)
+    assert s["largest_blocks"][0] == {"bytes": 8 << 20, "where": "/x/torch/nn/modules/linear.py:125 forward"}

@@ -243,3 +243,37 @@ def test_memory_recording_switches_history_on_for_the_steps_then_off(tmp_path: P
     s = result["summary"]
     assert (s["reserved_bytes"], s["allocated_bytes"], s["history_entries"]) == (20 << 20, 12 << 20, 3)
     assert s["largest_blocks"][0] == {"bytes": 8 << 20, "where": "/x/torch/nn/modules/linear.py:125 forward"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Captures on condition
+
+def test_a_slowdown_opens_one_automatic_window_then_the_cooldown_holds(tmp_path: Path) -> None:
+    save = tmp_path / "p"
+    (rc, out, err), = run_ranks(["--steps", "160", "--step-sleep", "0.03", "--slow-from", "60", "--slow-factor", "4",
+                                 "--profile-auto", "2.5", "--profile-auto-cooldown", "3600",
+                                 "--profile-save-path", str(save), "--profile-trigger-dir", str(tmp_path / "t"),
+                                 *TRAIN], timeout=240)
+    assert rc == 0, err[-3000:]
+    caps = captures(save)
+    assert len(caps) == 1, (caps, err[-3000:])
+    meta = caps[0]
+    assert meta["trigger"]["source"] == "auto"
+    auto = meta["trigger"]["request"]["auto"]
+    assert auto["ratio"] == 2.5 and auto["detected_at_step"] >= 60, auto
+    assert len(auto["slow_steps_s"]) == 3 and all(s > 2.5 * auto["median_step_s"] for s in auto["slow_steps_s"])
+    assert meta["window"]["recorded_steps"][0] > auto["detected_at_step"]
+    assert "no automatic capture: cooldown" in err, err[-3000:]  # the slowdown went on; the cooldown held
+
+
+def test_auto_is_off_by_default_and_checked(tmp_path: Path) -> None:
+    from ondemand_prof import OnDemandProfiler
+    from ondemand_prof.core.options import ConfigError, config_from_mapping
+
+    prof = OnDemandProfiler(config_from_mapping({"profile_save_path": str(tmp_path), "profile_ondemand": False}))
+    assert isinstance(prof.step, __import__("functools").partial)  # the C-level idle counter, unchanged
+    prof.close()
+    with pytest.raises(ConfigError, match="profile_auto"):
+        config_from_mapping({"profile_auto": 0.5})
+    cfg = config_from_mapping({"profile_auto": 1.5, "profile_auto_steps": 4})
+    assert (cfg.auto_ratio, cfg.auto_steps, cfg.auto_per_hour) == (1.5, 4, 4)

@@ -41,6 +41,7 @@ RANK_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
     "event": {"capture_id": (str,), "event": (str,), "info": (dict,)},
     "bye": {},
     "triage_result": {"triage_id": (str,), "result": (dict,)},
+    "auto_capture": {"window": (dict,)},
 }
 class ProtocolError(ValueError):
     """A message that cannot be taken; the text goes back to the sender as the error reply."""

@@ -54,7 +54,7 @@ class Service:
         self.triage = TriageBook(self)  # stacks, memory, flight-recorder requests waiting for their ranks
         self.rank_handlers: dict[str, Callable[[bytes, dict[str, Any]], bytes | None]] = {
             "register": self.on_register, "hb": self.on_heartbeat, "event": self.on_event, "bye": self.on_bye,
-            "triage_result": self.triage.on_result}
+            "triage_result": self.triage.on_result, "auto_capture": self.triage.on_auto_capture}
 
     # ------------------------------------------------------------------------------------------------------
 

@@ -97,6 +97,41 @@ class TriageBook:
     def add(self, pending: Pending) -> None:
         self.pending[pending.triage_id] = pending
 
+    def on_auto_capture(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
+        """A rank opened an automatic window on itself: open the same one on the rank of its job whose step
+        time is closest to the job's median, and keep a capture record of both (ondemandctl list, show)."""
+        from ..core.protocol import encode
+        from ..core.window import Window
+        from .records import CaptureRecord
+
+        info = self.service.registry.by_route.get(route)
+        if info is None:
+            return encode("register")
+        try:
+            window = Window.from_wire(msg["window"])
+        except ValueError as exc:
+            log.warning("ondemand-profd: bad automatic window from rank %d: %s", info.rank, exc)
+            return None
+        ranks = self.service.registry.jobs().get(info.job, [])
+        ref = reference_rank(info, ranks)
+        targets = [info] + ([ref] if ref is not None else [])
+        wall = time.time()
+        request = {"auto": window.requested.get("auto"), "slow_rank": info.rank,
+                   "reference_rank": ref.rank if ref is not None else None}
+        plan = {"start_step": window.start, "end_step": window.end, "lead_steps": 0, "late_ranks": [],
+                "current_steps": {t.rank: t.estimated_step(wall) for t in targets},
+                "note": (f"automatic: rank {info.rank} slowed down; reference rank {ref.rank}" if ref is not None
+                         else f"automatic: rank {info.rank} slowed down; no other rank to compare with")}
+        record = CaptureRecord.new(window.capture_id, info.job, request, plan, window.options.as_dict(),
+                                   [{"rank": t.rank, "host": t.host, "pid": t.pid} for t in targets], wall)
+        self.service.store.add(record)
+        if ref is not None:
+            self.service.send(ref.route, encode("capture", window={**window.to_wire(), "requested": {
+                **window.requested, "reference_for_rank": info.rank}}))
+        log.info("ondemand-profd: automatic capture %s: rank %d of job %s slowed down; reference rank %s",
+                 window.capture_id, info.rank, info.job, ref.rank if ref is not None else "none")
+        return None
+
     def on_result(self, route: bytes, msg: dict[str, Any]) -> None:
         p = self.pending.get(msg["triage_id"])
         target = p.targets.get(route) if p else None
@@ -251,6 +286,16 @@ def _oldest(digest: dict[str, Any], pg: str) -> int:
     """The oldest sequence number a rank's (bounded) history still holds for a group: older ones say nothing."""
     seqs = [e["seq"] for e in digest.get("entries", []) if e.get("pg") == pg and not e.get("is_p2p")]
     return min(seqs) if seqs else 1 << 62
+
+
+def reference_rank(slow: "RankInfo", ranks: list["RankInfo"]) -> "RankInfo | None":
+    """The rank whose recent step time is closest to the job's median (the slow rank itself excluded)."""
+    others = [r for r in ranks if r.route != slow.route]
+    timed = [r for r in others if r.step_time]
+    if not timed:
+        return others[0] if others else None
+    median = statistics.median(r.step_time for r in ranks if r.step_time)
+    return min(timed, key=lambda r: (abs(r.step_time - median), r.rank))
 
 
 def stragglers(ranks: list[dict[str, Any]], ratio: float = SLOW_RATIO) -> dict[str, Any]:

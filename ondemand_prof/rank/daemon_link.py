@@ -211,14 +211,22 @@ class DaemonLink:
             if len(body) > MAX_REPLY_BYTES:
                 body = encode("triage_result", triage_id=triage_id, result={
                     "ok": False, "error": f"the answer is {len(body)} bytes, more than a message holds"})
-            self._replies.append(body)
-            self.agent.wake()
+            self.post(body)
 
         triage = getattr(self.agent, "triage", None)
         if triage is None:
             reply({"ok": False, "error": "this rank has no triage support"})
             return
         triage.request(msg["action"], msg.get("args"), reply, str(msg.get("capture_id") or triage_id))
+
+    def post(self, body: bytes) -> None:
+        """Any thread: a message for the daemon, sent from the agent thread once registered."""
+        self._replies.append(body)
+        self.agent.wake()
+
+    def listener_for(self, capture_id: str) -> Any:
+        """A window listener that reports progress to the daemon (automatic captures use it)."""
+        return self._listener(capture_id)
 
     def _listener(self, capture_id: str) -> Any:
         def listen(event: str, info: dict[str, Any]) -> None:

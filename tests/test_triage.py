@@ -43,6 +43,18 @@ def ranks(env: dict[str, Any], world: int, *extra: str, job: str = "tri") -> lis
     return procs
 
 
+def poll(pred: Any, what: str, timeout: float = 120) -> Any:
+    """wait_for for conditions that start a CLI process: a pause between tries keeps a small host responsive
+    (auto-capture tests measure step times)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def status_lines(path: Path) -> list[dict[str, Any]]:
     try:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -251,7 +263,7 @@ def test_memory_recording_switches_history_on_for_the_steps_then_off(tmp_path: P
 def test_a_slowdown_opens_one_automatic_window_then_the_cooldown_holds(tmp_path: Path) -> None:
     save = tmp_path / "p"
     (rc, out, err), = run_ranks(["--steps", "160", "--step-sleep", "0.03", "--slow-from", "60", "--slow-factor", "4",
-                                 "--profile-auto", "2.5", "--profile-auto-cooldown", "3600",
+                                 "--profile-auto", "2.5", "--profile-auto-steps", "5", "--profile-auto-cooldown", "3600",
                                  "--profile-save-path", str(save), "--profile-trigger-dir", str(tmp_path / "t"),
                                  *TRAIN], timeout=240)
     assert rc == 0, err[-3000:]
@@ -261,7 +273,7 @@ def test_a_slowdown_opens_one_automatic_window_then_the_cooldown_holds(tmp_path:
     assert meta["trigger"]["source"] == "auto"
     auto = meta["trigger"]["request"]["auto"]
     assert auto["ratio"] == 2.5 and auto["detected_at_step"] >= 60, auto
-    assert len(auto["slow_steps_s"]) == 3 and all(s > 2.5 * auto["median_step_s"] for s in auto["slow_steps_s"])
+    assert len(auto["slow_steps_s"]) == 5 and all(s > 2.5 * auto["median_step_s"] for s in auto["slow_steps_s"])
     assert meta["window"]["recorded_steps"][0] > auto["detected_at_step"]
     assert "no automatic capture: cooldown" in err, err[-3000:]  # the slowdown went on; the cooldown held
 
@@ -277,3 +289,32 @@ def test_auto_is_off_by_default_and_checked(tmp_path: Path) -> None:
         config_from_mapping({"profile_auto": 0.5})
     cfg = config_from_mapping({"profile_auto": 1.5, "profile_auto_steps": 4})
     assert (cfg.auto_ratio, cfg.auto_steps, cfg.auto_per_hour) == (1.5, 4, 4)
+
+
+def test_the_daemon_adds_a_reference_rank_and_status_marks_the_straggler(env: dict[str, Any]) -> None:
+    daemon(env)
+    # two independent ranks of one job (no process group, so one can be slow alone); rank 1 slows down 4x
+    procs = start_ranks(["--no-dist", "--steps", "400", "--step-sleep", "0.03", "--slow-from", "80", "--slow-factor",
+                         "4", "--slow-rank", "1", "--profile-auto", "2.5", "--profile-auto-steps", "5", "--profile-auto-cooldown", "3600", "--profile-job-id", "auto",
+                         "--profile-save-path", str(env["save"]), *TRAIN], world=2,
+                        env={"ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])})
+    env["procs"].extend(procs)
+    # status: rank 1's step time is well above the job's median, and marked
+    data = poll(lambda: (lambda d: d if d.get("stragglers", {}).get("auto", {}).get("slow_ranks") == [1]
+                         else None)(json.loads(ctl(env["run"], "status", "--json").stdout or "{}")), "rank 1 marked slow")
+    rank1 = next(r for r in data["jobs"]["auto"] if r["rank"] == 1)
+    assert rank1["slow"] and rank1["vs_median"] > 1.2
+    assert "SLOW" in ctl(env["run"], "status").stdout
+    caps = poll(lambda: (lambda c: c if c and c[0]["states"].get("done") == 2 else None)(
+        ctl_json(env["run"], "list")["captures"]), "the automatic capture on both ranks")
+    assert len(caps) == 1 and caps[0]["capture_id"].startswith("auto-")
+    record = ctl_json(env["run"], "show", caps[0]["capture_id"])
+    assert record["request"]["slow_rank"] == 1 and record["request"]["reference_rank"] == 0
+    metas = sorted(captures(env["save"]), key=lambda m: m["rank"])
+    assert [m["rank"] for m in metas] == [0, 1] and metas[0]["folder"] == metas[1]["folder"]
+    assert metas[0]["trigger"]["request"]["reference_for_rank"] == 1
+    # the same absolute window on both (these two ranks are not in lockstep: the reference one says how late)
+    assert metas[0]["trigger"]["request"]["auto"] == metas[1]["trigger"]["request"]["auto"]
+    assert metas[1]["trigger"]["request"]["auto"]["detected_at_step"] >= 80
+    for p in procs:
+        p.kill()

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stall-holding-gil", action="store_true",
                         help="stall in native code that holds the GIL (no Python thread of the rank can run)")
     parser.add_argument("--slow-from", type=int, default=-1, help="from this step on, --step-sleep is...")
-    parser.add_argument("--slow-factor", type=float, default=1.0, help="...this many times longer")
+    parser.add_argument("--slow-factor", type=float, default=1.0, help="...this many times longer...")
+    parser.add_argument("--slow-rank", type=int, default=-1, help="...on this rank only (-1: every rank)")
     add_profile_args(parser)
     return parser
 
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                     dist.all_reduce(p.grad)
         opt.step()
         if args.step_sleep:
-            slow = args.slow_factor if 0 <= args.slow_from <= it else 1.0
+            slow = args.slow_factor if 0 <= args.slow_from <= it and args.slow_rank in (
+                -1, int(os.environ.get("RANK", "0"))) else 1.0
             time.sleep(args.step_sleep * slow)
         if status:
             status.write(json.dumps({"step": it, "t": t0}) + "\n")

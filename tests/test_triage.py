@@ -318,3 +318,29 @@ def test_the_daemon_adds_a_reference_rank_and_status_marks_the_straggler(env: di
     assert metas[1]["trigger"]["request"]["auto"]["detected_at_step"] >= 80
     for p in procs:
         p.kill()
+
+
+def test_slow_step_monitor_fires_on_k_consecutive_slow_steps_only() -> None:
+    from ondemand_prof.rank.autocapture import SlowStepMonitor
+
+    now = [0.0]
+    fired: list[tuple[list[float], float]] = []
+    mon = SlowStepMonitor(2.0, 3, lambda slow, median: fired.append((slow, median)), clock=lambda: now[0])
+    step = mon.step_fn(iter(range(10**6)))
+
+    def run(*durations: float) -> None:
+        for d in durations:
+            now[0] += d
+            step()
+
+    run(*[0.010] * 40)
+    assert mon.median == pytest.approx(0.010)
+    run(0.030, 0.030, 0.010, 0.030, 0.030)  # never three in a row
+    run(0.0104, 0.0104, 0.0104, 0.0104)  # jitter
+    assert fired == []
+    run(0.030, 0.031, 0.032)
+    assert fired == [([pytest.approx(0.030), pytest.approx(0.031), pytest.approx(0.032)], pytest.approx(0.010))]
+    tiny = SlowStepMonitor(2.0, 3, lambda *a: fired.append(a), clock=lambda: now[0])  # a 10 us loop: sub-ms
+    step = tiny.step_fn(iter(range(10**6)))  # hiccups of 5x are not slowdowns
+    run(*[1e-5] * 40, 5e-5, 5e-5, 5e-5)
+    assert len(fired) == 1

@@ -3,9 +3,10 @@
 reason in its metadata) and asks the daemon for the same window on a median-speed reference rank of its job.
 A cooldown and an hourly budget bound how many captures a slow phase can start.
 
-Threads: SlowStepMonitor.observe runs on the training thread inside step() (the idle path becomes a small
-Python function instead of the C counter alone: measured in bench/bench_hook.py); deciding, planning and
-scheduling happen on the agent thread (AutoCapture.poll). Off (the default), nothing here is loaded.
+Threads: SlowStepMonitor's step function runs on the training thread as the idle step() (a small Python
+function around the C counter instead of the counter alone: about 0.3 us more per step, bench/bench_hook.py);
+deciding, planning and scheduling happen on the agent thread (AutoCapture.poll). Off (the default), nothing
+here is loaded and step() is the C counter.
 """
 
 from __future__ import annotations
@@ -23,48 +24,73 @@ from ..core.window import Window
 
 log = logging.getLogger("ondemand_prof.rank.autocapture")
 
-HISTORY = 64  # step times the rolling median is taken over
+HISTORY = 64  # (a power of two) step times the rolling median is taken over
 EVERY = 16  # the median is recomputed every this many steps (sorting 64 floats each step would cost ~2 us)
 MIN_SAMPLES = 16  # no judgement before this many steps
 
 
+MIN_EXTRA_S = 0.001  # a step must also be this much longer than the median to count as slow (sub-ms jitter
+                     # of a tiny loop, a GIL hand-over to another thread, is not a slowdown)
+
+
 class SlowStepMonitor:
-    """Training thread. observe(t) at the end of each idle step; calls fire(slow_times, median) when `steps`
-    consecutive steps took more than `ratio` times the rolling median."""
+    """Training thread. step_fn(counter) is the idle step(): the C counter, then this step's time against the
+    rolling median; fire(slow_times, median) when `steps` consecutive steps took more than `ratio` times the
+    median. The per-step state lives in the closure's cells (cheaper than attributes); the rare path (a slow
+    step, a recovery, every EVERY-th step's median update) is a second function. See bench/bench_hook.py."""
 
-    __slots__ = ("ratio", "steps", "fire", "durations", "median", "slow", "last", "n")
-
-    def __init__(self, ratio: float, steps: int, fire: Callable[[list[float], float], None]) -> None:
-        self.ratio, self.steps, self.fire = ratio, steps, fire
-        self.durations: collections.deque[float] = collections.deque(maxlen=HISTORY)
+    def __init__(self, ratio: float, steps: int, fire: Callable[[list[float], float], None],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.ratio, self.steps, self.fire, self.clock = ratio, steps, fire, clock
+        self.durations = [0.0] * HISTORY  # a ring, written at n % HISTORY; kept across windows
+        self.n = 0  # intervals seen (synchronised from the closure on the rare path)
         self.median: float | None = None
-        self.slow: list[float] = []
-        self.last: float | None = None
-        self.n = 0
+        self.threshold = float("inf")  # no judgement until a median exists
 
-    def reset_clock(self) -> None:
-        """After a window (its steps are slow because they are recorded): the next interval is not a step."""
-        self.last = None
-        self.slow = []
+    def _update_median(self, n: int) -> None:
+        ordered = sorted(self.durations[:n] if n < HISTORY else self.durations)
+        self.median = median = ordered[len(ordered) // 2]
+        self.threshold = max(self.ratio * median, median + MIN_EXTRA_S)
 
-    def observe(self, now: float) -> None:
-        last, self.last = self.last, now
-        if last is None:
-            return
-        dt = now - last
-        median = self.median
-        if median is not None and dt > self.ratio * median:
-            self.slow.append(dt)
-            if len(self.slow) >= self.steps:
-                slow, self.slow = self.slow, []
-                self.fire(slow, median)
-        elif self.slow:
-            self.slow = []
-        self.durations.append(dt)
-        self.n += 1
-        if self.n % EVERY == 0 and len(self.durations) >= MIN_SAMPLES:
-            ordered = sorted(self.durations)
-            self.median = ordered[len(ordered) // 2]
+    def step_fn(self, counter: Any) -> Callable[..., Any]:
+        """A fresh idle step() (after a window the first interval is not a step: the clock starts again)."""
+        nxt, perf, durations, mask = next, self.clock, self.durations, HISTORY - 1
+        me = self
+        last: float | None = None
+        n = self.n
+        threshold = self.threshold
+        slow: list[float] = []
+
+        def rare(dt: float) -> None:
+            nonlocal n, threshold, slow
+            if dt > threshold:
+                slow.append(dt)
+                if len(slow) >= me.steps:
+                    fired, slow = slow, []
+                    me.fire(fired, me.median or 0.0)
+            elif slow:
+                slow = []
+            durations[n & mask] = dt
+            n += 1
+            me.n = n
+            if not n % EVERY and n >= MIN_SAMPLES:
+                me._update_median(n)
+                threshold = me.threshold
+
+        def step(x: Any = None, /) -> None:
+            nonlocal last, n
+            nxt(counter, x)
+            now = perf()
+            if last is not None:
+                dt = now - last
+                if dt > threshold or slow or not (n + 1) % EVERY:
+                    rare(dt)
+                else:
+                    durations[n & mask] = dt
+                    n += 1
+            last = now
+
+        return step
 
 
 class AutoCapture:
@@ -78,20 +104,13 @@ class AutoCapture:
         self.monitor = SlowStepMonitor(self.ratio, self.steps, self._fired)
         self.clock = clock
         self.agent: Any = None
-        self._fired_q: collections.deque[tuple[list[float], float, int]] = collections.deque()
+        # bounded: without an agent to drain it (start_agent=False), slowdowns are dropped, not hoarded
+        self._fired_q: collections.deque[tuple[list[float], float, int]] = collections.deque(maxlen=16)
         self.started: list[float] = []  # when automatic captures started (the budget's hour)
         self.held = 0  # slowdowns not captured because of the cooldown or the budget
 
     def idle_step(self, counter: Any) -> Callable[..., Any]:
-        """The idle step() while auto is on: the C counter plus one observation (see bench/bench_hook.py)."""
-        self.monitor.reset_clock()
-        nxt, observe, perf = next, self.monitor.observe, time.perf_counter
-
-        def step(n: Any = None, /) -> None:
-            nxt(counter, n)
-            observe(perf())
-
-        return step
+        return self.monitor.step_fn(counter)
 
     def attach(self, agent: Any) -> None:
         self.agent = agent

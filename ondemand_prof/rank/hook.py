@@ -65,7 +65,7 @@ class OnDemandProfiler:
         self.agent: Any = None
         self.signal_trigger: Any = None
         self._auto: Any = None  # --profile-auto: the idle step also times itself (rank/autocapture.py)
-        if self.config.auto_ratio:
+        if self.config.auto_ratio and self.config.ondemand:
             from .autocapture import AutoCapture
 
             self._auto = AutoCapture(self)
@@ -83,8 +83,8 @@ class OnDemandProfiler:
         if self._auto is not None:
             if self.agent is not None:
                 self._auto.attach(self.agent)
-            else:
-                log.warning("ondemand_prof: --profile-auto needs the agent (--profile-ondemand); it is off")
+        if self.config.auto_ratio and self._auto is None:
+            log.warning("ondemand_prof: --profile-auto needs on-demand listening (--profile-ondemand); it is off")
         if self.config.signal:
             from .signals import SignalTrigger
 

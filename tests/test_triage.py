@@ -43,7 +43,7 @@ def ranks(env: dict[str, Any], world: int, *extra: str, job: str = "tri") -> lis
     return procs
 
 
-def poll(pred: Any, what: str, timeout: float = 120) -> Any:
+def poll(pred: Any, what: str, timeout: float = 300) -> Any:
     """wait_for for conditions that start a CLI process: a pause between tries keeps a small host responsive
     (auto-capture tests measure step times)."""
     deadline = time.monotonic() + timeout
@@ -64,14 +64,14 @@ def status_lines(path: Path) -> list[dict[str, Any]]:
 
 def stalled(env: dict[str, Any], status: Path, n: int) -> None:
     """Until the stalling rank said it stalls and n ranks are registered."""
-    wait_for(lambda: any("stall" in x for x in status_lines(status)) and len(live_ranks(env["run"])) == n, 90,
-             "the stall to begin")
+    poll(lambda: len(live_ranks(env["run"])) == n, f"{n} rank(s) registered")
+    wait_for(lambda: any("stall" in x for x in status_lines(status)), 300, "the stall to begin")
 
 
 def test_stacks_show_the_rank_blocked_in_the_collective(env: dict[str, Any]) -> None:
     daemon(env)
     status = env["tmp"] / "steps.jsonl"
-    procs = ranks(env, 2, "--steps", "40", "--step-sleep", "0.01", "--stall-rank", "0", "--stall-at-step", "5",
+    procs = ranks(env, 2, "--steps", "40", "--step-sleep", "0.01", "--stall-rank", "0", "--stall-at-step", "30",
                   "--stall-s", "25", "--status-file", str(status))
     stalled(env, status, 2)
     time.sleep(0.5)  # rank 1 reaches its all_reduce
@@ -95,9 +95,11 @@ def test_stacks_show_the_rank_blocked_in_the_collective(env: dict[str, Any]) -> 
 def test_a_rank_holding_the_gil_gets_a_native_dump_said_as_such(env: dict[str, Any]) -> None:
     daemon(env)
     status = env["tmp"] / "steps.jsonl"
-    ranks(env, 1, "--no-dist", "--steps", "200", "--step-sleep", "0.01", "--stall-rank", "0", "--stall-at-step", "5",
+    ranks(env, 1, "--no-dist", "--steps", "200", "--step-sleep", "0.01", "--stall-rank", "0", "--stall-at-step", "30",
           "--stall-s", "30", "--stall-holding-gil", "--status-file", str(status))
-    stalled(env, status, 1)  # the rank's heartbeats stop now: ask before the daemon gives up on it (3.5 s)
+    stalled(env, status, 1)  # its heartbeats stop now; the daemon keeps it reachable for a native dump
+    time.sleep(4)  # past the daemon's heartbeat timeout: status no longer lists it, stacks still reach it
+    assert live_ranks(env["run"]) == []
     res = ctl(env["run"], "stacks", "--timeout", "2")
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
@@ -112,7 +114,7 @@ def test_trigger_file_stacks_write_a_status_file(tmp_path: Path) -> None:
     procs = start_ranks(["--steps", "400", "--step-sleep", "0.02", "--profile-trigger-dir", str(trig),
                          "--profile-save-path", str(tmp_path / "p"), "--status-file", str(status), *TRAIN])
     try:
-        wait_for(lambda: len(status_lines(status)) > 3, 60, "steps")
+        wait_for(lambda: len(status_lines(status)) > 3, 300, "steps")
         (trig / "capture").write_text('{"action": "stacks"}')
         out = wait_for(lambda: (trig / "capture.status" / "stacks-rank0.txt").exists() and
                        (trig / "capture.status" / "stacks-rank0.txt").read_text(), 30, "the stacks file")
@@ -134,8 +136,8 @@ def test_trigger_file_stacks_write_a_status_file(tmp_path: Path) -> None:
 def test_memory_and_flight_recorder_on_cpu_say_so(env: dict[str, Any]) -> None:
     daemon(env)
     procs = ranks(env, 2, "--steps", "3000", "--step-sleep", "0.01")
-    wait_for(lambda: (lambda rs: len(rs) == 2 and all(r["step"] > 3 for r in rs))(live_ranks(env["run"])), 60,
-             "2 ranks stepping")
+    poll(lambda: (lambda rs: len(rs) == 2 and all(r["step"] > 3 for r in rs))(live_ranks(env["run"])),
+         "2 ranks stepping", 300)
     res = ctl(env["run"], "memory", "--ranks", "0", "--steps", "2")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "rank(s) 0: not available on this backend (CPU)" in res.stdout, res.stdout
@@ -159,7 +161,7 @@ def test_memory_and_flight_recorder_on_cpu_say_so(env: dict[str, Any]) -> None:
 def test_flight_recorder_without_a_process_group_says_how(env: dict[str, Any]) -> None:
     daemon(env)
     ranks(env, 1, "--no-dist", "--steps", "3000", "--step-sleep", "0.01")
-    wait_for(lambda: len(live_ranks(env["run"])) == 1, 60, "1 rank")
+    poll(lambda: len(live_ranks(env["run"])) == 1, "1 rank", 300)
     res = ctl(env["run"], "flight-recorder")
     assert res.returncode == 1 and "no process group in this rank" in res.stdout, res.stdout + res.stderr
 

@@ -150,8 +150,12 @@ class TriageBook:
                 self._signal_silent(p, now)
 
     def _signal_silent(self, p: Pending, now: float) -> None:
+        """The dump signal goes only to a rank still registered (or silent, its process there) with the pid it
+        registered: a rank that said bye may have unregistered nothing, but it is not ours to signal any more."""
+        reachable = {(r.job, r.rank, r.pid) for r in self.service.registry.by_route.values()}
+        reachable |= {(i.job, i.rank, i.pid) for i, _ in self.silent.values()}
         for t in p.targets.values():
-            if t.rank in p.results or not t.native or not t.local:
+            if t.rank in p.results or not t.native or not t.local or (p.job, t.rank, t.pid) not in reachable:
                 continue
             path = str(t.native.get("file", ""))
             try:

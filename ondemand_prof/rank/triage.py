@@ -115,6 +115,7 @@ class NativeDump:
         self._file: Any = None
 
     def install(self) -> bool:
+        self._remove_stale()
         if self.signum is None:
             return False
         try:
@@ -129,6 +130,15 @@ class NativeDump:
             log.info("ondemand_prof: no native stack dump: %s", exc)
             self._file = None
             return False
+
+    def _remove_stale(self) -> None:
+        """Dump files of processes that are gone (this directory is per job and owner-only)."""
+        from ..core.files import pid_alive
+
+        for old in self.path.parent.glob("native-stacks-*.txt"):
+            pid = old.stem.rsplit("-", 1)[-1]
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+                old.unlink(missing_ok=True)
 
     def announce(self) -> dict[str, Any] | None:
         """What the daemon needs to ask for a native dump (sent at registration)."""
@@ -253,10 +263,12 @@ def dump_flight_recorder() -> tuple[bytes | None, str]:
         return None, "this torch has no distributed support"
     backend = str(dist.get_backend())
     dumpers = [getattr(c10d, name) for name in ("_dump_fr_trace", "_dump_nccl_trace") if hasattr(c10d, name)]
-    if backend == "hccl":
-        npu_dump = getattr(getattr(sys.modules.get("torch_npu"), "_C", None), "_dump_hccl_trace", None)
-        if npu_dump is not None:
-            dumpers.insert(0, npu_dump)
+    hint = FR_ENV_HINT
+    if backend == "hccl":  # torch_npu's recorder: torch_npu._C._distributed_c10d._dump_hccl_trace (pickle)
+        npu_c10d = getattr(getattr(sys.modules.get("torch_npu"), "_C", None), "_distributed_c10d", None)
+        if getattr(npu_c10d, "_dump_hccl_trace", None) is not None:
+            dumpers.insert(0, npu_c10d._dump_hccl_trace)
+        hint = "set TORCH_HCCL_TRACE_BUFFER_SIZE=2000 in the job's environment before it starts (torch_npu)"
     for dump in dumpers:
         try:
             raw = dump()
@@ -265,7 +277,7 @@ def dump_flight_recorder() -> tuple[bytes | None, str]:
             continue
         if raw:
             return bytes(raw), ""
-    return None, f"the {backend} process group keeps no flight recorder here; to turn it on, {FR_ENV_HINT}"
+    return None, f"the {backend} process group keeps no flight recorder here; to turn it on, {hint}"
 
 
 def flight_recorder_digest(dump: dict[str, Any], limit: int = FR_SUMMARY_ENTRIES) -> dict[str, Any]:

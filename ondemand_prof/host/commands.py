@@ -700,6 +700,8 @@ class FlightRecorder(_TriageCommand):
                          f"rank(s) {m['missing_spans']}\n")
         if data["summary"]["process_groups"] and data["summary"]["in_step"]:
             text += "every rank entered the same collectives\n"
+        elif not data["summary"]["process_groups"] and any(r.get("ok") for r in data["ranks"].values()):
+            text += "no collective recorded yet\n"
         return text
 
 

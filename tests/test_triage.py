@@ -6,34 +6,17 @@ from __future__ import annotations
 
 import json
 import pickle
-import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from conftest import captures, ctl, ctl_json, live_ranks, run_ranks, short_dir, start_daemon, start_ranks, wait_for
+from conftest import captures, ctl, ctl_json, live_ranks, run_ranks, start_ranks, wait_for
+from test_daemon import daemon, env  # noqa: F401 - env is a fixture: a runtime dir, a state dir, the processes
 
 TRAIN = ["--profile-min-free-mb", "0", "--profile-ranks", "-1"]
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    run_dir, state_dir = short_dir("odp"), short_dir("odps")
-    procs: list[subprocess.Popen] = []
-    yield {"run": run_dir, "state": state_dir, "save": tmp_path / "profile", "procs": procs, "tmp": tmp_path}
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.rmtree(state_dir, ignore_errors=True)
-
-
-def daemon(env: dict[str, Any]) -> None:
-    env["procs"].append(start_daemon(env["run"], env["state"]))
 
 
 def ranks(env: dict[str, Any], world: int, *extra: str, job: str = "tri") -> list[subprocess.Popen]:
@@ -44,15 +27,7 @@ def ranks(env: dict[str, Any], world: int, *extra: str, job: str = "tri") -> lis
 
 
 def poll(pred: Any, what: str, timeout: float = 300) -> Any:
-    """wait_for for conditions that start a CLI process: a pause between tries keeps a small host responsive
-    (auto-capture tests measure step times)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_for(pred, timeout, what, pause=0.5)
 
 
 def status_lines(path: Path) -> list[dict[str, Any]]:
@@ -70,7 +45,7 @@ def stalled(env: dict[str, Any], status: Path, n: int) -> None:
 
 def test_stacks_show_the_rank_blocked_in_the_collective(env: dict[str, Any]) -> None:
     daemon(env)
-    status = env["tmp"] / "steps.jsonl"
+    status = env["save"].parent / "steps.jsonl"
     procs = ranks(env, 2, "--steps", "40", "--step-sleep", "0.01", "--stall-rank", "0", "--stall-at-step", "30",
                   "--stall-s", "25", "--status-file", str(status))
     stalled(env, status, 2)
@@ -94,7 +69,7 @@ def test_stacks_show_the_rank_blocked_in_the_collective(env: dict[str, Any]) -> 
 
 def test_a_rank_holding_the_gil_gets_a_native_dump_said_as_such(env: dict[str, Any]) -> None:
     daemon(env)
-    status = env["tmp"] / "steps.jsonl"
+    status = env["save"].parent / "steps.jsonl"
     ranks(env, 1, "--no-dist", "--steps", "200", "--step-sleep", "0.01", "--stall-rank", "0", "--stall-at-step", "30",
           "--stall-s", "30", "--stall-holding-gil", "--status-file", str(status))
     stalled(env, status, 1)  # its heartbeats stop now; the daemon keeps it reachable for a native dump

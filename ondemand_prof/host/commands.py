@@ -110,9 +110,9 @@ class Status(Command):
         for job, ranks in data["jobs"].items():
             world = max(r["world_size"] for r in ranks)
             text += f"\njob {job}: {len(ranks)} of {world} rank(s) registered\n"
-            rows = [[str(r["rank"]), r["host"], str(r["pid"]), str(r["step"]), _ms(r["step_time_s"]),
-                     _vs_median(r), r["state"], f"{r['last_seen_s']:.1f} s ago"] for r in ranks]
-            text += _table(rows, ["RANK", "HOST", "PID", "STEP", "STEP TIME", "VS MEDIAN", "STATE", "HEARD"])
+            rows = [[str(r["rank"]), r["host"], str(r["pid"]), str(r["step"]), _ms(r["step_time_s"]), r["state"],
+                     f"{r['last_seen_s']:.1f} s ago", _vs_median(r)] for r in ranks]
+            text += _table(rows, ["RANK", "HOST", "PID", "STEP", "STEP TIME", "STATE", "HEARD", "VS MEDIAN"])
             slow = (data.get("stragglers") or {}).get(job) or {}
             if slow.get("slow_ranks"):
                 text += (f"slow: rank(s) {spans(slow['slow_ranks'])} (step time over {slow['slow_ratio']:g}x the "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import stat
 import statistics
 import time
@@ -312,14 +311,3 @@ def stragglers(ranks: list[dict[str, Any]], ratio: float = SLOW_RATIO) -> dict[s
         r["slow"] = bool(st and median and st > ratio * median)
     return {"median_step_time_s": median, "slow_ranks": [r["rank"] for r in ranks if r["slow"]],
             "slow_ratio": ratio}
-
-
-def now() -> float:
-    return time.monotonic()
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return str(signum)

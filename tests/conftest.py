@@ -112,13 +112,14 @@ def save_path(tmp_path: Path) -> Path:
     return tmp_path / "profile"
 
 
-def wait_for(pred: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
+def wait_for(pred: Callable[[], Any], timeout: float = 60, what: str = "condition", pause: float = 0.02) -> Any:
+    """Until pred() is true. A longer `pause` where pred starts a CLI process and the test measures steps."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = pred()
         if value:
             return value
-        time.sleep(0.02)
+        time.sleep(pause)
     raise AssertionError(f"timed out waiting for {what}")
 
 

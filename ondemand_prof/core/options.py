@@ -256,6 +256,15 @@ OPTIONS: tuple[Option, ...] = (
            ours=True, bounds=(0, MAX_STEP)),
     Option("file_mode", "profile_file_mode", parse_mode, 0o640, "Mode of the files a capture writes, in octal; "
            "its directories get the matching search bits (0640 -> 0750).", ours=True),
+    # captures on condition (rank/autocapture.py); env AUTO_RATIO: ONDEMAND_PROF_AUTO is the zero-code switch
+    Option("auto_ratio", "profile_auto", parse_float, 0.0, "Capture on its own when steps get this many times "
+           "slower than their rolling median (e.g. 1.5; 0 = off).", env="AUTO_RATIO", ours=True, bounds=(0, 1000)),
+    Option("auto_steps", "profile_auto_steps", parse_int, 3, "Consecutive slow steps that open an automatic "
+           "capture.", ours=True, bounds=(1, 10_000)),
+    Option("auto_cooldown_s", "profile_auto_cooldown", parse_float, 600.0, "Seconds after an automatic capture "
+           "during which no other starts.", ours=True, bounds=(0, 86400 * 7)),
+    Option("auto_per_hour", "profile_auto_budget", parse_int, 4, "Automatic captures per hour at most.", ours=True,
+           bounds=(1, 3600)),
 )
 
 
@@ -326,6 +335,8 @@ def validate(config: Any, labels: Mapping[str, str] | None = None) -> Any:
         )
     if not 1 <= config.ondemand_steps <= config.max_window_steps:
         raise _err(label("ondemand_steps"), config.ondemand_steps, f"1 to {config.max_window_steps} steps")
+    if 0 < config.auto_ratio <= 1:
+        raise _err(label("auto_ratio"), config.auto_ratio, "0 (off) or a ratio above 1, such as 1.5")
     if not config.save_path:
         raise _err(label("save_path"), config.save_path, "a directory path")
     return config

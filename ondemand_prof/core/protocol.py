@@ -43,6 +43,8 @@ RANK_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
     "hb": {"step": (int,)},
     "event": {"capture_id": (str,), "event": (str,), "info": (dict,)},
     "bye": {},
+    "triage_result": {"triage_id": (str,), "result": (dict,)},
+    "auto_capture": {"window": (dict,)},
 }
 # integer fields anywhere in a message's required fields: the range a real rank can send (a pid of 10**30 or a
 # step of -10**20 is refused at the door, not found later by a handler that does arithmetic on it)

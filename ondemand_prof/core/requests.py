@@ -21,6 +21,7 @@ from .window import Window, _step
 MAX_START_OFFSET = 1_000_000
 MAX_REQUEST_STEPS = 1_000_000_000
 MAX_ID_CHARS = 128
+ACTIONS = ("capture", "stacks", "memory", "flight_recorder")  # what a trigger file may ask for (rank/triage.py)
 
 
 class RequestError(ValueError):
@@ -37,6 +38,7 @@ class CaptureRequest:
     ranks: tuple[int, ...] | None = None  # None: the configuration's ranks
     options: Mapping[str, Any] = field(default_factory=dict)  # overrides of the configuration's window options
     request_id: str = ""
+    action: str = "capture"
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: v for k, v in (("steps", self.steps), ("start", self.start),
@@ -46,11 +48,13 @@ class CaptureRequest:
         out.update(self.options)
         if self.request_id:
             out["id"] = self.request_id
+        if self.action != "capture":
+            out["action"] = self.action
         return out
 
 
 def request_fields(options: tuple[Option, ...] = OPTIONS) -> tuple[str, ...]:
-    return ("start", "steps", "start_step", "ranks", "id", *(o.name for o in window_options(options)))
+    return ("start", "steps", "start_step", "ranks", "id", "action", *(o.name for o in window_options(options)))
 
 
 def _int(data: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
@@ -106,8 +110,11 @@ def parse_request(data: Mapping[str, Any] | None, options: tuple[Option, ...] = 
     request_id = data.get("id") or ""
     if not isinstance(request_id, str) or len(request_id) > MAX_ID_CHARS:
         raise RequestError(f"field 'id' must be a string of at most {MAX_ID_CHARS} characters")
+    action = data.get("action") or "capture"
+    if action not in ACTIONS:
+        raise RequestError(f"field 'action' must be one of {', '.join(ACTIONS)}, got {action!r}")
     return CaptureRequest(steps=steps, start=start, start_step=start_step, ranks=ranks,
-                          options=check_options(data, options=options), request_id=request_id)
+                          options=check_options(data, options=options), request_id=request_id, action=action)
 
 
 @dataclass(frozen=True)

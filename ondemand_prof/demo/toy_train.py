@@ -34,8 +34,42 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--status-file", help="write a JSON line per step here (tests follow progress)")
     parser.add_argument("--stop-file", help="end the loop once this file exists (one process; ranks in a "
                         "process group would stop at different steps)")
+    parser.add_argument("--stall-rank", type=int, default=-1, help="this rank stalls before its all_reduce...")
+    parser.add_argument("--stall-at-step", type=int, default=-1, help="...at this step...")
+    parser.add_argument("--stall-s", type=float, default=0.0, help="...for this long (the others wait in it)")
+    parser.add_argument("--stall-holding-gil", action="store_true",
+                        help="stall in native code that holds the GIL (no Python thread of the rank can run)")
+    parser.add_argument("--slow-from", type=int, default=-1, help="from this step on, --step-sleep is...")
+    parser.add_argument("--slow-factor", type=float, default=1.0, help="...this many times longer...")
+    parser.add_argument("--slow-rank", type=int, default=-1, help="...on this rank only (-1: every rank)")
     add_profile_args(parser)
     return parser
+
+
+def _hold_gil(seconds: float) -> None:
+    """Spin in C code that keeps the GIL and that no signal cuts short: a backtracking regular expression
+    (each extra character about doubles its time; measured on a short one, sized to about `seconds`)."""
+    import math
+    import re
+
+    pattern = re.compile(r"(a+)+$")
+    t0 = time.perf_counter()
+    pattern.match("a" * 16 + "b")
+    base = max(time.perf_counter() - t0, 1e-4)
+    n = 16 + max(0, math.ceil(math.log(max(seconds / base, 1.0), 1.9)))
+    pattern.match("a" * n + "b")
+
+
+def _stall(args: argparse.Namespace, it: int, status: object) -> None:
+    """Triage demos: one rank stalls while the others wait in a collective."""
+    if it != args.stall_at_step or int(os.environ.get("RANK", "0")) != args.stall_rank:
+        return
+    if status:
+        status.write(json.dumps({"stall": it}) + "\n")  # type: ignore[attr-defined]
+    if args.stall_holding_gil:
+        _hold_gil(args.stall_s)
+    else:
+        time.sleep(args.stall_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,13 +103,16 @@ def main(argv: list[str] | None = None) -> int:
         with record_function("backward"):
             opt.zero_grad()
             loss.backward()
+        _stall(args, it, status)
         if world > 1:
             with record_function("allreduce_grads"):
                 for p in model.parameters():
                     dist.all_reduce(p.grad)
         opt.step()
         if args.step_sleep:
-            time.sleep(args.step_sleep)
+            slow = args.slow_factor if 0 <= args.slow_from <= it and args.slow_rank in (
+                -1, int(os.environ.get("RANK", "0"))) else 1.0
+            time.sleep(args.step_sleep * slow)
         if status:
             status.write(json.dumps({"step": it, "t": t0}) + "\n")
         prof.step(it) if args.pass_step else prof.step()

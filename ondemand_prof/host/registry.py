@@ -46,6 +46,7 @@ class RankInfo:
     defaults: WindowDefaults | None = None  # what the rank's configuration fills into a request
     windows: list[dict[str, Any]] | None = None  # running and queued windows, from the last heartbeat
     uid: int | None = None  # the connecting process's uid, from the kernel (SO_PEERCRED); None: not known
+    native_dump: dict[str, Any] | None = None  # {"signal", "file"}: faulthandler's stack dump (host/triage.py)
 
     def estimated_step(self, wall: float) -> int:
         """The step this rank is probably running at wall time `wall` (extrapolated from its last heartbeat).
@@ -87,6 +88,9 @@ class Registry:
                 info.defaults = WindowDefaults.from_wire(msg["defaults"])
             except RequestError as exc:
                 raise ValueError(f"register: bad window defaults: {exc}") from None
+        native = msg.get("native_dump")
+        if isinstance(native, dict) and type(native.get("signal")) is int and isinstance(native.get("file"), str):
+            info.native_dump = {"signal": native["signal"], "file": native["file"][:4096]}
         self._update(info, msg)
         info.pid_visible = pid_alive(info.pid, False)
         # a restarted rank (same job and rank, new process) replaces the old entry

@@ -20,6 +20,7 @@ from ..core.files import iso_time, pid_alive
 from ..core.protocol import FINAL_STATES, HEARTBEAT_S, RANK_TIMEOUT_S, encode, reply_error, reply_ok
 from .records import CaptureRecord, RecordStore
 from .registry import RankInfo, Registry
+from .triage import TriageBook
 
 log = logging.getLogger("ondemand_prof.daemon")
 
@@ -48,8 +49,10 @@ class Service:
         self._watch_due: set[str] = set()
         self._next_pid_check = 0.0
         self.commands = commands
+        self.triage = TriageBook(self)  # stacks, memory, flight-recorder requests waiting for their ranks
         self.rank_handlers: dict[str, Callable[[bytes, dict[str, Any]], bytes | None]] = {
-            "register": self.on_register, "hb": self.on_heartbeat, "event": self.on_event, "bye": self.on_bye}
+            "register": self.on_register, "hb": self.on_heartbeat, "event": self.on_event, "bye": self.on_bye,
+            "triage_result": self.triage.on_result, "auto_capture": self.triage.on_auto_capture}
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -191,10 +194,12 @@ class Service:
             self._next_pid_check = now + PID_CHECK_S
             for info, reason in self.registry.expire(now, self.pid_check):
                 log.warning("ondemand-profd: rank %d of job %s left: %s", info.rank, info.job, reason)
+                self.triage.forget_later(info, reason, now)  # a hung rank stays reachable for a native dump
                 self._fail_parts(info, f"rank {info.rank} is gone: {reason}", wall)
             if now - self.started > RANK_TIMEOUT_S + HEARTBEAT_S and self.store.running():
                 self._fail_orphans(wall)
         self.store.flush()
+        self.triage.tick(now)
         if self.watches:
             self.answer_due_watches(now)
 

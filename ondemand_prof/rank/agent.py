@@ -71,6 +71,11 @@ class Agent:
                 log.debug("ondemand_prof: no exact writer tracking (%s); using the watcher's events", exc)
         self._thread = threading.Thread(target=self._run, name="ondemand-prof-agent", daemon=True)
         self.extensions: list[Any] = []  # e.g. the daemon link: .poll(now) each loop, .close()
+        from .triage import Triage
+
+        self.triage = Triage(prof, self.status_dir)  # stacks, memory, flight recorder on request
+        self.triage.install()
+        self.extensions.append(self.triage)
         if self.config.daemon:
             self._link_daemon()
 
@@ -222,6 +227,9 @@ class Agent:
             listener("rejected", {"error": str(exc), "request": trig.data})
             return
         base["request"] = request.as_dict()
+        if request.action != "capture":
+            self._trigger_triage(request, trig, ident.rank, listener)
+            return
         anchor = self.clock.step_at(trig.mtime)
         if anchor is None or trig.mtime > time.time() + 1.0:
             anchor = now_step  # written before our oldest sample, or a clock skewed into the future
@@ -242,6 +250,33 @@ class Agent:
         if window.note:
             base["note"] = window.note
         self.schedule(window, listener)
+
+    def _trigger_triage(self, request: Any, trig: Trigger, rank: int,
+                        listener: Callable[[str, dict[str, Any]], None]) -> None:
+        """{"action": "stacks" | "memory" | "flight_recorder"} in the trigger file: the answer goes to the status
+        file (stacks: capture.status/stacks-rank{R}.txt beside it)."""
+        ranks = request.ranks if request.ranks is not None else (-1,)
+        if not selects(ranks, rank):
+            listener("rejected", {"error": f"rank {rank} not selected (ranks {list(ranks)})"})
+            return
+
+        def reply(result: dict[str, Any]) -> None:
+            if request.action == "stacks" and result.get("ok"):
+                from .triage import stacks_text
+
+                path = self.status_dir / f"stacks-rank{rank}.txt"
+                try:
+                    _write_text(path, f"# rank {rank}, pid {os.getpid()}, step {result.get('current_step')}, "
+                                      f"collected in-process ({result['method']})\n\n" + stacks_text(result["threads"]))
+                    result = {"ok": True, "method": result["method"], "path": str(path),
+                              "threads": len(result["threads"])}
+                except OSError as exc:
+                    result = {"ok": False, "error": f"cannot write {path}: {exc.strerror}"}
+            result.pop("entries", None)  # the flight recorder's digest: the dump file has it all
+            listener("done" if result.get("ok") else "failed", result)
+
+        args = {"steps": request.steps} if request.action == "memory" and request.steps else {}
+        self.triage.request(request.action, args, reply, f"file-{trig.version}")
 
     def status_listener(self, base: dict[str, Any]) -> Callable[[str, dict[str, Any]], None]:
         """A window listener that records what happens to a trigger in this rank's status file."""
@@ -318,3 +353,12 @@ class Agent:
             write_json_atomic(self.status_dir / f"rank{rank}.json", status)
         except OSError as exc:
             log.warning("ondemand_prof: cannot write trigger status in %s: %s", self.status_dir, exc)
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Owner-only, never through a symlink, published whole."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)

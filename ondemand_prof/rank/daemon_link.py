@@ -25,10 +25,12 @@ log = logging.getLogger("ondemand_prof")
 DAEMON_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
     "capture": {"window": (dict,)},
     "cancel": {"capture_id": (str,)},
+    "triage": {"triage_id": (str,), "action": (str,)},
     "register": {},
     "registered": {},
     "error": {},
 }
+MAX_REPLY_BYTES = 63 * 1024  # under the daemon's 64 KiB message cap
 RECENT = 16  # the last events of this many captures are replayed at registration (a restarted daemon learns them)
 
 
@@ -75,6 +77,7 @@ class DaemonLink:
         self._outbox: collections.deque[tuple[str, str, dict[str, Any]]] = collections.deque()
         self._recent: collections.OrderedDict[str, tuple[str, dict[str, Any]]] = collections.OrderedDict()
         self._recent_lock = threading.Lock()
+        self._replies: collections.deque[bytes] = collections.deque()  # triage answers (rank/triage.py)
         log.debug("ondemand_prof: daemon link to %s", self.url)
 
     # ------------------------------------------------------------------------------------------------------
@@ -100,6 +103,10 @@ class DaemonLink:
             if not self._send(encode("event", capture_id=capture_id, event=event, info=info)):
                 break
             self._outbox.popleft()
+        while self._replies and self.registered:
+            if not self._send(self._replies[0]):
+                break
+            self._replies.popleft()
         if now >= self._next_beat:
             self._next_beat = now + HEARTBEAT_S
             self._beat()
@@ -163,7 +170,7 @@ class DaemonLink:
         body = encode("register", job=ident.job_id, rank=ident.rank, world_size=ident.world_size, host=ident.host,
                       pid=ident.pid, local_rank=ident.local_rank, save_root=str(Path(prof.config.save_path).absolute()),
                       version=__version__, recent=recent, defaults=WindowDefaults.from_config(prof.config).to_wire(),
-                      **self._progress())
+                      native_dump=self._native_dump(), **self._progress())
         self.registered = self._send(body)
         if self.registered:
             log.info("ondemand_prof: registered with ondemand-profd at %s (job %s, rank %d)", self.url, ident.job_id,
@@ -183,6 +190,8 @@ class DaemonLink:
             self._on_capture(msg)
         elif kind == "cancel":
             self._on_cancel(msg["capture_id"])
+        elif kind == "triage":
+            self._on_triage(msg)
         elif kind == "error":
             log.warning("ondemand_prof: the daemon refused a message: %s", msg.get("error"))
 
@@ -202,6 +211,36 @@ class DaemonLink:
     def _on_cancel(self, capture_id: str) -> None:
         prof = self.agent.prof
         prof.call_at_next_step(lambda step: prof.cancel(capture_id, step))
+
+    def _native_dump(self) -> dict[str, Any] | None:
+        triage = getattr(self.agent, "triage", None)
+        return triage.native.announce() if triage is not None else None
+
+    def _on_triage(self, msg: dict[str, Any]) -> None:
+        """stacks, memory, flight_recorder: answered with a triage_result, now or (memory) after its steps."""
+        triage_id = msg["triage_id"]
+
+        def reply(result: dict[str, Any]) -> None:  # any thread: sent from the agent thread
+            body = encode("triage_result", triage_id=triage_id, result=result)
+            if len(body) > MAX_REPLY_BYTES:
+                body = encode("triage_result", triage_id=triage_id, result={
+                    "ok": False, "error": f"the answer is {len(body)} bytes, more than a message holds"})
+            self.post(body)
+
+        triage = getattr(self.agent, "triage", None)
+        if triage is None:
+            reply({"ok": False, "error": "this rank has no triage support"})
+            return
+        triage.request(msg["action"], msg.get("args"), reply, str(msg.get("capture_id") or triage_id))
+
+    def post(self, body: bytes) -> None:
+        """Any thread: a message for the daemon, sent from the agent thread once registered."""
+        self._replies.append(body)
+        self.agent.wake()
+
+    def listener_for(self, capture_id: str) -> Any:
+        """A window listener that reports progress to the daemon (automatic captures use it)."""
+        return self._listener(capture_id)
 
     def _listener(self, capture_id: str) -> Any:
         def listen(event: str, info: dict[str, Any]) -> None:

@@ -64,6 +64,11 @@ class OnDemandProfiler:
         self.scheduler = Scheduler(self, warmup_steps=self.config.warmup_steps)
         self.agent: Any = None
         self.signal_trigger: Any = None
+        self._auto: Any = None  # --profile-auto: the idle step also times itself (rank/autocapture.py)
+        if self.config.auto_ratio and self.config.ondemand:
+            from .autocapture import AutoCapture
+
+            self._auto = AutoCapture(self)
 
         if self.config.enabled or self.config.ondemand:
             problem = writable_problem(self._save_root)
@@ -75,6 +80,11 @@ class OnDemandProfiler:
         self._boundary()
         if start_agent and self.config.ondemand:
             self._start_agent()
+        if self._auto is not None:
+            if self.agent is not None:
+                self._auto.attach(self.agent)
+        if self.config.auto_ratio and self._auto is None:
+            log.warning("ondemand_prof: --profile-auto needs on-demand listening (--profile-ondemand); it is off")
         if self.config.signal:
             from .signals import SignalTrigger
 
@@ -149,7 +159,8 @@ class OnDemandProfiler:
         # length_hint). next(counter, n) also accepts the loop's own number (prof.step(n)), which is then ignored
         # until a window is pending. See README "Idle cost".
         self._counter = iter(range(self._step + 1, _COUNTER_END))
-        self.step = functools.partial(next, self._counter)  # type: ignore[method-assign]
+        self.step = functools.partial(next, self._counter) if self._auto is None else \
+            self._auto.idle_step(self._counter)  # type: ignore[method-assign]
         if self._inbox:  # a request arrived meanwhile: take the checked path at the next step
             self._wake_up()
 

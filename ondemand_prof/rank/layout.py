@@ -8,6 +8,8 @@
                                                            step/operator summaries or profile.db
         {host}_{pid}_{YYYYmmddHHMMSSmmm}_ascend_pt/        torch_npu: its own directory, as torch_npu names it
         .{rank directory}.partial/                         staging, renamed when complete
+        {host}_{pid}_rank{R}.memory.pickle                 triage files (ondemandctl memory, flight-recorder):
+        {host}_{pid}_rank{R}.fr_trace.pickle               {capture} is then the triage request's id
 
 {capture} is the capture id (ondemandctl's, `file-<version>` for a trigger file, `static-<job>-<start>-<end>`
 for the configured window). HTA reads every *.json directly in a folder as a rank's trace, which is why the
@@ -64,6 +66,11 @@ class CaptureLayout:
         stamp = f"{when:%Y%m%d%H%M%S}{when.microsecond // 1000:03d}"
         return RankOutput(self.save_root / safe_name(capture_id), f"{self.host}_{self.pid}_{stamp}_{suffix}",
                           f"{self.host}_{self.pid}_rank{rank}.pt.trace.json")
+
+    def triage_path(self, capture_id: str, rank: int, kind: str) -> Path:
+        """A triage file (memory snapshot, flight-recorder dump) beside the traces of its capture folder:
+        {save}/{capture}/{host}_{pid}_rank{R}.{kind}"""
+        return self.save_root / safe_name(capture_id) / safe_name(f"{self.host}_{self.pid}_rank{rank}.{kind}")
 
     def remove_stale_staging(self) -> list[Path]:
         """Staging dirs left by crashed processes of this host (their pid is gone) are removed at start-up."""

@@ -24,12 +24,12 @@ import os
 import re
 import sqlite3
 import sys
-from array import array
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
-STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
+from ..core.tracedefs import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
+
 
 # Data simplification: args that only serve torch's internal bookkeeping, or duplicate what the event
 # already says, and flow events (fwd->bwd and cpu->gpu arrows) which viewers draw but no analysis needs.
@@ -40,8 +40,6 @@ SIMPLIFY_DROP_ARGS = frozenset({
 })
 SIMPLIFY_DROP_PHASES = frozenset({"s", "f", "t"})
 ANNOTATION_CATS = frozenset({"user_annotation", "gpu_user_annotation"})
-CPU_TREE_CATS = frozenset({"cpu_op", "user_annotation"})
-DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 OPERATOR_CATS = frozenset({"cpu_op"}) | DEVICE_CATS
 
 
@@ -129,22 +127,6 @@ def steps_table(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rows.append({"step": step, "ts_us": float(ev["ts"]), "dur_us": float(ev.get("dur", 0.0))})
     rows.sort(key=lambda r: r["step"])
     return rows
-
-
-def thread_self_times(ts: Sequence[float], dur: Sequence[float]) -> array:
-    """Self time of each event of one thread, in the given order: its duration minus its direct children's.
-
-    The definition of torch's key_averages() self CPU time; shared by this exporter and the reports."""
-    selfs = array("d", dur)
-    stack: list[tuple[int, float]] = []  # (index, end) of the enclosing events
-    for i in sorted(range(len(ts)), key=lambda i: (ts[i], -dur[i])):
-        start = ts[i]
-        while stack and stack[-1][1] <= start:
-            stack.pop()
-        if stack:
-            selfs[stack[-1][0]] -= dur[i]
-        stack.append((i, start + dur[i]))
-    return selfs
 
 
 def self_times(events: list[dict[str, Any]]) -> dict[int, float]:
@@ -285,7 +267,7 @@ SUMMARY_TOP = 15
 def write_rank_summary(out_dir: Path, trace: dict[str, Any], spec: dict[str, Any]) -> str:
     """summary.json: this rank's report (step split, top operators and kernels, memory peaks), computed here
     where the trace is written, so that a report across hosts merges these instead of reading traces."""
-    from ..report.analyze import RankAnalyzer  # the report's own definitions (it imports this module)
+    from ..report.analyze import RankAnalyzer  # the report's own definitions, so summaries and reports agree
 
     analyzer = RankAnalyzer()
     analyzer.feed(trace["traceEvents"])

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..rank.postprocess import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
+from ..core.tracedefs import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
 from .classify import (CATEGORY_ALIASES, DEVICE_PROCESSES, LAUNCH_CATS, LAUNCH_FLOWS, device_name, is_comm,
                        kernel_group)
 from .tracefile import TraceError, TraceReader

@@ -1,0 +1,185 @@
+"""Captures on condition (--profile-auto RATIO): a rank compares each step's time with its rolling median; when
+--profile-auto-steps consecutive steps are RATIO times slower, it opens a window on itself (source "auto", the
+reason in its metadata) and asks the daemon for the same window on a median-speed reference rank of its job.
+A cooldown and an hourly budget bound how many captures a slow phase can start.
+
+Threads: SlowStepMonitor's step function runs on the training thread as the idle step() (a small Python
+function around the C counter instead of the counter alone: about 0.3 us more per step, bench/bench_hook.py);
+deciding, planning and scheduling happen on the agent thread (AutoCapture.poll). Off (the default), nothing
+here is loaded and step() is the C counter.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as _dt
+import logging
+import os
+import time
+from typing import Any, Callable
+
+from ..core.options import WindowOptions
+from ..core.protocol import encode
+from ..core.window import Window
+
+log = logging.getLogger("ondemand_prof.rank.autocapture")
+
+HISTORY = 64  # (a power of two) step times the rolling median is taken over
+EVERY = 16  # the median is recomputed every this many steps (sorting 64 floats each step would cost ~2 us)
+MIN_SAMPLES = 16  # no judgement before this many steps
+
+
+MIN_EXTRA_S = 0.001  # a step must also be this much longer than the median to count as slow (sub-ms jitter
+                     # of a tiny loop, a GIL hand-over to another thread, is not a slowdown)
+
+
+class SlowStepMonitor:
+    """Training thread. step_fn(counter) is the idle step(): the C counter, then this step's time against the
+    rolling median; fire(slow_times, median) when `steps` consecutive steps took more than `ratio` times the
+    median. The per-step state lives in the closure's cells (cheaper than attributes); the rare path (a slow
+    step, a recovery, every EVERY-th step's median update) is a second function. See bench/bench_hook.py."""
+
+    def __init__(self, ratio: float, steps: int, fire: Callable[[list[float], float], None],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.ratio, self.steps, self.fire, self.clock = ratio, steps, fire, clock
+        self.durations = [0.0] * HISTORY  # a ring, written at n % HISTORY; kept across windows
+        self.n = 0  # intervals seen (synchronised from the closure on the rare path)
+        self.median: float | None = None
+        self.threshold = float("inf")  # no judgement until a median exists
+
+    def _update_median(self, n: int) -> None:
+        ordered = sorted(self.durations[:n] if n < HISTORY else self.durations)
+        self.median = median = ordered[len(ordered) // 2]
+        self.threshold = max(self.ratio * median, median + MIN_EXTRA_S)
+
+    def step_fn(self, counter: Any) -> Callable[..., Any]:
+        """A fresh idle step() (after a window the first interval is not a step: the clock starts again)."""
+        nxt, perf, durations, mask = next, self.clock, self.durations, HISTORY - 1
+        me = self
+        last: float | None = None
+        n = self.n
+        threshold = self.threshold
+        slow: list[float] = []
+
+        def rare(dt: float) -> None:
+            nonlocal n, threshold, slow
+            if dt > threshold:
+                slow.append(dt)
+                if len(slow) >= me.steps:
+                    fired, slow = slow, []
+                    me.fire(fired, me.median or 0.0)
+            elif slow:
+                slow = []
+            durations[n & mask] = dt
+            n += 1
+            me.n = n
+            if not n % EVERY and n >= MIN_SAMPLES:
+                me._update_median(n)
+                threshold = me.threshold
+
+        def step(x: Any = None, /) -> None:
+            nonlocal last, n
+            nxt(counter, x)
+            now = perf()
+            if last is not None:
+                dt = now - last
+                if dt > threshold or slow or not (n + 1) % EVERY:
+                    rare(dt)
+                else:
+                    durations[n & mask] = dt
+                    n += 1
+            last = now
+
+        return step
+
+
+class AutoCapture:
+    """The policy (cooldown, hourly budget) and the window, on the agent thread."""
+
+    def __init__(self, prof: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        config = prof.config
+        self.prof = prof
+        self.ratio, self.steps = float(config.auto_ratio), int(config.auto_steps)
+        self.cooldown_s, self.per_hour = float(config.auto_cooldown_s), int(config.auto_per_hour)
+        self.monitor = SlowStepMonitor(self.ratio, self.steps, self._fired)
+        self.clock = clock
+        self.agent: Any = None
+        # bounded: without an agent to drain it (start_agent=False), slowdowns are dropped, not hoarded
+        self._fired_q: collections.deque[tuple[list[float], float, int]] = collections.deque(maxlen=16)
+        self.started: list[float] = []  # when automatic captures started (the budget's hour)
+        self.held = 0  # slowdowns not captured because of the cooldown or the budget
+
+    def idle_step(self, counter: Any) -> Callable[..., Any]:
+        return self.monitor.step_fn(counter)
+
+    def attach(self, agent: Any) -> None:
+        self.agent = agent
+        agent.extensions.append(self)
+        log.info("ondemand_prof: automatic captures when %d consecutive steps are %gx slower than the rolling "
+                 "median (cooldown %g s, at most %d per hour)", self.steps, self.ratio, self.cooldown_s,
+                 self.per_hour)
+
+    def _fired(self, slow: list[float], median: float) -> None:  # training thread: hand over, nothing more
+        self._fired_q.append((slow, median, self.prof.current_step))
+        if self.agent is not None:
+            self.agent.wake()
+
+    # agent thread ------------------------------------------------------------------------------------------
+
+    def poll(self, now: float) -> None:
+        while self._fired_q:
+            slow, median, step = self._fired_q.popleft()
+            self._decide(slow, median, step)
+
+    def close(self) -> None:
+        pass
+
+    def allowed(self, now: float) -> str:
+        """'' when a capture may start now, else why not."""
+        self.started = [t for t in self.started if now - t < 3600]
+        if self.started and now - self.started[-1] < self.cooldown_s:
+            return f"cooldown ({self.cooldown_s - (now - self.started[-1]):.0f} s left)"
+        if len(self.started) >= self.per_hour:
+            return f"hourly budget of {self.per_hour} capture(s) spent"
+        return ""
+
+    def _decide(self, slow: list[float], median: float, step: int) -> None:
+        now = self.clock()
+        reason = {"why": f"{len(slow)} consecutive steps over {self.ratio:g}x the rolling median step time",
+                  "ratio": self.ratio, "median_step_s": round(median, 6),
+                  "slow_steps_s": [round(s, 6) for s in slow], "detected_at_step": step}
+        held = self.allowed(now)
+        if held:
+            self.held += 1
+            log.info("ondemand_prof: steps are %.1fx slower than the median (%.1f ms) at step %d; no automatic "
+                     "capture: %s", max(slow) / median, median * 1000, step, held)
+            return
+        self.started.append(now)
+        window = self._window(reason)
+        log.warning("ondemand_prof: steps are %.1fx slower than the median (%.1f ms) at step %d: automatic capture "
+                    "%s of steps [%d, %d)", max(slow) / median, median * 1000, step, window.capture_id, window.start,
+                    window.end)
+        link = next((e for e in self.agent.extensions if hasattr(e, "listener_for")), None)
+        listener = link.listener_for(window.capture_id) if link is not None else _log_listener(window.capture_id)
+        self.agent.schedule(window, listener)
+        if link is not None:  # the daemon opens the same window on a median-speed rank of this job
+            link.post(encode("auto_capture", window=window.to_wire()))
+
+    def _window(self, reason: dict[str, Any]) -> Window:
+        prof, config = self.prof, self.prof.config
+        lead = self.agent._lead_steps() + 1 if hasattr(self.agent, "_lead_steps") else 2
+        start = prof.current_step + lead  # ahead enough for the daemon to reach a reference rank too
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        capture_id = f"auto-{stamp}-r{prof.identity().rank}-{os.getpid()}"
+        steps = min(config.ondemand_steps, config.max_window_steps)
+        return Window(start, start + steps, WindowOptions.from_config(config), source="auto", capture_id=capture_id,
+                      requested={"auto": reason, "steps": steps})
+
+
+def _log_listener(capture_id: str) -> Callable[[str, dict[str, Any]], None]:
+    def listen(event: str, info: dict[str, Any]) -> None:
+        if event in ("done", "failed", "rejected"):
+            log.info("ondemand_prof: automatic capture %s %s: %s", capture_id, event,
+                     info.get("path") or info.get("error"))
+
+    return listen

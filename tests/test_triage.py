@@ -1,0 +1,323 @@
+"""Triage on demand: stacks of every rank (one blocked in a collective, one holding the GIL), memory and
+flight-recorder replies, automatic captures, stragglers in status. Real gloo ranks, a real daemon, the real CLI;
+the CUDA snapshot and the flight-recorder dump of other backends are synthetic fixtures, named so."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import captures, ctl, ctl_json, live_ranks, run_ranks, start_ranks, wait_for
+from test_daemon import daemon, env  # noqa: F401 - env is a fixture: a runtime dir, a state dir, the processes
+
+TRAIN = ["--profile-min-free-mb", "0", "--profile-ranks", "-1"]
+
+
+def ranks(env: dict[str, Any], world: int, *extra: str, job: str = "tri") -> list[subprocess.Popen]:
+    procs = start_ranks(["--profile-save-path", str(env["save"]), "--profile-job-id", job, *TRAIN, *extra],
+                        world=world, env={"ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])})
+    env["procs"].extend(procs)
+    return procs
+
+
+def poll(pred: Any, what: str, timeout: float = 300) -> Any:
+    return wait_for(pred, timeout, what, pause=0.5)
+
+
+def status_lines(path: Path) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def stalled(env: dict[str, Any], status: Path, n: int) -> None:
+    """Until the stalling rank said it stalls and n ranks are registered."""
+    poll(lambda: len(live_ranks(env["run"])) == n, f"{n} rank(s) registered")
+    wait_for(lambda: any("stall" in x for x in status_lines(status)), 300, "the stall to begin")
+
+
+def test_stacks_show_the_rank_blocked_in_the_collective(env: dict[str, Any]) -> None:
+    daemon(env)
+    status = env["save"].parent / "steps.jsonl"
+    procs = ranks(env, 2, "--steps", "40", "--step-sleep", "0.01", "--stall-rank", "0", "--stall-at-step", "30",
+                  "--stall-s", "25", "--status-file", str(status))
+    stalled(env, status, 2)
+    time.sleep(0.5)  # rank 1 reaches its all_reduce
+    res = ctl(env["run"], "stacks", "--ranks", "-1")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "2 answered in-process (Python), 0 by native dump" in out, out
+    assert "=== thread MainThread (main): 2 different stacks" in out, out
+    # rank 1's main thread waits in the all_reduce; rank 0's sleeps in the stall; each stack is labelled
+    blocks = out.split("--- rank(s) ")
+    rank1 = next(b for b in blocks if b.startswith("1 (1)"))
+    rank0 = next(b for b in blocks if b.startswith("0 (1)"))
+    assert "all_reduce" in rank1 and "in main" in rank1, out
+    assert "in _stall" in rank0 and "all_reduce" not in rank0, out
+    data = ctl_json(env["run"], "stacks", "--ranks", "1")
+    assert data["answered_python"] == [1] and data["ranks"]["1"]["method"] == "python"
+    for p in procs:
+        p.kill()
+
+
+def test_a_rank_holding_the_gil_gets_a_native_dump_said_as_such(env: dict[str, Any]) -> None:
+    daemon(env)
+    status = env["save"].parent / "steps.jsonl"
+    ranks(env, 1, "--no-dist", "--steps", "200", "--step-sleep", "0.01", "--stall-rank", "0", "--stall-at-step", "30",
+          "--stall-s", "30", "--stall-holding-gil", "--status-file", str(status))
+    stalled(env, status, 1)  # its heartbeats stop now; the daemon keeps it reachable for a native dump
+    time.sleep(4)  # past the daemon's heartbeat timeout: status no longer lists it, stacks still reach it
+    assert live_ranks(env["run"]) == []
+    res = ctl(env["run"], "stacks", "--timeout", "2")
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "0 answered in-process (Python), 1 by native dump (faulthandler)" in out, out
+    assert "NATIVE DUMP" in out and "holds the GIL" in out, out
+    assert "in _stall" in out, out  # faulthandler's own format: "File ..., line N in _stall"
+
+
+def test_trigger_file_stacks_write_a_status_file(tmp_path: Path) -> None:
+    trig = tmp_path / "trig"
+    status = tmp_path / "steps.jsonl"
+    procs = start_ranks(["--steps", "400", "--step-sleep", "0.02", "--profile-trigger-dir", str(trig),
+                         "--profile-save-path", str(tmp_path / "p"), "--status-file", str(status), *TRAIN])
+    try:
+        wait_for(lambda: len(status_lines(status)) > 3, 300, "steps")
+        (trig / "capture").write_text('{"action": "stacks"}')
+        out = wait_for(lambda: (trig / "capture.status" / "stacks-rank0.txt").exists() and
+                       (trig / "capture.status" / "stacks-rank0.txt").read_text(), 30, "the stacks file")
+        assert "collected in-process (python)" in out and 'Thread "MainThread" (main)' in out, out
+        assert "toy_train.py" in out
+        st = wait_for(lambda: (lambda s: s if s.get("latest", {}).get("state") == "done" else None)(
+            json.loads((trig / "capture.status" / "rank0.json").read_text())), 30, "the status")
+        assert st["latest"]["request"] == {"action": "stacks", "start": 1}
+        (trig / "capture").write_text('{"action": "dance"}')
+        st = wait_for(lambda: (lambda s: s if s.get("latest", {}).get("state") == "rejected" else None)(
+            json.loads((trig / "capture.status" / "rank0.json").read_text())), 30, "the rejection")
+        assert "field 'action' must be one of" in st["latest"]["error"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_memory_and_flight_recorder_on_cpu_say_so(env: dict[str, Any]) -> None:
+    daemon(env)
+    procs = ranks(env, 2, "--steps", "3000", "--step-sleep", "0.01")
+    poll(lambda: (lambda rs: len(rs) == 2 and all(r["step"] > 3 for r in rs))(live_ranks(env["run"])),
+         "2 ranks stepping", 300)
+    res = ctl(env["run"], "memory", "--ranks", "0", "--steps", "2")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "rank(s) 0: not available on this backend (CPU)" in res.stdout, res.stdout
+    res = ctl(env["run"], "memory", "--ranks", "-1", "--json")
+    assert res.returncode == 1, res.stderr
+    data = json.loads(res.stdout)
+    assert [r["unavailable"] for r in data["ranks"].values()] == [True, True]
+    assert not list(env["save"].glob("memory-*/*.pickle"))
+    # gloo on this torch keeps a flight recorder: a real dump per rank, and both ranks entered the same collectives
+    res = ctl(env["run"], "flight-recorder")
+    assert res.returncode == 0, res.stdout + res.stderr
+    files = sorted(env["save"].glob("flight-recorder-*/*.fr_trace.pickle"))
+    assert len(files) == 2 and all(f.name.endswith(f"_rank{i}.fr_trace.pickle") for i, f in enumerate(files)), files
+    dump = pickle.loads(files[0].read_bytes())
+    assert any(e["profiling_name"] == "gloo:all_reduce" for e in dump["entries"])
+    assert "process group 0 (default_pg), rank(s) 0-1" in res.stdout, res.stdout
+    for p in procs:
+        p.kill()
+
+
+def test_flight_recorder_without_a_process_group_says_how(env: dict[str, Any]) -> None:
+    daemon(env)
+    ranks(env, 1, "--no-dist", "--steps", "3000", "--step-sleep", "0.01")
+    poll(lambda: len(live_ranks(env["run"])) == 1, "1 rank", 300)
+    res = ctl(env["run"], "flight-recorder")
+    assert res.returncode == 1 and "no process group in this rank" in res.stdout, res.stdout + res.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Synthetic fixtures (shaped like the real dumps; no CUDA or NCCL here)
+
+def synthetic_fr_dump(rank: int, last_seq: int, state_of_last: str = "scheduled") -> dict[str, Any]:
+    """SYNTHETIC flight-recorder dump, in torch's format (torch/distributed/flight_recorder: version, pg_config,
+    pg_status, entries with process_group, collective_seq_id, profiling_name, state, ...)."""
+    entries = []
+    for seq in range(1, last_seq + 1):
+        entries.append({"record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"),
+                        "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq,
+                        "profiling_name": "nccl:all_reduce" if seq % 2 else "nccl:all_gather",
+                        "time_created_ns": 10**18 + seq, "input_sizes": [[1024]], "input_dtypes": ["Float"],
+                        "output_sizes": [[1024]], "output_dtypes": ["Float"],
+                        "state": "completed" if seq < last_seq else state_of_last, "retired": seq < last_seq,
+                        "timeout_ms": 600000, "is_p2p": False, "frames": []})
+    return {"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2, 3]"}},
+            "pg_status": {"0": {"last_enqueued_collective": last_seq, "last_started_collective": last_seq,
+                                "last_completed_collective": last_seq - 1}},
+            "entries": entries}
+
+
+def test_flight_recorder_summary_names_the_collective_a_rank_did_not_enter() -> None:
+    from ondemand_prof.host.triage import summarize_flight_recorder
+    from ondemand_prof.rank.triage import flight_recorder_digest
+
+    # ranks 0, 1, 3 entered collective 7; rank 2 is stuck before it
+    digests = {r: flight_recorder_digest(synthetic_fr_dump(r, 6 if r == 2 else 7, "started")) for r in range(4)}
+    summary = summarize_flight_recorder(digests)
+    (pg,) = summary["process_groups"]
+    assert not summary["in_step"]
+    assert pg["mismatches"] == [{"seq": 7, "collective": "nccl:all_reduce", "entered": [0, 1, 3],
+                                 "entered_spans": "0-1,3", "missing": [2], "missing_spans": "2"}]
+    assert (pg["min_seq"], pg["max_seq"]) == (6, 7)
+    in_step = summarize_flight_recorder({r: flight_recorder_digest(synthetic_fr_dump(r, 7)) for r in range(4)})
+    assert in_step["in_step"] and not in_step["process_groups"][0]["mismatches"]
+    # a bounded history: ranks whose buffer no longer holds an old number are not reported missing for it
+    short = flight_recorder_digest(synthetic_fr_dump(0, 7), limit=3)
+    assert [e["seq"] for e in short["entries"]] == [5, 6, 7]
+    mixed = summarize_flight_recorder({0: short, 1: flight_recorder_digest(synthetic_fr_dump(1, 7))})
+    assert mixed["in_step"], mixed
+
+
+def synthetic_cuda_snapshot() -> dict[str, Any]:
+    """SYNTHETIC torch.cuda.memory._snapshot() result (segments with blocks and frames; device_traces)."""
+    frames = [{"filename": "/x/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
+              {"filename": "/x/train.py", "line": 42, "name": "step"}]
+    return {"segments": [
+        {"device": 0, "address": 1 << 32, "total_size": 20 << 20, "allocated_size": 12 << 20, "active_size": 12 << 20,
+         "requested_size": 12 << 20, "stream": 0, "segment_type": "large", "segment_pool_id": (0, 0),
+         "is_expandable": False, "frames": [],
+         "blocks": [{"address": 1 << 32, "size": 8 << 20, "requested_size": 8 << 20, "state": "active_allocated",
+                     "frames": frames},
+                    {"address": (1 << 32) + (8 << 20), "size": 4 << 20, "requested_size": 4 << 20,
+                     "state": "active_allocated", "frames": frames[1:]},
+                    {"address": (1 << 32) + (12 << 20), "size": 8 << 20, "state": "inactive", "frames": []}]}],
+        "device_traces": [[{"action": "alloc", "addr": 1, "size": 8 << 20, "stream": 0, "frames": frames},
+                           {"action": "free_requested", "addr": 1, "size": 8 << 20, "stream": 0, "frames": frames},
+                           {"action": "alloc", "addr": 2, "size": 4 << 20, "stream": 0, "frames": frames}]],
+        "allocator_settings": {}}
+
+
+class FakeCudaMemory:
+    """Stands in for torch.cuda.memory: records what was switched on and off, returns the synthetic snapshot."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def _record_memory_history(self, enabled: Any = "all", **kw: Any) -> None:
+        self.calls.append({"enabled": enabled, **kw})
+
+    def _snapshot(self) -> dict[str, Any]:
+        return synthetic_cuda_snapshot()
+
+
+def test_memory_recording_switches_history_on_for_the_steps_then_off(tmp_path: Path) -> None:
+    from ondemand_prof.rank.triage import MemoryRecording
+
+    mod = FakeCudaMemory()
+    got: list[dict[str, Any]] = []
+    rec = MemoryRecording(mod, "cuda", 3, 5000, "python", tmp_path / "cap" / "h_1_rank0.memory.pickle", got.append)
+    assert mod.calls == []  # nothing before the request's first step
+    rec.begin(10)
+    assert mod.calls == [{"enabled": "all", "max_entries": 5000, "stacks": "python"}]
+    rec.end(13)
+    assert mod.calls[-1] == {"enabled": None}  # switched off after
+    result = rec.write()
+    assert result["ok"] and result["steps"] == [10, 13]
+    assert pickle.loads(Path(result["path"]).read_bytes()) == synthetic_cuda_snapshot()
+    s = result["summary"]
+    assert (s["reserved_bytes"], s["allocated_bytes"], s["history_entries"]) == (20 << 20, 12 << 20, 3)
+    assert s["largest_blocks"][0] == {"bytes": 8 << 20, "where": "/x/torch/nn/modules/linear.py:125 forward"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Captures on condition
+
+def test_a_slowdown_opens_one_automatic_window_then_the_cooldown_holds(tmp_path: Path) -> None:
+    save = tmp_path / "p"
+    (rc, out, err), = run_ranks(["--steps", "160", "--step-sleep", "0.03", "--slow-from", "60", "--slow-factor", "4",
+                                 "--profile-auto", "2.5", "--profile-auto-steps", "5", "--profile-auto-cooldown", "3600",
+                                 "--profile-save-path", str(save), "--profile-trigger-dir", str(tmp_path / "t"),
+                                 *TRAIN], timeout=240)
+    assert rc == 0, err[-3000:]
+    caps = captures(save)
+    assert len(caps) == 1, (caps, err[-3000:])
+    meta = caps[0]
+    assert meta["trigger"]["source"] == "auto"
+    auto = meta["trigger"]["request"]["auto"]
+    assert auto["ratio"] == 2.5 and auto["detected_at_step"] >= 60, auto
+    assert len(auto["slow_steps_s"]) == 5 and all(s > 2.5 * auto["median_step_s"] for s in auto["slow_steps_s"])
+    assert meta["window"]["recorded_steps"][0] > auto["detected_at_step"]
+    assert "no automatic capture: cooldown" in err, err[-3000:]  # the slowdown went on; the cooldown held
+
+
+def test_auto_is_off_by_default_and_checked(tmp_path: Path) -> None:
+    from ondemand_prof import OnDemandProfiler
+    from ondemand_prof.core.options import ConfigError, config_from_mapping
+
+    prof = OnDemandProfiler(config_from_mapping({"profile_save_path": str(tmp_path), "profile_ondemand": False}))
+    assert isinstance(prof.step, __import__("functools").partial)  # the C-level idle counter, unchanged
+    prof.close()
+    with pytest.raises(ConfigError, match="profile_auto"):
+        config_from_mapping({"profile_auto": 0.5})
+    cfg = config_from_mapping({"profile_auto": 1.5, "profile_auto_steps": 4})
+    assert (cfg.auto_ratio, cfg.auto_steps, cfg.auto_per_hour) == (1.5, 4, 4)
+
+
+def test_the_daemon_adds_a_reference_rank_and_status_marks_the_straggler(env: dict[str, Any]) -> None:
+    daemon(env)
+    # two independent ranks of one job (no process group, so one can be slow alone); rank 1 slows down 4x
+    procs = start_ranks(["--no-dist", "--steps", "400", "--step-sleep", "0.03", "--slow-from", "80", "--slow-factor",
+                         "4", "--slow-rank", "1", "--profile-auto", "2.5", "--profile-auto-steps", "5", "--profile-auto-cooldown", "3600", "--profile-job-id", "auto",
+                         "--profile-save-path", str(env["save"]), *TRAIN], world=2,
+                        env={"ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])})
+    env["procs"].extend(procs)
+    # status: rank 1's step time is well above the job's median, and marked
+    data = poll(lambda: (lambda d: d if d.get("stragglers", {}).get("auto", {}).get("slow_ranks") == [1]
+                         else None)(json.loads(ctl(env["run"], "status", "--json").stdout or "{}")), "rank 1 marked slow")
+    rank1 = next(r for r in data["jobs"]["auto"] if r["rank"] == 1)
+    assert rank1["slow"] and rank1["vs_median"] > 1.2
+    assert "SLOW" in ctl(env["run"], "status").stdout
+    caps = poll(lambda: (lambda c: c if c and c[0]["states"].get("done") == 2 else None)(
+        ctl_json(env["run"], "list")["captures"]), "the automatic capture on both ranks")
+    assert len(caps) == 1 and caps[0]["capture_id"].startswith("auto-")
+    record = ctl_json(env["run"], "show", caps[0]["capture_id"])
+    assert record["request"]["slow_rank"] == 1 and record["request"]["reference_rank"] == 0
+    metas = sorted(captures(env["save"]), key=lambda m: m["rank"])
+    assert [m["rank"] for m in metas] == [0, 1] and metas[0]["folder"] == metas[1]["folder"]
+    assert metas[0]["trigger"]["request"]["reference_for_rank"] == 1
+    # the same absolute window on both (these two ranks are not in lockstep: the reference one says how late)
+    assert metas[0]["trigger"]["request"]["auto"] == metas[1]["trigger"]["request"]["auto"]
+    assert metas[1]["trigger"]["request"]["auto"]["detected_at_step"] >= 80
+    for p in procs:
+        p.kill()
+
+
+def test_slow_step_monitor_fires_on_k_consecutive_slow_steps_only() -> None:
+    from ondemand_prof.rank.autocapture import SlowStepMonitor
+
+    now = [0.0]
+    fired: list[tuple[list[float], float]] = []
+    mon = SlowStepMonitor(2.0, 3, lambda slow, median: fired.append((slow, median)), clock=lambda: now[0])
+    step = mon.step_fn(iter(range(10**6)))
+
+    def run(*durations: float) -> None:
+        for d in durations:
+            now[0] += d
+            step()
+
+    run(*[0.010] * 40)
+    assert mon.median == pytest.approx(0.010)
+    run(0.030, 0.030, 0.010, 0.030, 0.030)  # never three in a row
+    run(0.0104, 0.0104, 0.0104, 0.0104)  # jitter
+    assert fired == []
+    run(0.030, 0.031, 0.032)
+    assert fired == [([pytest.approx(0.030), pytest.approx(0.031), pytest.approx(0.032)], pytest.approx(0.010))]
+    tiny = SlowStepMonitor(2.0, 3, lambda *a: fired.append(a), clock=lambda: now[0])  # a 10 us loop: sub-ms
+    step = tiny.step_fn(iter(range(10**6)))  # hiccups of 5x are not slowdowns
+    run(*[1e-5] * 40, 5e-5, 5e-5, 5e-5)
+    assert len(fired) == 1

@@ -10,13 +10,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from conftest import ROOT, base_env, captures, ctl, ctl_json, free_port, live_ranks, short_dir, start_daemon, \
-    trace_steps, wait_for
+from conftest import NO_DAEMON_DIR, ROOT, base_env, captures, ctl, free_port, live_ranks, load_trace, short_dir, \
+    start_daemon, trace_steps, wait_for
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 EXAMPLES = ROOT / "examples"
@@ -135,7 +136,8 @@ def check_example(env: dict[str, Any], argv: list[str], world: int, static_steps
         job, ranks = wait_registered(env, world, timeout=120)
     except AssertionError:
         proc.kill()
-        raise AssertionError(f"example did not register:\n{proc.communicate()[1][-4000:]}") from None
+        out, err = proc.communicate()
+        raise AssertionError(f"example did not register:\n{out[-3000:]}\n{err[-12000:]}") from None
     static = wait_for(lambda: (lambda cs: cs if len(cs) == world else None)(
         [c for c in captures(env["save"]) if c["trigger"]["source"] == "static"]), 60, "the static window")
     assert sorted(c["rank"] for c in static) == list(range(world))
@@ -184,3 +186,131 @@ def test_example_hf_trainer_under_torchrun(env: dict[str, Any]) -> None:
     pytest.importorskip("accelerate")
     daemon(env)
     check_example(env, [*torchrun(2), str(EXAMPLES / "hf_trainer.py"), "--steps", LONG], 2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Zero-code
+
+
+def test_enable_counts_one_step_per_lead_optimizer_step(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, str(SCRIPTS / "zerocode_steps.py")], env=base_env(), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.splitlines()[-1]) == {
+        "same_profiler": True, "two_optimizers_5_iterations": 5, "accumulate_4_for_3_updates": 8,
+        "stepped_twice": 10, "new_lead": 11, "after_disable": 11}
+
+
+def test_enable_refuses_a_bad_option_by_name() -> None:
+    from ondemand_prof import ConfigError
+    from ondemand_prof.integrations import config_from_options
+
+    with pytest.raises(ConfigError, match="unknown profiler option 'save_pth' \\(did you mean 'save_path'\\?\\)"):
+        config_from_options({"save_pth": "x"})
+    with pytest.raises(ConfigError, match="invalid level 'level9'"):
+        config_from_options({"level": "level9"})
+    assert config_from_options({"profile_save_path": "/x", "ranks": [0, 1]}).ranks == (0, 1)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtual environment with this checkout installed in editable mode (the shared one's packages,
+    torch included, reachable through a .pth), as `pip install -e .` leaves it; its python."""
+    venv = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    import site
+
+    Path(purelib, "shared.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    res = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+                          "--no-build-isolation", "--no-index", "-q", "-e", str(ROOT)], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (Path(purelib) / "ondemand_prof_auto.pth").is_file()
+    return python
+
+
+def test_zero_code_under_torchrun_profiles_the_ranks_not_the_launcher(env: dict[str, Any], installed: Path) -> None:
+    """ONDEMAND_PROF_AUTO=1 and a script with no profiler code: its two ranks count steps, register as one job
+    and take captures; torchrun's agent imports torch too, and neither counts nor registers."""
+    daemon(env)
+    argv = [str(installed), *torchrun(2)[1:], str(EXAMPLES / "zero_code.py"), "--steps", LONG]
+    job = check_example(env, argv, 2, python=str(installed), ONDEMAND_PROF_AUTO="1", PYTHONPATH="")
+    assert len(live_ranks(env["run"])) == 2  # not the launcher
+
+
+def test_zero_code_hook_does_nothing_without_the_variable(tmp_path: Path, installed: Path) -> None:
+    code = ("import sys; import ondemand_prof_auto; print(any(type(f).__name__ == '_TorchWatcher' "
+            "for f in sys.meta_path), 'torch' in sys.modules, 'ondemand_prof' in sys.modules)")
+    for value, expected in (("", "False False False"), ("0", "False False False"), ("1", "True False False")):
+        res = subprocess.run([str(installed), "-c", code], env=base_env(ONDEMAND_PROF_AUTO=value, PYTHONPATH=""),
+                             capture_output=True, text=True, timeout=60)
+        assert res.stdout.strip() == expected, (value, res.stdout, res.stderr)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Step numbers: each trainer's own
+
+
+def optimizer_steps_per_step(cap: dict[str, Any]) -> dict[int, int]:
+    """How many optimizer steps ran inside each ProfilerStep#N of a trace."""
+    events = load_trace(cap)["traceEvents"]
+    steps = [(int(e["name"].split("#")[1]), e["ts"], e["ts"] + e["dur"]) for e in events
+             if str(e.get("name", "")).startswith("ProfilerStep#") and e.get("ph") == "X"]
+    opt = [e["ts"] for e in events if str(e.get("name", "")).startswith("Optimizer.step#") and e.get("ph") == "X"]
+    return {n: sum(begin <= t < end for t in opt) for n, begin, end in steps}
+
+
+def run_script(tmp_path: Path, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    save = tmp_path / "profile"
+    res = subprocess.run([sys.executable, str(SCRIPTS / name), str(save)], env=base_env(), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    [cap] = captures(save)
+    return json.loads(res.stdout.strip().splitlines()[-1]), cap
+
+
+def test_hf_trainer_steps_are_the_global_steps_it_logs(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out, cap = run_script(tmp_path, "hf_steps.py")
+    assert out["logged"] == [1, 2, 3, 4]
+    assert trace_steps(cap) == out["logged"]
+    assert optimizer_steps_per_step(cap) == {1: 1, 2: 1, 3: 1, 4: 1}  # 2 micro-batches, one update, per step
+
+
+def test_lightning_steps_are_global_step_with_accumulation(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    out, cap = run_script(tmp_path, "lightning_steps.py")
+    assert out["seen"] == [0, 0, 1, 1, 2, 2, 3, 3]  # two micro-batches per optimizer step
+    assert trace_steps(cap) == [0, 1, 2, 3]
+    assert optimizer_steps_per_step(cap) == {0: 1, 1: 1, 2: 1, 3: 1}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The hook says where things are
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_start_up_and_written_lines_on_stderr_unless_quiet(tmp_path: Path, quiet: bool) -> None:
+    """Logging shows warnings only (the default of a script that configures nothing): the start-up line and
+    the line naming the written capture still reach stderr, once each; profile_quiet keeps them out."""
+    save = tmp_path / "profile"
+    extra = {"ONDEMAND_PROF_LOG": "WARNING", **({"ONDEMAND_PROF_QUIET": "1"} if quiet else {})}
+    res = subprocess.run([sys.executable, "-m", "ondemand_prof.demo.toy_train", "--steps", "80", "--step-sleep",
+                          "0.05", "--profile", "--profile-step-start", "2", "--profile-step-end", "4",
+                          "--profile-save-path", str(save), "--profile-min-free-mb", "0"],
+                         env=base_env(**extra), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    [cap] = captures(save)
+    ours = [line for line in res.stderr.splitlines() if line.startswith("ondemand_prof:")]
+    if quiet:
+        assert ours == []
+        return
+    trigger = Path(tempfile.gettempdir()) / f"ondemand_prof-{os.getuid()}" / cap["job_id"] / "capture"
+    assert ours == [
+        f"ondemand_prof: rank 0 of 1, job {cap['job_id']}: capture with 'touch {trigger}' (no ondemand-profd "
+        f"answered at ipc://{NO_DAEMON_DIR}/profd.sock; start one for ondemandctl); traces go to {save}",
+        f"ondemand_prof: rank 0 wrote {cap['dir']} (steps 2-3, ok)"], res.stderr

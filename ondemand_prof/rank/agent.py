@@ -76,7 +76,10 @@ class Agent:
             old.stop()
 
     def start(self) -> None:
-        self._announce_at = time.monotonic() + ANNOUNCE_WAIT_S
+        # the start-up line waits for the daemon's answer only where a daemon's socket exists
+        wait = ANNOUNCE_WAIT_S if any(getattr(ext, "daemon_present", lambda: False)() for ext in self.extensions) \
+            else 0.0
+        self._announce_at = time.monotonic() + wait
         self._thread.start()
         log.debug("ondemand_prof: trigger %s, status in %s/ [%s]", self.trigger_path, self.status_dir,
                   self.watcher.mode)
@@ -92,6 +95,8 @@ class Agent:
                         "not written")
             return
         self._flush_status()
+        if self._announce_at is not None:  # a run shorter than the wait for the daemon: still say where things were
+            self._announce()
         for ext in self.extensions:
             try:
                 ext.close()

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .. import __version__
-from ..core.protocol import HEARTBEAT_S, ProtocolError, decode, default_runtime_dir, encode, endpoint
+from ..core.protocol import HEARTBEAT_S, ProtocolError, decode, default_runtime_dir, encode, endpoint, \
+    socket_path
 from ..core.requests import WindowDefaults, window_from_wire
 from ..core.window import Window
 
@@ -101,6 +102,10 @@ class DaemonLink:
         if now >= self._next_beat:
             self._next_beat = now + HEARTBEAT_S
             self._beat()
+
+    def daemon_present(self) -> bool:
+        """Whether a daemon's socket file exists (it may still be stale: only an answer tells)."""
+        return socket_path(self.runtime_dir).exists()
 
     def reregister(self) -> None:
         """Register again at once (this rank's job, rank or trigger directory changed)."""

@@ -265,6 +265,8 @@ OPTIONS: tuple[Option, ...] = (
            "during which no other starts.", ours=True, bounds=(0, 86400 * 7)),
     Option("auto_per_hour", "profile_auto_budget", parse_int, 4, "Automatic captures per hour at most.", ours=True,
            bounds=(1, 3600)),
+    Option("quiet", "profile_quiet", _B, False, "No start-up line and no 'capture written' lines on stderr "
+           "(they still go to the ondemand_prof logger).", ours=True),
 )
 
 
@@ -486,12 +488,28 @@ def window_overrides(args: argparse.Namespace, options: Sequence[Option] = OPTIO
 
 
 def default_job_id(environ: Mapping[str, str] | None = None) -> str:
-    """A job name that is the same on every rank of one job and differs between jobs on one host."""
+    """A job name that is the same on every rank of one job and differs between jobs on one host.
+
+    From the launcher: ONDEMAND_PROF_JOB_ID, a SLURM job (and step: two `srun`s of one allocation are two
+    jobs), torchrun's run id (also what `accelerate launch` runs under), then MASTER_PORT (Lightning's and
+    Accelerate's own launchers, mp.spawn scripts: one port per job on a host). Else a pid: the launcher's
+    when RANK says we are one of its workers, our own otherwise. Once torch.distributed is up, the hook
+    agrees the id through the process group's store (rank 0's wins), so a rank that had to guess converges.
+    """
     environ = os.environ if environ is None else environ
-    for var in ("ONDEMAND_PROF_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
-        value = environ.get(var)
-        if value and value != "none":
-            return ("port" + value) if var == "MASTER_PORT" else value
+    explicit = environ.get("ONDEMAND_PROF_JOB_ID")
+    if explicit:
+        return explicit
+    slurm = environ.get("SLURM_JOB_ID")
+    if slurm:
+        step = environ.get("SLURM_STEP_ID")
+        return f"{slurm}.{step}" if step else slurm  # SLURM's own name for a step: JOBID.STEPID
+    run_id = environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return run_id
+    port = environ.get("MASTER_PORT")
+    if port:
+        return "port" + port
     return f"pid{os.getppid() if environ.get('RANK') else os.getpid()}"
 
 

@@ -111,6 +111,9 @@ class Status(Command):
         for job, ranks in data["jobs"].items():
             world = max(r["world_size"] for r in ranks)
             text += f"\njob {job}: {len(ranks)} of {world} rank(s) registered\n"
+            for label, key in (("trigger dir", "trigger_dir"), ("save path", "save_root")):
+                places = sorted({r.get(key) or "?" for r in ranks})
+                text += f"  {label}: {', '.join(places)}\n"
             rows = [[str(r["rank"]), r["host"], str(r["pid"]), str(r["step"]), _ms(r["step_time_s"]), r["state"],
                      f"{r['last_seen_s']:.1f} s ago", _vs_median(r)] for r in ranks]
             text += _table(rows, ["RANK", "HOST", "PID", "STEP", "STEP TIME", "STATE", "HEARD", "VS MEDIAN"])

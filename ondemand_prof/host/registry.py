@@ -38,6 +38,7 @@ class RankInfo:
     state: str = "idle"
     local_rank: int | None = None
     save_root: str = ""
+    trigger_dir: str = ""  # the rank's trigger directory (its file trigger, status files)
     version: str = ""
     registered_at: float = 0.0
     last_seen: float = 0.0
@@ -63,7 +64,7 @@ class RankInfo:
         return {"job": self.job, "rank": self.rank, "world_size": self.world_size, "host": self.host,
                 "pid": self.pid, "step": self.estimated_step(wall), "reported_step": self.step,
                 "step_time_s": self.step_time, "state": self.state, "local_rank": self.local_rank,
-                "save_root": self.save_root, "version": self.version, "last_seen_s": round(now - self.last_seen, 3),
+                "save_root": self.save_root, "trigger_dir": self.trigger_dir, "version": self.version, "last_seen_s": round(now - self.last_seen, 3),
                 "registered_at": self.registered_at, "windows": self.windows or []}
 
 
@@ -81,7 +82,8 @@ class Registry:
         info = RankInfo(route=route, job=msg["job"], rank=msg["rank"], world_size=msg["world_size"], host=msg["host"],
                         pid=msg["pid"], step=msg["step"],
                         local_rank=local_rank if bounded_int(local_rank, 0, 1 << 20) else None,
-                        save_root=str(msg.get("save_root", ""))[:4096], version=str(msg.get("version", ""))[:64],
+                        save_root=str(msg.get("save_root", ""))[:4096], trigger_dir=str(msg.get("trigger_dir", ""))[:4096],
+                        version=str(msg.get("version", ""))[:64],
                         registered_at=wall, last_seen=now)
         if msg.get("defaults") is not None:
             try:
@@ -99,7 +101,7 @@ class Registry:
         if old_route is not None and old_route != route:
             self.by_route.pop(old_route, None)
         previous = self.by_route.get(route)
-        if previous is not None and previous.rank != info.rank:
+        if previous is not None and (previous.job, previous.rank) != (info.job, info.rank):  # it settled
             self._route_of.pop((previous.job, previous.host, previous.rank), None)
         self._route_of[key] = route
         self.by_route[route] = info

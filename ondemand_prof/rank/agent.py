@@ -20,6 +20,8 @@ from ..core.safedir import check_dir
 from .terminate import FINAL, TermFinalizer, settle_dead_ranks
 from ..core.requests import RequestError, WindowDefaults, absolute_start, parse_request, resolve
 from ..core.window import StepClock, Window
+from .announce import say, startup_line
+from .settle import SETTLE_POLL_S, JobAgreement, dist_rank
 from .triggers import STATUS_DIR, TRIGGER_NAME, DirWatcher, Trigger, claim_decision, default_trigger_dir, \
     WriterTracker, ensure_dir, prepare_trigger_dir, prune_decisions, read_trigger, stat_key
 
@@ -35,6 +37,7 @@ WRITER_STALL_S = 10.0  # a trigger a writer holds open longer than this is taken
 RECHECK_S = 0.5  # stat the trigger even without an inotify event, in case one was missed
 INOTIFY_SPREAD_S = 0.05  # how much later than the first rank another rank may see an inotify event
 LEAD_MARGIN_S = 0.05  # scheduling slack (a loaded host delays agent threads)
+ANNOUNCE_WAIT_S = 2.0  # the start-up line waits this long at most for the daemon's answer
 
 
 class Agent:
@@ -45,30 +48,21 @@ class Agent:
         self.clock = StepClock()
         wanted = Path(self.config.trigger_dir).expanduser() if self.config.trigger_dir else \
             default_trigger_dir(prof.job_id)
-        self.trigger_dir = prepare_trigger_dir(wanted, prof.job_id)
-        self.status_dir = self.trigger_dir / STATUS_DIR
-        ensure_dir(self.status_dir)
-        self.trigger_path = self.trigger_dir / TRIGGER_NAME
         self._status_lock = threading.RLock()
         self._empty_since: dict[str, float] = {}  # empty trigger versions -> when first seen
-        try:
-            settle_dead_ranks(self.status_dir)  # what ranks killed earlier left "recording" now reads failed
-        except OSError as exc:
-            log.debug("ondemand_prof: cannot settle old status files: %s", exc)
         self.terminator = TermFinalizer(self.finalize)
         self._event = threading.Event()
         self._stopping = threading.Event()
         self._status_q: collections.deque[tuple[dict[str, Any], str, dict[str, Any]]] = collections.deque()
         self._recent: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
-        existing = read_trigger(self.trigger_path)
-        self._last_version = existing.version if existing else None  # written before we started: not replayed
-        self.watcher = DirWatcher(self.trigger_dir, self._event, self.config.trigger_poll_s)
         self.tracker: WriterTracker | None = None
-        if self.watcher.mode == "inotify":
-            try:
-                self.tracker = WriterTracker(self.trigger_dir)
-            except (OSError, AttributeError) as exc:
-                log.debug("ondemand_prof: no exact writer tracking (%s); using the watcher's events", exc)
+        self._watch(wanted)
+        self._agreement = JobAgreement(self.config.job_id)
+        self._told = prof.identity()  # who we said we are (start-up line, registration) before settling
+        self._settled = False
+        self._settle_at = 0.0
+        self._announce_at: float | None = None  # when the start-up line is due; None once said
+        self._moved = False  # the job settled after the start-up line: the next line says where it is now
         self._thread = threading.Thread(target=self._run, name="ondemand-prof-agent", daemon=True)
         self.extensions: list[Any] = []  # e.g. the daemon link: .poll(now) each loop, .close()
         from .triage import Triage
@@ -81,13 +75,44 @@ class Agent:
 
     # ------------------------------------------------------------------------------------------------------
 
+    def _watch(self, wanted: Path) -> None:
+        """Watch this trigger directory (at start, and again when the job settles on another one): checked as
+        ours (or a private fallback), old status settled, writers tracked where inotify works."""
+        trigger_dir = prepare_trigger_dir(wanted, self.prof.job_id)
+        status_dir = trigger_dir / STATUS_DIR
+        ensure_dir(status_dir)
+        try:
+            settle_dead_ranks(status_dir)  # what ranks killed earlier left "recording" now reads failed
+        except OSError as exc:
+            log.debug("ondemand_prof: cannot settle old status files: %s", exc)
+        watcher = DirWatcher(trigger_dir, self._event, self.config.trigger_poll_s)
+        old, old_tracker = getattr(self, "watcher", None), self.tracker
+        self.trigger_dir, self.status_dir, self.trigger_path = trigger_dir, status_dir, trigger_dir / TRIGGER_NAME
+        existing = read_trigger(self.trigger_path)
+        self._last_version = existing.version if existing else None  # written before we started: not replayed
+        self.watcher = watcher
+        self.tracker = None
+        if watcher.mode == "inotify":
+            try:
+                self.tracker = WriterTracker(trigger_dir)
+            except (OSError, AttributeError) as exc:
+                log.debug("ondemand_prof: no exact writer tracking (%s); using the watcher's events", exc)
+        if getattr(self, "triage", None) is not None:
+            self.triage.status_dir = status_dir
+        if old is not None:
+            old.stop()
+        if old_tracker is not None:
+            old_tracker.close()
+
     def start(self) -> None:
         self.terminator.install()
+        # the start-up line waits for the daemon's answer only where a daemon's socket exists
+        wait = ANNOUNCE_WAIT_S if any(getattr(ext, "daemon_present", lambda: False)() for ext in self.extensions) \
+            else 0.0
+        self._announce_at = time.monotonic() + wait
         self._thread.start()
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            log.info("ondemand_prof: on-demand capture: touch %s  (or write JSON into it, e.g. "
-                     "'{\"steps\": 3, \"ranks\": [0]}'); status in %s/ [%s]", self.trigger_path, self.status_dir,
-                     self.watcher.mode)
+        log.debug("ondemand_prof: trigger %s, status in %s/ [%s]", self.trigger_path, self.status_dir,
+                  self.watcher.mode)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -103,6 +128,8 @@ class Agent:
                         "not written")
             return
         self._flush_status()
+        if self._announce_at is not None:  # a run shorter than the wait for the daemon: still say where things were
+            self._announce()
         for ext in self.extensions:
             try:
                 ext.close()
@@ -116,12 +143,17 @@ class Agent:
 
     def _run(self) -> None:
         check_at = 0.0
-        poll = self.watcher.poll_s if self.watcher.mode == "poll" else RECHECK_S
         while not self._stopping.is_set():
             fired = self._event.wait(SAMPLE_S)
             now = time.monotonic()
+            poll = self.watcher.poll_s if self.watcher.mode == "poll" else RECHECK_S
             try:
                 self._sample_clock()
+                if not self._settled and now >= self._settle_at:
+                    self._settle_at = now + SETTLE_POLL_S
+                    self._settle()
+                if self._announce_at is not None and (now >= self._announce_at or self._daemon_answered()):
+                    self._announce()
                 if fired:
                     self._event.clear()
                     # inotify says when a writer is done (its close): look at once; polling cannot, so settle
@@ -151,6 +183,45 @@ class Agent:
             return self.clock.steps[-1], self.clock.times[-1]
         except IndexError:
             return None
+
+    # ------------------------------------------------------------------------------------------------------
+    # Identity settling and the start-up line
+
+    def _settle(self) -> None:
+        """Once torch.distributed is up: agree the job, move to its trigger directory, register again."""
+        rank = dist_rank()
+        if rank is None:
+            return
+        job = self._agreement.poll(rank)
+        if job is None:
+            return  # rank 0's id is not in the store yet: ask again at the next poll
+        before = self._told
+        after = self.prof.settle_identity(job)
+        self._settled = True
+        if (after.rank, after.world_size, after.job_id) == (before.rank, before.world_size, before.job_id):
+            return
+        log.info("ondemand_prof: torch.distributed is up: rank %d of %d, job %s (was rank %d of %d, job %s)",
+                 after.rank, after.world_size, after.job_id, before.rank, before.world_size, before.job_id)
+        if not self.config.trigger_dir and after.job_id != before.job_id:
+            self._watch(default_trigger_dir(after.job_id))
+        for ext in self.extensions:
+            reregister = getattr(ext, "reregister", None)
+            if reregister is not None:
+                reregister()
+        if self._announce_at is None:  # the user was told the old place: tell the new one
+            self._announce_at = time.monotonic() + ANNOUNCE_WAIT_S
+            self._moved = True
+
+    def _daemon_answered(self) -> bool:
+        return any(getattr(ext, "acknowledged", False) for ext in self.extensions)
+
+    def _announce(self) -> None:
+        self._announce_at = None
+        link = next((ext for ext in self.extensions if hasattr(ext, "acknowledged")), None)
+        daemon = link.url if link is not None and link.acknowledged else None
+        say(log, self.config.quiet, startup_line(self.prof.identity(), self.trigger_path,
+                                                 Path(self.config.save_path).expanduser(), daemon,
+                                                 link.url if link is not None else None, moved=self._moved))
 
     def _link_daemon(self) -> None:
         try:

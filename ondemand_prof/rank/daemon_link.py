@@ -73,6 +73,7 @@ class DaemonLink:
         self._sock = sock
         self.registered = False
         self._distrust: str | None = "not checked yet"
+        self.acknowledged = False  # the daemon answered a registration ("registered")
         self._next_beat = 0.0
         self._outbox: collections.deque[tuple[str, str, dict[str, Any]]] = collections.deque()
         self._recent: collections.OrderedDict[str, tuple[str, dict[str, Any]]] = collections.OrderedDict()
@@ -110,6 +111,16 @@ class DaemonLink:
         if now >= self._next_beat:
             self._next_beat = now + HEARTBEAT_S
             self._beat()
+
+    def daemon_present(self) -> bool:
+        """Whether a daemon's socket file exists (it may still be stale: only an answer tells)."""
+        return socket_path(self.runtime_dir).exists()
+
+    def reregister(self) -> None:
+        """Register again at once (this rank's job, rank or trigger directory changed)."""
+        self.registered = False
+        self.acknowledged = False
+        self._next_beat = 0.0
 
     def close(self) -> None:
         if self.registered:
@@ -168,7 +179,8 @@ class DaemonLink:
         with self._recent_lock:
             recent = [{"capture_id": cid, "event": ev, "info": info} for cid, (ev, info) in self._recent.items()]
         body = encode("register", job=ident.job_id, rank=ident.rank, world_size=ident.world_size, host=ident.host,
-                      pid=ident.pid, local_rank=ident.local_rank, save_root=str(Path(prof.config.save_path).absolute()),
+                      pid=ident.pid, local_rank=ident.local_rank, save_root=str(Path(prof.config.save_path).expanduser().absolute()),
+                      trigger_dir=str(getattr(self.agent, "trigger_dir", "")),
                       version=__version__, recent=recent, defaults=WindowDefaults.from_config(prof.config).to_wire(),
                       native_dump=self._native_dump(), **self._progress())
         self.registered = self._send(body)
@@ -183,7 +195,9 @@ class DaemonLink:
             log.warning("ondemand_prof: ignoring a bad message from the daemon: %s", exc)
             return
         kind = msg["type"]
-        if kind == "register":
+        if kind == "registered":
+            self.acknowledged = True
+        elif kind == "register":
             self.registered = False
             self._next_beat = 0.0  # at once, not in a second
         elif kind == "capture":

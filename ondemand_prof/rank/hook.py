@@ -63,6 +63,7 @@ class OnDemandProfiler:
         self.job_id = self.config.job_id or default_job_id()
         self.scheduler = Scheduler(self, warmup_steps=self.config.warmup_steps)
         self.agent: Any = None
+        self._agent_settles = False  # the agent agrees the job with the other ranks once torch.distributed is up
         self.signal_trigger: Any = None
         self._auto: Any = None  # --profile-auto: the idle step also times itself (rank/autocapture.py)
         if self.config.auto_ratio and self.config.ondemand:
@@ -273,6 +274,11 @@ class OnDemandProfiler:
 
     def _on_published(self, active: Active, result: dict[str, Any]) -> None:
         event = "done" if result.get("status") in ("ok", "partial") else "failed"
+        if result.get("path"):  # output.py logged it; say it on stderr too when logging would not show it
+            from .announce import say, written_line
+
+            say(logging.getLogger("ondemand_prof.rank.output"), self.config.quiet, written_line(self.identity(), result),
+                logged=True)
         tell(active.listener, event, active.window, path=result.get("path"), status=result.get("status"),
              error=result.get("error"), steps=result.get("steps_in_trace"), cancelled=active.cancelled or None)
 
@@ -298,14 +304,25 @@ class OnDemandProfiler:
     # Identity and backend (lazy: torch.distributed may be initialised after the profiler is created)
 
     def identity(self) -> Identity:
+        """Who this rank is: final once torch.distributed is up (see settle_identity); until then re-read
+        from the launcher's environment at each call."""
         if self._identity is not None:
             return self._identity
         rank, world, dist_up = _rank_and_world()
-        ident = Identity(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
-                         host=socket.gethostname(), pid=os.getpid(), job_id=self.job_id, dist_initialized=dist_up)
-        if dist_up or "RANK" in os.environ:
-            self._identity = ident  # final; before that, re-check next time
-        return ident
+        if dist_up and not self._agent_settles:
+            # no agent to agree a job id with the other ranks: take the launcher's, complete by now
+            return self.settle_identity(self.config.job_id or default_job_id())
+        return Identity(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+                        host=socket.gethostname(), pid=os.getpid(), job_id=self.job_id, dist_initialized=dist_up)
+
+    def settle_identity(self, job_id: str) -> Identity:
+        """Fix rank, world size and job (torch.distributed is up; `job_id` is the one the ranks agreed)."""
+        self.job_id = job_id
+        rank, world, dist_up = _rank_and_world()
+        self._identity = Identity(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+                                  host=socket.gethostname(), pid=os.getpid(), job_id=job_id,
+                                  dist_initialized=dist_up)
+        return self._identity
 
     def backend(self) -> Backend:
         if self._backend is None:
@@ -317,12 +334,14 @@ class OnDemandProfiler:
     def _start_agent(self) -> None:
         from .agent import Agent
 
+        self._agent_settles = True
         try:
             self.agent = Agent(self)
             self.agent.start()
         except Exception as exc:  # noqa: BLE001 - no trigger listening is not a reason to stop training
             log.error("ondemand_prof: on-demand listening disabled: %s", exc)
             self.agent = None
+            self._agent_settles = False
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish any open window, stop listening and wait (bounded) for pending exports. Never raises."""

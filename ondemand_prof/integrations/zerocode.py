@@ -1,0 +1,136 @@
+"""Zero-code activation: a training step is counted at each optimizer step.
+
+    import ondemand_prof
+    prof = ondemand_prof.enable(save_path="./profile")   # nothing else in the loop
+
+or, with no edit at all, `ONDEMAND_PROF_AUTO=1 python train.py` (options from ONDEMAND_PROF_* variables; see
+ondemand_prof_auto.py for the start-up hook).
+
+What counts as a step (README "Zero-code"):
+- one step per `step()` of the *lead* optimizer: the first optimizer that steps in the process. A loop with
+  several optimizers (a GAN's generator and discriminator, an optimizer per parameter group family) counts one
+  step per iteration, at the lead's step; the others are ignored. When the lead is garbage-collected, the next
+  optimizer to step becomes the lead.
+- gradient accumulation: micro-batches that do not step the optimizer are part of the step that does, so a
+  step is one optimizer update (what Lightning's and Hugging Face's global_step count).
+- an optimizer stepped twice in one iteration counts twice (nothing tells the two calls apart); a step that
+  GradScaler skips (inf/NaN gradients) does not call the optimizer and is not counted.
+- wrappers that step an inner optimizer (ZeroRedundancyOptimizer, Lightning's LightningOptimizer) count once:
+  the inner optimizer steps first and becomes the lead.
+Steps are numbered from 0. In ONDEMAND_PROF_AUTO mode the profiler is made at the first counted step, so a
+process that never steps an optimizer (a launcher, a DataLoader worker) never registers with the daemon, and the
+earliest recordable step is step 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from typing import Any, Callable
+
+from ..core.options import ConfigError, ProfileConfig, config_from_env
+from ..rank.hook import OnDemandProfiler
+from . import config_from_options
+
+log = logging.getLogger("ondemand_prof")
+
+
+class StepCounter:
+    """Counts the lead optimizer's steps into a profiler made on first use (torch's global post-step hook)."""
+
+    def __init__(self, make: Callable[[], OnDemandProfiler]) -> None:
+        self._make = make
+        self.profiler: OnDemandProfiler | None = None
+        self._lead: weakref.ref[Any] | None = None
+        self._broken = False
+        self.handle: Any = None
+
+    def __call__(self, optimizer: Any, args: Any = None, kwargs: Any = None) -> None:
+        lead = self._lead() if self._lead is not None else None
+        if lead is None:
+            self._lead = weakref.ref(optimizer)
+        elif optimizer is not lead:
+            return
+        prof = self.profiler if self.profiler is not None else self.make_profiler()
+        if prof is not None:
+            prof.step()
+
+    def make_profiler(self) -> OnDemandProfiler | None:
+        if self.profiler is None and not self._broken:
+            try:
+                self.profiler = self._make()
+            except Exception as exc:  # noqa: BLE001 - a bad option must not stop training: say it once
+                self._broken = True
+                log.error("ondemand_prof: zero-code profiling off: %s", exc)
+                return None
+            atexit.register(self.profiler.close)  # windows in progress are written at exit
+        return self.profiler
+
+    def register(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.handle = register_optimizer_step_post_hook(self)
+
+    def remove(self) -> None:
+        """Stop counting (the profiler, if any, is closed)."""
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        if self.profiler is not None:
+            self.profiler.close()
+            atexit.unregister(self.profiler.close)
+
+
+_lock = threading.Lock()
+_counter: StepCounter | None = None  # the process's one counter (enable() or ONDEMAND_PROF_AUTO)
+_auto_config: Callable[[], Any] = config_from_env
+
+
+def enable(config: ProfileConfig | None = None, **options: Any) -> OnDemandProfiler:
+    """Profile this process with a step counted at each optimizer step; returns the profiler.
+
+    Options are the profiler options by name (`save_path=`, `ranks=`, ...); ONDEMAND_PROF_* variables override
+    them. Bad options raise ConfigError here, before training starts. A second call returns the same profiler.
+    """
+    global _counter
+    with _lock:
+        if _counter is not None and _counter.profiler is not None:
+            if config is not None or options:
+                log.warning("ondemand_prof: enable() was already called; these options are ignored: %s",
+                            sorted(options) or "config")
+            return _counter.profiler
+        cfg = config_from_options(options, config)
+        prof = OnDemandProfiler(cfg)
+        if _counter is None:
+            _counter = StepCounter(lambda: prof)
+            _counter.register()
+        _counter.profiler = prof  # ONDEMAND_PROF_AUTO armed the hook before this call: its profiler is this one
+        atexit.register(prof.close)
+        return prof
+
+
+def disable() -> None:
+    """Undo enable(): stop counting and close the profiler."""
+    global _counter
+    with _lock:
+        counter, _counter = _counter, None
+    if counter is not None:
+        counter.remove()
+
+
+def auto_step(optimizer: Any) -> None:
+    """The ONDEMAND_PROF_AUTO hook's step (ondemand_prof_auto registers the one global hook and calls this)."""
+    global _counter
+    counter = _counter
+    if counter is None:
+        with _lock:
+            if _counter is None:
+                _counter = StepCounter(lambda: OnDemandProfiler(_auto_config()))
+            counter = _counter
+    if counter.handle is None:  # enable() also registered its own hook: that one counts
+        counter(optimizer)
+
+
+__all__ = ["ConfigError", "StepCounter", "auto_step", "disable", "enable"]

@@ -1,0 +1,53 @@
+"""What a rank tells its user on stderr: where to trigger a capture, whether a daemon answered, where traces go,
+and where each capture was written.
+
+These lines are INFO logs of the "ondemand_prof" logger. A script that never configured logging would not see
+them (Python prints only warnings then), yet they are what a user needs to find the trigger file; so when the
+logger would not show them they are printed on stderr instead, once each. `profile_quiet` keeps them in the
+log only.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from .backends import Identity
+
+
+def say(logger: logging.Logger, quiet: bool, text: str, logged: bool = False) -> None:
+    """Log one INFO line for the user (unless `logged`: the caller's module did), and print it on stderr when
+    logging would not show it and the user did not ask for quiet."""
+    if not logged:
+        logger.info("%s", text)
+    if quiet or (logger.isEnabledFor(logging.INFO) and logger.hasHandlers()):
+        return
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # a closed or broken stderr must not reach the training loop
+        pass
+
+
+def startup_line(ident: Identity, trigger_path: Path, save_root: Path, daemon: str | None,
+                 daemon_url: str | None, moved: bool = False) -> str:
+    """rank, job, how to trigger (daemon or file), where traces go; one line. daemon: the daemon's address
+    when it answered; daemon_url: where it was looked for (None: the daemon link is off)."""
+    who = f"rank {ident.rank} of {ident.world_size}, job {ident.job_id}"
+    touch = f"touch {shlex.quote(str(trigger_path))}"
+    if daemon:
+        ctl = f"ondemandctl capture --job {shlex.quote(ident.job_id)} --ranks {ident.rank}"
+        how = f"capture with '{ctl}' (registered with ondemand-profd) or '{touch}'"
+    elif daemon_url:
+        how = f"capture with '{touch}' (no ondemand-profd answered at {daemon_url}; start one for ondemandctl)"
+    else:
+        how = f"capture with '{touch}'"
+    return f"ondemand_prof: {'now ' if moved else ''}{who}: {how}; traces go to {save_root.absolute()}"
+
+
+def written_line(ident: Identity | Any, result: dict[str, Any]) -> str:
+    steps = result.get("steps_in_trace") or []
+    span = f"steps {steps[0]}-{steps[-1]}" if steps else "no steps"
+    return f"ondemand_prof: rank {ident.rank} wrote {result.get('path')} ({span}, {result.get('status')})"

@@ -1,0 +1,88 @@
+"""Zero-code start-up hook: with ONDEMAND_PROF_AUTO=1, every Python process that imports torch counts a
+training step at each optimizer step (ondemand_prof.integrations.zerocode), with no edit to the script.
+
+Run at interpreter start-up by ondemand_prof_auto.pth (installed next to this module in site-packages), which
+imports this module only when ONDEMAND_PROF_AUTO is set. It stays tiny on purpose: it never imports torch or
+ondemand_prof itself. A meta path finder waits for `import torch`; once torch has finished importing, one
+global optimizer post-step hook is registered; ondemand_prof is imported at the first optimizer step. So a
+process that never imports torch pays nothing, and one that never steps an optimizer (torchrun's agent,
+Lightning's or Accelerate's launcher, a DataLoader worker) neither counts steps nor registers anywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+from typing import Any
+
+ENV = "ONDEMAND_PROF_AUTO"
+
+
+def wanted(environ: Any = None) -> bool:
+    value = (os.environ if environ is None else environ).get(ENV, "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
+
+
+class _TorchWatcher(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when `torch` is about to be imported, wraps its loader so that install_hook
+    runs right after torch's own module code."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch":
+            return None
+        try:
+            sys.meta_path.remove(self)  # once: the real finders locate torch
+        except ValueError:
+            return None
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        real_exec = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            real_exec(module)
+            install_hook()
+
+        loader.exec_module = exec_module  # this spec's own loader instance (a SourceFileLoader)
+        return spec
+
+
+def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """torch's global optimizer post-step hook: hand the step to zerocode (imported at the first step)."""
+    try:
+        from ondemand_prof.integrations import zerocode
+
+        zerocode.auto_step(optimizer)
+    except Exception:  # noqa: BLE001 - nothing of ours may reach the training loop
+        import logging
+
+        logging.getLogger("ondemand_prof").exception("ondemand_prof: zero-code step failed")
+
+
+_installed = False
+
+
+def install_hook() -> None:
+    global _installed
+    if _installed:
+        return
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(_on_optimizer_step)
+        _installed = True
+    except Exception as exc:  # noqa: BLE001 - a torch without global hooks (older than 2.0): say so, carry on
+        print(f"ondemand_prof: {ENV} is set but torch has no global optimizer hook: {exc}", file=sys.stderr)
+
+
+def install() -> None:
+    """Called by the .pth at start-up (only when ONDEMAND_PROF_AUTO is set)."""
+    if not wanted():
+        return
+    if "torch" in sys.modules:
+        install_hook()
+    elif not any(isinstance(f, _TorchWatcher) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchWatcher())

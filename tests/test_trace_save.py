@@ -69,6 +69,12 @@ def in_process_trace(stopped_profile: Any, tmp_path_factory: pytest.TempPathFact
     return path
 
 
+@pytest.fixture(autouse=True)
+def fork_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork is opt-in (ONDEMAND_PROF_FORK_SAVE=1); these tests are about it."""
+    monkeypatch.setenv(trace_save.FORK_ENV, "1")
+
+
 def test_forked_save_writes_the_same_trace_as_in_process(stopped_profile: Any, in_process_trace: Path,
                                                          tmp_path: Path) -> None:
     path = tmp_path / "raw.pt.trace.json"
@@ -189,7 +195,7 @@ def run_window(save_path: Path, env: dict[str, str] | None = None, module: str =
                ) -> tuple[dict[str, Any], str]:
     args = ["--steps", "10", "--profile", "--profile-step-start", "3", "--profile-step-end", "7",
             "--profile-save-path", str(save_path), *COMMON]
-    results = run_ranks(args, env=env, module=module)
+    results = run_ranks(args, env={trace_save.FORK_ENV: "1", **(env or {})}, module=module)
     assert_ok(results)  # the training loop never saw an exception
     (cap,) = captures(save_path)
     return cap, results[0][2]

@@ -220,7 +220,7 @@ def run_postprocess(job: ExportJob, raw: Path, out_dir: Path) -> dict[str, Any]:
     spec_path = out_dir / ".postprocess.json"
     spec_path.write_text(json.dumps(spec), encoding="utf-8")
     env = dict(os.environ)
-    package_parent = str(Path(__file__).resolve().parent.parent)
+    package_parent = str(Path(__file__).resolve().parents[2])  # the directory holding ondemand_prof/
     env["PYTHONPATH"] = package_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     # at background priority (SCHED_IDLE): on a machine whose cores training keeps busy it would stretch steps;
     # --parent: the child dies with its rank (PR_SET_PDEATHSIG)

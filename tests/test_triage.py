@@ -240,8 +240,8 @@ def test_memory_recording_switches_history_on_for_the_steps_then_off(tmp_path: P
 def test_a_slowdown_opens_one_automatic_window_then_the_cooldown_holds(tmp_path: Path) -> None:
     save = tmp_path / "p"
     (rc, out, err), = run_ranks(["--steps", "160", "--step-sleep", "0.03", "--slow-from", "60", "--slow-factor", "4",
-                                 "--profile-auto", "2.5", "--profile-auto-steps", "5", "--profile-auto-cooldown", "3600",
-                                 "--profile-save-path", str(save), "--profile-trigger-dir", str(tmp_path / "t"),
+                                 "--profile-auto", "2.5", "--profile-auto-steps", "5",
+                                 "--profile-auto-cooldown", "3600", "--profile-save-path", str(save), "--profile-trigger-dir", str(tmp_path / "t"),
                                  *TRAIN], timeout=240)
     assert rc == 0, err[-3000:]
     caps = captures(save)
@@ -272,13 +272,15 @@ def test_the_daemon_adds_a_reference_rank_and_status_marks_the_straggler(env: di
     daemon(env)
     # two independent ranks of one job (no process group, so one can be slow alone); rank 1 slows down 4x
     procs = start_ranks(["--no-dist", "--steps", "400", "--step-sleep", "0.03", "--slow-from", "80", "--slow-factor",
-                         "4", "--slow-rank", "1", "--profile-auto", "2.5", "--profile-auto-steps", "5", "--profile-auto-cooldown", "3600", "--profile-job-id", "auto",
+                         "4", "--slow-rank", "1", "--profile-auto", "2.5", "--profile-auto-steps", "5",
+                         "--profile-auto-cooldown", "3600", "--profile-job-id", "auto",
                          "--profile-save-path", str(env["save"]), *TRAIN], world=2,
                         env={"ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])})
     env["procs"].extend(procs)
     # status: rank 1's step time is well above the job's median, and marked
     data = poll(lambda: (lambda d: d if d.get("stragglers", {}).get("auto", {}).get("slow_ranks") == [1]
-                         else None)(json.loads(ctl(env["run"], "status", "--json").stdout or "{}")), "rank 1 marked slow")
+                         else None)(json.loads(ctl(env["run"], "status", "--json").stdout or "{}")),
+                "rank 1 marked slow")
     rank1 = next(r for r in data["jobs"]["auto"] if r["rank"] == 1)
     assert rank1["slow"] and rank1["vs_median"] > 1.2
     assert "SLOW" in ctl(env["run"], "status").stdout
@@ -321,3 +323,23 @@ def test_slow_step_monitor_fires_on_k_consecutive_slow_steps_only() -> None:
     step = tiny.step_fn(iter(range(10**6)))  # hiccups of 5x are not slowdowns
     run(*[1e-5] * 40, 5e-5, 5e-5, 5e-5)
     assert len(fired) == 1
+
+
+def test_cooldown_and_hourly_budget_bound_automatic_captures() -> None:
+    from types import SimpleNamespace
+
+    from ondemand_prof.core.options import ProfileConfig
+    from ondemand_prof.rank.autocapture import AutoCapture
+
+    clock = [1000.0]
+    prof = SimpleNamespace(config=ProfileConfig(auto_ratio=2.0, auto_cooldown_s=60.0, auto_per_hour=3))
+    auto = AutoCapture(prof, clock=lambda: clock[0])
+    taken = []
+    for minute in range(0, 120, 5):  # a slowdown every 5 minutes for two hours
+        clock[0] = 1000.0 + minute * 60
+        if not auto.allowed(clock[0]):
+            auto.started.append(clock[0])
+            taken.append(minute)
+    assert taken == [0, 5, 10, 60, 65, 70]  # 3 in any hour; the next only once the first is an hour old
+    assert "hourly budget of 3" in auto.allowed(1000.0 + 115 * 60)
+    assert "cooldown (59 s left)" in auto.allowed(1000.0 + 70 * 60 + 1)

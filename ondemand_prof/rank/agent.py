@@ -333,12 +333,12 @@ class Agent:
 
         def reply(result: dict[str, Any]) -> None:
             if request.action == "stacks" and result.get("ok"):
-                from .triage import stacks_text
+                from .triage import stacks_text, write_private
 
                 path = self.status_dir / f"stacks-rank{rank}.txt"
+                head = f"# rank {rank}, pid {os.getpid()}, step {result.get('current_step')}, collected in-process"
                 try:
-                    _write_text(path, f"# rank {rank}, pid {os.getpid()}, step {result.get('current_step')}, "
-                                      f"collected in-process ({result['method']})\n\n" + stacks_text(result["threads"]))
+                    write_private(path, f"{head} ({result['method']})\n\n{stacks_text(result['threads'])}".encode())
                     result = {"ok": True, "method": result["method"], "path": str(path),
                               "threads": len(result["threads"])}
                 except OSError as exc:
@@ -425,11 +425,3 @@ class Agent:
         except OSError as exc:
             log.warning("ondemand_prof: cannot write trigger status in %s: %s", self.status_dir, exc)
 
-
-def _write_text(path: Path, text: str) -> None:
-    """Owner-only, never through a symlink, published whole."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)

@@ -224,7 +224,7 @@ class MemoryRecording:
         data = pickle.dumps(self.snapshot)
         summary = summarize_memory_snapshot(self.snapshot)
         self.snapshot = None
-        _write_bytes(self.path, data)
+        write_private(self.path, data)
         return {"ok": True, "device": self.device, "path": str(self.path), "bytes": len(data),
                 "steps": [self.first, self.last], "max_entries": self.max_entries, "stacks": self.stacks,
                 "summary": summary, "open_with": "https://pytorch.org/memory_viz (drag the file in)"}
@@ -298,7 +298,8 @@ def flight_recorder_digest(dump: dict[str, Any], limit: int = FR_SUMMARY_ENTRIES
 
 # ----------------------------------------------------------------------------------------------------------
 
-def _write_bytes(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
+    """Owner-only, never through a symlink, published whole (a reader sees no half-written file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -367,7 +368,7 @@ class Triage:
             return {"ok": False, "unavailable": True, "error": why}
         dump = pickle.loads(raw)  # noqa: S301 - bytes our own process's torch produced just now
         path = self._path(capture_id, "fr_trace.pickle")
-        _write_bytes(path, raw)
+        write_private(path, raw)
         return {"ok": True, "path": str(path), "bytes": len(raw), **flight_recorder_digest(dump)}
 
     def _memory(self, args: dict[str, Any], reply: Reply, capture_id: str) -> None:

@@ -201,6 +201,22 @@ def test_enable_counts_one_step_per_lead_optimizer_step(tmp_path: Path) -> None:
         "stepped_twice": 10, "new_lead": 11, "after_disable": 11}
 
 
+def test_enable_window_steps_hold_their_own_optimizer_step(tmp_path: Path) -> None:
+    """The optimizer hook runs inside the optimizer's record_function: the window's boundaries are taken at the
+    next module forward instead, so each ProfilerStep holds exactly its own optimizer step."""
+    save = tmp_path / "profile"
+    res = subprocess.run([sys.executable, str(SCRIPTS / "zerocode_window.py"), str(save)], env=base_env(),
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    [cap] = captures(save)
+    assert trace_steps(cap) == [1, 2]
+    assert optimizer_steps_per_step(cap) == {1: 1, 2: 1}
+    events = [e for e in load_trace(cap)["traceEvents"] if e.get("ph") == "X"]
+    optimizer = [(e["ts"], e["ts"] + e["dur"]) for e in events if str(e.get("name")).startswith("Optimizer.step#")]
+    begins = [e["ts"] for e in events if str(e.get("name")).startswith("ProfilerStep#")]
+    assert not [b for b in begins for lo, hi in optimizer if lo < b < hi], "a step began inside an optimizer step"
+
+
 def test_enable_refuses_a_bad_option_by_name() -> None:
     from ondemand_prof import ConfigError
     from ondemand_prof.integrations import config_from_options

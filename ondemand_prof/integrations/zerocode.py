@@ -17,7 +17,8 @@ What counts as a step (README "Zero-code"):
   GradScaler skips (inf/NaN gradients) does not call the optimizer and is not counted.
 - wrappers that step an inner optimizer (ZeroRedundancyOptimizer, Lightning's LightningOptimizer) count once:
   the inner optimizer steps first and becomes the lead.
-Steps are numbered from 0. In ONDEMAND_PROF_AUTO mode the profiler is made at the first counted step, so a
+While a window is due, the boundary is taken at the next module forward rather than inside the optimizer's
+own record_function range (see StepCounter.__call__). Steps are numbered from 0. In ONDEMAND_PROF_AUTO mode the profiler is made at the first counted step, so a
 process that never steps an optimizer (a launcher, a DataLoader worker) never registers with the daemon, and the
 earliest recordable step is step 1.
 """
@@ -46,6 +47,8 @@ class StepCounter:
         self._lead: weakref.ref[Any] | None = None
         self._broken = False
         self.handle: Any = None
+        self._pending = False  # a step ended whose boundary waits for the next module forward
+        self._forward: Any = None  # the global forward pre-hook, registered only while a window is due
 
     def __call__(self, optimizer: Any, args: Any = None, kwargs: Any = None) -> None:
         lead = self._lead() if self._lead is not None else None
@@ -54,8 +57,29 @@ class StepCounter:
         elif optimizer is not lead:
             return
         prof = self.profiler if self.profiler is not None else self.make_profiler()
-        if prof is not None:
+        if prof is None:
+            return
+        if self._forward is not None:  # removed here, never while torch iterates the module hooks
+            self._forward.remove()
+            self._forward = None
+        if self._pending:  # no module forward came since the last step (a functional model): end it here
+            self._pending = False
             prof.step()
+        if "step" in prof.__dict__:  # the hook's idle counter: nothing starts or stops at this boundary
+            prof.step()
+            return
+        # A window is due. This hook runs inside the optimizer's record_function("Optimizer.step#..."); starting
+        # or stopping the profiler there leaves that range half inside the trace (a step can go missing). So the
+        # step ends at the next module forward, outside it: the same boundary, zero_grad aside.
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        self._pending = True
+        self._forward = register_module_forward_pre_hook(self._on_forward)
+
+    def _on_forward(self, module: Any, args: Any) -> None:
+        if self._pending and self.profiler is not None:
+            self._pending = False
+            self.profiler.step()
 
     def make_profiler(self) -> OnDemandProfiler | None:
         if self.profiler is None and not self._broken:
@@ -78,6 +102,9 @@ class StepCounter:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+        if self._forward is not None:
+            self._forward.remove()
+            self._forward = None
         if self.profiler is not None:
             self.profiler.close()
             atexit.unregister(self.profiler.close)

@@ -239,8 +239,9 @@ def test_memory_recording_switches_history_on_for_the_steps_then_off(tmp_path: P
 
 def test_a_slowdown_opens_one_automatic_window_then_the_cooldown_holds(tmp_path: Path) -> None:
     save = tmp_path / "p"
-    (rc, out, err), = run_ranks(["--steps", "160", "--step-sleep", "0.03", "--slow-from", "60", "--slow-factor", "4",
-                                 "--profile-auto", "2.5", "--profile-auto-steps", "5",
+    # 6x slower from step 60, judged at 3x: loaded-host noise stays far below either
+    (rc, out, err), = run_ranks(["--steps", "130", "--step-sleep", "0.05", "--slow-from", "60", "--slow-factor", "6",
+                                 "--profile-auto", "3", "--profile-auto-steps", "5",
                                  "--profile-auto-cooldown", "3600", "--profile-save-path", str(save), "--profile-trigger-dir", str(tmp_path / "t"),
                                  *TRAIN], timeout=240)
     assert rc == 0, err[-3000:]
@@ -249,8 +250,8 @@ def test_a_slowdown_opens_one_automatic_window_then_the_cooldown_holds(tmp_path:
     meta = caps[0]
     assert meta["trigger"]["source"] == "auto"
     auto = meta["trigger"]["request"]["auto"]
-    assert auto["ratio"] == 2.5 and auto["detected_at_step"] >= 60, auto
-    assert len(auto["slow_steps_s"]) == 5 and all(s > 2.5 * auto["median_step_s"] for s in auto["slow_steps_s"])
+    assert auto["ratio"] == 3 and auto["detected_at_step"] >= 60, auto
+    assert len(auto["slow_steps_s"]) == 5 and all(s > 3 * auto["median_step_s"] for s in auto["slow_steps_s"])
     assert meta["window"]["recorded_steps"][0] > auto["detected_at_step"]
     assert "no automatic capture: cooldown" in err, err[-3000:]  # the slowdown went on; the cooldown held
 
@@ -270,9 +271,9 @@ def test_auto_is_off_by_default_and_checked(tmp_path: Path) -> None:
 
 def test_the_daemon_adds_a_reference_rank_and_status_marks_the_straggler(env: dict[str, Any]) -> None:
     daemon(env)
-    # two independent ranks of one job (no process group, so one can be slow alone); rank 1 slows down 4x
-    procs = start_ranks(["--no-dist", "--steps", "400", "--step-sleep", "0.03", "--slow-from", "80", "--slow-factor",
-                         "4", "--slow-rank", "1", "--profile-auto", "2.5", "--profile-auto-steps", "5",
+    # two independent ranks of one job (no process group, so one can be slow alone); rank 1 slows down 6x
+    procs = start_ranks(["--no-dist", "--steps", "500", "--step-sleep", "0.05", "--slow-from", "80", "--slow-factor",
+                         "6", "--slow-rank", "1", "--profile-auto", "3", "--profile-auto-steps", "5",
                          "--profile-auto-cooldown", "3600", "--profile-job-id", "auto",
                          "--profile-save-path", str(env["save"]), *TRAIN], world=2,
                         env={"ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])})

@@ -165,9 +165,15 @@ def test_unreadable_trigger(dirs) -> None:
             pytest.skip("root without setpriv")
         prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
         base = steps.parent
-        base.chmod(0o777)
+        base.chmod(0o755)
         for d in (base.parent, base.parent.parent):
             d.chmod(d.stat().st_mode | 0o005)
+        # nobody's own directory: a world-writable parent would (rightly) make the rank refuse its trigger
+        # directory and fall back to a private one
+        own = base / "nobody"
+        own.mkdir(mode=0o755)
+        os.chown(own, 65534, 65534)
+        save, trig, steps = own / "profile", own / "trigger", own / "steps.jsonl"
     procs = start_ranks(["--steps", "300", "--step-sleep", "0.01", "--status-file", str(steps),
                          *trigger_args(save, trig)], prefix=prefix)
     wait_for(lambda: last_step(steps) >= 5, what="training to start")

@@ -113,8 +113,12 @@ class DaemonLink:
             self._beat()
 
     def daemon_present(self) -> bool:
-        """Whether a daemon's socket file exists (it may still be stale: only an answer tells)."""
-        return socket_path(self.runtime_dir).exists()
+        """Whether a daemon's socket file exists (it may still be stale: only an answer tells). A runtime
+        directory we cannot enter holds no daemon of ours: False, never an error (trigger files still work)."""
+        try:
+            return socket_path(self.runtime_dir).exists()
+        except OSError:
+            return False
 
     def reregister(self) -> None:
         """Register again at once (this rank's job, rank or trigger directory changed)."""

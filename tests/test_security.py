@@ -600,14 +600,15 @@ def test_metadata_only_changes_of_a_handled_trigger_open_nothing(tmp_path: Path)
 
 @pytest.mark.xfail(strict=False, reason="an empty trigger left by a writer that stalls between truncate and write "
                    "for longer than EMPTY_SETTLE_S, with its inotify event missed, is still taken for a touch "
-                   "(about 1 in 1000 on a heavily loaded host; see README-security.md)")
+                   "(about 1 in 1000 on a heavily loaded host; see README "Faults survived")")
 def test_rewrites_with_stalls_open_no_unrequested_window(tmp_path: Path) -> None:
     """Every request here is for step 10**9 (never reached): any window that records is one nobody asked for
     (an empty, half-written trigger taken for a "touch"), and so is any handled trigger without our id."""
     proc, trig = _stepping_rank(tmp_path, "exact")
     status = trig / "capture.status" / "rank0.json"
     try:
-        writer = subprocess.run([sys.executable, "-c", WRITER, str(trig / "capture"), "1000"], timeout=600)
+        # 400 rewrites keep the suite's time down; 1000 were measured too (README "Faults survived")
+        writer = subprocess.run([sys.executable, "-c", WRITER, str(trig / "capture"), "400"], timeout=600)
         assert writer.returncode == 0
         last = json.loads((trig / "capture").read_text())["id"]
         wait_for(lambda: _handled(status, last), 180, "the last request to be handled")

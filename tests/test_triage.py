@@ -272,7 +272,7 @@ def test_auto_is_off_by_default_and_checked(tmp_path: Path) -> None:
 def test_the_daemon_adds_a_reference_rank_and_status_marks_the_straggler(env: dict[str, Any]) -> None:
     daemon(env)
     # two independent ranks of one job (no process group, so one can be slow alone); rank 1 slows down 6x
-    procs = start_ranks(["--no-dist", "--steps", "500", "--step-sleep", "0.05", "--slow-from", "80", "--slow-factor",
+    procs = start_ranks(["--no-dist", "--steps", "100000", "--step-sleep", "0.05", "--slow-from", "80", "--slow-factor",
                          "6", "--slow-rank", "1", "--profile-auto", "3", "--profile-auto-steps", "5",
                          "--profile-auto-cooldown", "3600", "--profile-job-id", "auto",
                          "--profile-save-path", str(env["save"]), *TRAIN], world=2,

@@ -99,14 +99,14 @@ class TriageBook:
         """A rank opened an automatic window on itself: open the same one on the rank of its job whose step
         time is closest to the job's median, and keep a capture record of both (ondemandctl list, show)."""
         from ..core.protocol import encode
-        from ..core.window import Window
+        from ..core.requests import window_from_wire
         from .records import CaptureRecord
 
         info = self.service.registry.by_route.get(route)
         if info is None:
             return encode("register")
         try:
-            window = Window.from_wire(msg["window"])
+            window = window_from_wire(msg["window"])
         except ValueError as exc:
             log.warning("ondemand-profd: bad automatic window from rank %d: %s", info.rank, exc)
             return None

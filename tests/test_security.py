@@ -600,7 +600,7 @@ def test_metadata_only_changes_of_a_handled_trigger_open_nothing(tmp_path: Path)
 
 @pytest.mark.xfail(strict=False, reason="an empty trigger left by a writer that stalls between truncate and write "
                    "for longer than EMPTY_SETTLE_S, with its inotify event missed, is still taken for a touch "
-                   "(about 1 in 1000 on a heavily loaded host; see README "Faults survived")")
+                   "(about 1 in 1000 on a heavily loaded host; see README, Faults survived)")
 def test_rewrites_with_stalls_open_no_unrequested_window(tmp_path: Path) -> None:
     """Every request here is for step 10**9 (never reached): any window that records is one nobody asked for
     (an empty, half-written trigger taken for a "touch"), and so is any handled trigger without our id."""

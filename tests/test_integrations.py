@@ -84,7 +84,8 @@ def capture_rank(env: dict[str, Any], job: str, rank: int, steps: int = 2) -> di
     cid = done["capture_id"]
     caps = [c for c in captures(env["save"]) if c["capture_id"] == cid]
     assert [c["rank"] for c in caps] == [rank], caps
-    assert len(trace_steps(caps[0])) == steps
+    meta = {k: v for k, v in caps[0].items() if k not in ("files", "backend")}
+    assert len(trace_steps(caps[0])) == steps, (trace_steps(caps[0]), meta)
     return caps[0]
 
 

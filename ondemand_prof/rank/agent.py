@@ -23,15 +23,15 @@ from ..core.window import StepClock, Window
 from .announce import say, startup_line
 from .settle import SETTLE_POLL_S, JobAgreement, dist_rank
 from .triggers import STATUS_DIR, TRIGGER_NAME, DirWatcher, Trigger, claim_decision, default_trigger_dir, \
-    WriterTracker, ensure_dir, prepare_trigger_dir, prune_decisions, read_trigger, stat_key
+    WriterTracker, ensure_dir, writer_holds, prepare_trigger_dir, prune_decisions, read_trigger, stat_key
 
 log = logging.getLogger("ondemand_prof.rank.agent")
 
 SAMPLE_S = 0.005  # step-clock resolution; also the agent's idle wake-up period
 SETTLE_S = 0.02  # let a writer finish ("echo > capture" truncates, then writes) before reading
-# An empty file is either "touch capture" or a writer caught between truncating and writing. inotify tells
-# them apart (the writer has not closed the file yet), and an empty file is also taken only once it stayed empty
-# for EMPTY_SETTLE_S.
+# An empty file is either "touch capture" or a writer caught between truncating and writing: a read lease tells
+# them apart (triggers.writer_holds). Where leases cannot answer, it is taken once it stayed empty, with no
+# writer seen by inotify, for EMPTY_SETTLE_S.
 EMPTY_SETTLE_S = 0.25
 WRITER_STALL_S = 10.0  # a trigger a writer holds open longer than this is taken as it is
 RECHECK_S = 0.5  # stat the trigger even without an inotify event, in case one was missed
@@ -256,24 +256,31 @@ class Agent:
     def _writer_done(self, trig: Trigger) -> bool:
         """Whether whoever wrote this version of the trigger is done with it.
 
-        With inotify: no writer holds the file (a truncate or write not yet followed by its close), read from
-        our own inotify queue after reading the file (WriterTracker: exact, whatever the load). An empty file
-        (touch, or a writer caught after truncating) counts once it stayed empty for SETTLE_S; polling cannot
-        see writers at all and waits EMPTY_SETTLE_S.
+        An empty file is a touch, or a writer caught between truncating and writing (however long it stalls):
+        the kernel tells them apart (writer_holds: a read lease is refused while anyone holds the file open for
+        writing). Otherwise, with inotify: no writer holds the file (a truncate or write not yet followed by its
+        close), read from our own inotify queue after reading the file (WriterTracker: exact, whatever the load).
+        Where the lease cannot answer, an empty file counts once it stayed empty, no writer seen, EMPTY_SETTLE_S
+        (inotify alone does not always report a truncate: the kernel can skip the event for a file whose
+        directory was watched anew).
         """
         age = time.time() - trig.mtime
-        if not trig.regular or age < 0 or age >= WRITER_STALL_S:
-            return True  # nothing a writer fills, a clock skewed into the future, or a writer that never finishes
+        if not trig.regular or age < 0:
+            return True  # nothing a writer fills, or a clock skewed into the future
+        empty = trig.data == {}
+        if empty:
+            holds = writer_holds(self.trigger_path)
+            if holds is not None:
+                return not holds
+        if age >= WRITER_STALL_S:
+            return True  # a writer that never finishes: take what it wrote
         if self.tracker is not None:
             if self.tracker.writer_open():
                 return False  # truncated or written, not yet closed (queued before our read: exact)
         elif self.watcher.mode == "inotify" and (self.watcher.writer_open or self.watcher.last_event_at < trig.mtime):
             return False
-        if trig.data != {}:
+        if not empty:
             return True
-        # Empty: a touch, or a writer caught between truncating and writing. Taken once it stayed empty, with no
-        # writer seen, for EMPTY_SETTLE_S: inotify does not always report a truncate (the kernel can skip the
-        # event for a file whose directory was watched anew), so the events alone are not proof.
         now = time.monotonic()
         first = self._empty_since.setdefault(trig.version, now)
         if len(self._empty_since) > 64:

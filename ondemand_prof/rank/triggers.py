@@ -8,10 +8,12 @@ window decision that keeps ranks aligned.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import signal
 import stat
 import struct
 import tempfile
@@ -20,6 +22,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no leases, the settle time decides
+    fcntl = None  # type: ignore[assignment]
 
 from ..core import safejson
 from ..core.files import read_nofollow
@@ -147,6 +154,34 @@ def read_trigger(path: Path) -> Trigger | None:
     if not isinstance(data, dict):
         return Trigger(version, st.st_mtime, None, f"expected a JSON object, got {type(data).__name__}")
     return Trigger(version, st.st_mtime, data, None)
+
+
+def writer_holds(path: Path) -> bool | None:
+    """Whether any process has the trigger open for writing right now, asked of the kernel: True, False, or None
+    when it cannot tell (no leases here, a file we neither own nor may lease, a network filesystem).
+
+    A read lease (F_SETLEASE F_RDLCK) is granted only while nobody holds the file open for writing, so an empty
+    trigger nobody holds is a finished "touch", and one a writer holds is a writer stalled between truncating and
+    writing, however long it stalls. The lease is held for microseconds; a writer opening in that moment waits
+    for our close. A lease break is signalled to the holder (SIGIO, whose default action ends the process), so
+    the descriptor is set to SIGURG first, which is ignored by default; a program with its own SIGURG handler
+    skips the check.
+    """
+    setlease = getattr(fcntl, "F_SETLEASE", None) if fcntl is not None else None
+    if setlease is None or signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(fd, setlease, fcntl.F_RDLCK)
+        return False
+    except OSError as exc:
+        return True if exc.errno == errno.EAGAIN else None
+    finally:
+        os.close(fd)  # releases the lease
 
 
 class WriterTracker:

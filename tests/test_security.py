@@ -236,11 +236,14 @@ def as_user(user: dict[str, Any], code: str, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def train(tmp: Path, job: str, *extra: str, env: dict[str, str] | None = None, steps: int = 400) -> subprocess.Popen:
+def train(tmp: Path, job: str, *extra: str, env: dict[str, str] | None = None, steps: int = 400,
+          log: Path | None = None) -> subprocess.Popen:
+    """The toy rank; its output piped, or into `log` for a long run (a full pipe nobody reads blocks its logging)."""
+    out = log.open("w") if log is not None else subprocess.PIPE
     return subprocess.Popen([sys.executable, "-m", "ondemand_prof.demo.toy_train", "--no-dist", "--steps", str(steps),
                              "--step-sleep", "0.02", "--profile-min-free-mb", "0", "--profile-job-id", job,
                              "--profile-save-path", str(tmp / "profile"), *extra],
-                            env=base_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=base_env(**(env or {})), stdout=out, stderr=out, text=True)
 
 
 def published(save: Path) -> list[Path]:
@@ -570,7 +573,9 @@ for i in range(n):
 
 def _stepping_rank(tmp_path: Path, job: str) -> tuple[subprocess.Popen, Path]:
     trig, steps = tmp_path / "trig", tmp_path / "steps.log"
-    proc = train(tmp_path, job, "--profile-trigger-dir", str(trig), "--status-file", str(steps), steps=100_000)
+    # a rejected trigger is logged (a line each): 1000 of them would fill a pipe, so the log goes to a file
+    proc = train(tmp_path, job, "--profile-trigger-dir", str(trig), "--status-file", str(steps), steps=100_000,
+                 log=tmp_path / "rank.log")
     wait_for(lambda: (steps.exists() and len(steps.read_text().splitlines()) >= 3) or proc.poll() is not None,
              180, "the rank to step")
     return proc, trig

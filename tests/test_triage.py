@@ -240,7 +240,7 @@ def test_memory_recording_switches_history_on_for_the_steps_then_off(tmp_path: P
 def test_a_slowdown_opens_one_automatic_window_then_the_cooldown_holds(tmp_path: Path) -> None:
     save = tmp_path / "p"
     # 6x slower from step 60, judged at 3x: loaded-host noise stays far below either
-    (rc, out, err), = run_ranks(["--steps", "130", "--step-sleep", "0.05", "--slow-from", "60", "--slow-factor", "6",
+    (rc, out, err), = run_ranks(["--steps", "100", "--step-sleep", "0.05", "--slow-from", "60", "--slow-factor", "6",
                                  "--profile-auto", "3", "--profile-auto-steps", "5",
                                  "--profile-auto-cooldown", "3600", "--profile-save-path", str(save), "--profile-trigger-dir", str(tmp_path / "t"),
                                  *TRAIN], timeout=240)

@@ -38,10 +38,12 @@ from ondemand_prof.host.client import Client  # noqa: E402
 from ondemand_prof.rank.daemon_link import DaemonLink  # noqa: E402
 
 STEP_S = 0.01
+DONE_DIR = "/tmp/ondemand_prof-bench/capture"
 
 
 class SimProf:
     def __init__(self, rank: int, world: int, job: str, t0: float) -> None:
+        os.makedirs(DONE_DIR, mode=0o700, exist_ok=True)
         self.config = ProfileConfig(save_path="/tmp/ondemand_prof-bench")
         self._ident = Identity(rank=rank, world_size=world, local_rank=rank, host="bench", pid=os.getpid(),
                                job_id=job, dist_initialized=True)
@@ -67,7 +69,8 @@ class SimAgent:
         listener("scheduled", {"window": [window.start, window.end], "current_step": self.prof.current_step})
         # a real rank reports "done" some steps later; reporting it now keeps the daemon's set of running
         # captures as small as a real host's (a stand-in that never finishes would grow it with every capture)
-        listener("done", {"path": "/tmp/ondemand_prof-bench/none", "status": "ok"})
+        # (a folder that exists under the save root and is ours: the daemon refuses any other "done" path)
+        listener("done", {"path": DONE_DIR, "status": "ok"})
 
     def wake(self) -> None:
         pass

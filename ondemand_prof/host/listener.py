@@ -30,6 +30,7 @@ log = logging.getLogger("ondemand_prof.host.profd")
 
 BACKLOG = 128
 REOPEN_AFTER_S = 2.0
+EXACT_EVERY_S = 2.0  # how often the estimate of open descriptors is recounted from /proc/self/fd
 
 
 class Peer(NamedTuple):
@@ -103,10 +104,22 @@ class Listener:
         self._monitor: zmq.Socket | None = None
         self.estimate = 0
         self._closed_until = 0.0
+        self._next_exact = 0.0
 
     def attach(self, zsock: zmq.Socket) -> None:
         self._zsock = zsock
-        self._monitor = zsock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        # pyzmq's get_monitor_socket leaves the event pipe at the default high-water mark (1000): when more
+        # connections than that come or go between two reads (4096 ranks exiting together), libzmq's I/O thread
+        # blocks sending the event while holding the monitor's lock, and the daemon's own disable_monitor at exit
+        # then waits forever (seen in bench_daemon). A receive high-water mark of 0 makes the pipe unbounded; the
+        # loop drains it at every wake-up.
+        addr = f"inproc://ondemand-profd-monitor-{os.getpid()}-{id(zsock)}"
+        zsock.monitor(addr, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        mon = zsock.context.socket(zmq.PAIR)
+        mon.setsockopt(zmq.RCVHWM, 0)
+        mon.setsockopt(zmq.LINGER, 0)
+        mon.connect(addr)
+        self._monitor = mon
         self._lend()
         self.estimate = open_fds()
 
@@ -143,8 +156,12 @@ class Listener:
                     self.estimate += 1
                 elif event == zmq.EVENT_DISCONNECTED:
                     self.estimate -= 1
+        now = time.monotonic()
+        if exact and self.lent and self.estimate < self.high and now < self._next_exact:
+            exact = False  # listing /proc/self/fd costs ~3 ms at 4096 ranks: the drift check runs every 2 s
         if exact or not self.lent or self.estimate >= self.high:
             self.estimate = open_fds()
+            self._next_exact = now + EXACT_EVERY_S
         if self.lent and self.estimate >= self.high:
             # libzmq drops the connections it accepted through a listener it unbinds: the ranks reconnect and
             # register again on their own; a pause keeps that from repeating several times a second
@@ -160,7 +177,7 @@ class Listener:
     def close(self) -> None:
         if self._monitor is not None and self._zsock is not None:
             try:
-                self._zsock.disable_monitor()
+                self._zsock.monitor(None, 0)  # stop monitoring (what disable_monitor does for its own socket)
             except zmq.ZMQError:
                 pass
             self._monitor.close(linger=0)

@@ -25,6 +25,7 @@ from ondemand_prof.host.summaries import MAX_SUMMARY_BYTES, merge_summaries, par
 
 DAEMONS = 16
 RANKS = 4  # rank i registers with daemon i
+LAST_RANK_CAP = 160  # --profile-max-window-steps of the last rank (the others keep the default, 200)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -203,7 +204,9 @@ class Cluster:
                            MASTER_PORT=port, ONDEMAND_PROF_RUNTIME_DIR=str(self.daemons[rank]["run"]))
             self.ranks.append(subprocess.Popen(
                 [sys.executable, "-m", "ondemand_prof.demo.toy_train", "--steps", str(steps), "--step-sleep", "0.02",
-                 "--profile-min-free-mb", "0", "--profile-save-path", str(self.save)],
+                 "--profile-min-free-mb", "0", "--profile-save-path", str(self.save),
+                 # the last host's rank allows shorter windows than the others
+                 *(["--profile-max-window-steps", str(LAST_RANK_CAP)] if rank == RANKS - 1 else [])],
                 env=env, stdout=subprocess.DEVNULL, stderr=open(self.root / f"rank{rank}.log", "w")))
 
     @property
@@ -312,6 +315,23 @@ def test_one_aligned_capture_across_hosts_with_one_id_and_summaries_merged(clust
     assert group["slowest"]["rank"] in range(RANKS)
     text = cluster.ctl("report", capture_id)
     assert text.returncode == 0 and "rank" in text.stdout
+
+
+def test_the_smallest_length_cap_of_any_host_holds_for_every_rank(cluster: Cluster) -> None:
+    """Each daemon caps a window by its own ranks' --profile-max-window-steps; the CLI caps the request at the
+    smallest over every target host first, so that all ranks record the same steps, and says so."""
+    res = cluster.ctl("capture", "--steps", str(LAST_RANK_CAP + 20), "--wait", "--json", "--timeout", "120")
+    assert res.returncode == 0, res.stdout + res.stderr
+    record = json.loads(res.stdout)
+    start, end = record["window"]
+    assert end - start == LAST_RANK_CAP, record["window"]
+    assert f"steps capped from {LAST_RANK_CAP + 20} to {LAST_RANK_CAP}" in record["plan"]["note"], record["plan"]
+    for part in record["parts"].values():
+        meta = json.loads((Path(part["path"]) / "metadata.json").read_text())
+        assert trace_steps({**meta, "dir": Path(part["path"])}) == list(range(start, end)), part["rank"]
+    status = json.loads(cluster.ctl("status", "--json").stdout)["hosts"]
+    caps = {r["rank"]: r["max_window_steps"] for h in status.values() for rs in h["data"]["jobs"].values() for r in rs}
+    assert caps == {0: 200, 1: 200, 2: 200, 3: LAST_RANK_CAP}, caps  # what the CLI capped by, per rank
 
 
 def test_unauthorised_client_is_refused_and_logged(cluster: Cluster, tmp_path: Path) -> None:

@@ -329,6 +329,20 @@ def plan_across(targets: dict[str, list[RankInfo]], request: dict[str, Any], rou
         raise CtlError(str(exc)) from None
 
 
+def cap_steps_across(statuses: dict[str, Reply], job: str, targets: dict[str, list[RankInfo]],
+                     request: dict[str, Any]) -> str:
+    """Cap the request's length at the smallest --profile-max-window-steps of the target ranks on every host,
+    so that each daemon (which caps by its own ranks only) records the same steps; the note says so."""
+    wanted = {(name, i.rank) for name, infos in targets.items() for i in infos}
+    caps = [r["max_window_steps"] for name, reply in statuses.items() if reply.ok
+            for r in reply.data["jobs"].get(job, []) if (name, r["rank"]) in wanted and r.get("max_window_steps")]
+    asked = request.get("steps")
+    if not caps or not isinstance(asked, int) or asked <= min(caps):
+        return ""
+    request["steps"] = min(caps)
+    return f"steps capped from {asked} to {min(caps)} (the smallest --profile-max-window-steps of the target ranks)"
+
+
 @dataclass
 class Launched:
     """A capture sent to every host: what each accepted (`found`: host -> record), which hosts failed and
@@ -355,7 +369,9 @@ def launch(fan: Fanout, request: dict[str, Any], job: str | None) -> Launched:
     targets = choose_targets(infos, request.pop("ranks"))
     if not targets:
         raise CtlError("no target ranks on the hosts that answered")
+    cap_note = cap_steps_across(statuses, job, targets, request)
     plan = plan_across(targets, request, round_trip)
+    plan["note"] = "; ".join(filter(None, [cap_note, plan.get("note", "")]))
     request.pop("start", None)
     request["start_step"] = plan["start_step"]
     capture_id = new_capture_id(time.time())

@@ -65,7 +65,8 @@ class RankInfo:
                 "pid": self.pid, "step": self.estimated_step(wall), "reported_step": self.step,
                 "step_time_s": self.step_time, "state": self.state, "local_rank": self.local_rank,
                 "save_root": self.save_root, "trigger_dir": self.trigger_dir, "version": self.version, "last_seen_s": round(now - self.last_seen, 3),
-                "registered_at": self.registered_at, "windows": self.windows or []}
+                "registered_at": self.registered_at, "windows": self.windows or [],
+                "max_window_steps": self.defaults.max_steps if self.defaults is not None else None}
 
 
 class Registry:

@@ -571,11 +571,11 @@ for i in range(n):
 """
 
 
-def _stepping_rank(tmp_path: Path, job: str) -> tuple[subprocess.Popen, Path]:
+def _stepping_rank(tmp_path: Path, job: str, *extra: str) -> tuple[subprocess.Popen, Path]:
     trig, steps = tmp_path / "trig", tmp_path / "steps.log"
     # a rejected trigger is logged (a line each): 1000 of them would fill a pipe, so the log goes to a file
-    proc = train(tmp_path, job, "--profile-trigger-dir", str(trig), "--status-file", str(steps), steps=100_000,
-                 log=tmp_path / "rank.log")
+    proc = train(tmp_path, job, "--profile-trigger-dir", str(trig), "--status-file", str(steps), *extra,
+                 steps=100_000, log=tmp_path / "rank.log")
     wait_for(lambda: (steps.exists() and len(steps.read_text().splitlines()) >= 3) or proc.poll() is not None,
              180, "the rank to step")
     return proc, trig
@@ -624,10 +624,12 @@ def test_the_kernel_says_whether_a_writer_holds_the_trigger(tmp_path: Path) -> N
     assert writer_holds(tmp_path / "link") is None  # never follows a link
 
 
-def test_rewrites_with_stalls_open_no_unrequested_window(tmp_path: Path) -> None:
+@pytest.mark.parametrize("watch", [[], ["--profile-trigger-poll", "0.1"]], ids=["inotify", "polling"])
+def test_rewrites_with_stalls_open_no_unrequested_window(tmp_path: Path, watch: list[str]) -> None:
     """Every request here is for step 10**9 (never reached): any window that records is one nobody asked for
-    (an empty, half-written trigger taken for a "touch"), and so is any handled trigger without our id."""
-    proc, trig = _stepping_rank(tmp_path, "exact")
+    (an empty, half-written trigger taken for a "touch"), and so is any handled trigger without our id. Polling
+    sees no writers at all: there only the kernel's answer (a read lease) tells a 0.4 s stall from a touch."""
+    proc, trig = _stepping_rank(tmp_path, "exact", *watch)
     status = trig / "capture.status" / "rank0.json"
     try:
         writer = subprocess.run([sys.executable, "-c", WRITER, str(trig / "capture"), "1000"], timeout=600)

@@ -148,6 +148,14 @@ def capture_until(client: Client, states: tuple[str, ...], ranks: Any = -1) -> f
     return time.perf_counter() - t0
 
 
+def print_table(rows: list[tuple[str, str]], header: str = "value") -> None:
+    """The benches' "measure  value" table, names padded to one column."""
+    width = max(len(r[0]) for r in rows)
+    print(f"{'measure'.ljust(width)}  {header}")
+    for name, value in rows:
+        print(f"{name.ljust(width)}  {value}")
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
@@ -212,10 +220,7 @@ def main() -> None:
         daemon.wait(10)
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(state_dir, ignore_errors=True)
-    width = max(len(r[0]) for r in rows)
-    print(f"{'measure'.ljust(width)}  value")
-    for name, value in rows:
-        print(f"{name.ljust(width)}  {value}")
+    print_table(rows)
     print("(dynolog: ranks poll the daemon every 5 s, so a request waits up to 5 s before any rank sees it)")
 
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_daemon import pct, run_links  # noqa: E402
+from bench_daemon import pct, print_table, run_links  # noqa: E402
 from ondemand_prof.host.client import CtlError  # noqa: E402
 from ondemand_prof.host.fanout import Fanout  # noqa: E402
 from ondemand_prof.host.hosts import Target  # noqa: E402
@@ -155,10 +155,7 @@ def main() -> None:
                 proc.wait()
             shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    width = max(len(r[0]) for r in rows)
-    print(f"{'measure'.ljust(width)}  value   ({args.captures} captures, CurveZMQ on loopback)")
-    for name, value in rows:
-        print(f"{name.ljust(width)}  {value}")
+    print_table(rows, f"value   ({args.captures} captures, CurveZMQ on loopback)")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_daemon import print_table  # noqa: E402
 from ondemand_prof.core.protocol import MAX_REPLY_BYTES, decode, reply_ok  # noqa: E402
 from ondemand_prof.host.client import REPLIES  # noqa: E402
 from ondemand_prof.host.summaries import merge_summaries  # noqa: E402
@@ -105,10 +107,7 @@ def main() -> None:
             ("render across-ranks text", f"{t3 - t2:.2f} s ({len(across.splitlines())} lines)"),
             ("render per-rank text", f"{t4 - t3:.2f} s ({len(full.splitlines())} lines)"),
             ("total (decode + merge + across-ranks text)", f"{t3 - t0:.2f} s   (goal < 10 s)")]
-    width = max(len(r[0]) for r in rows)
-    print(f"{'measure'.ljust(width)}  value")
-    for name, value in rows:
-        print(f"{name.ljust(width)}  {value}")
+    print_table(rows)
 
 
 if __name__ == "__main__":

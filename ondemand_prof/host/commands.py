@@ -208,14 +208,12 @@ class Capture(Command):
         record = CaptureRecord.new(capture_id, job, request.as_dict(), plan, first.options.as_dict(),
                                    [{"rank": t.rank, "host": t.host, "pid": t.pid} for t in targets], wall)
         service.store.add(record)
-        bodies: dict[int, bytes] = {}
+        bodies: dict[int, bytes] = {}  # each distinct window encoded once, now that the plan's note is known
+        for _, window in distinct:
+            wire = dataclasses.replace(window, note=plan["note"]) if plan.get("after") else window
+            bodies[id(window)] = encode("capture", window=wire.to_wire())
         for t in targets:
-            window = windows[t.rank]
-            body = bodies.get(id(window))
-            if body is None:
-                wire = dataclasses.replace(window, note=plan["note"]) if plan.get("after") else window
-                body = bodies[id(window)] = encode("capture", window=wire.to_wire())
-            service.send(t.route, body)
+            service.send(t.route, bodies[id(windows[t.rank])])
         log.info("ondemand-profd: capture %s: job %s, %d rank(s), steps [%d, %d)%s", capture_id, job, len(targets),
                  plan["start_step"], plan["end_step"], f" ({plan['note']})" if plan["note"] else "")
         return {**record.data, "version": record.version}

@@ -166,11 +166,11 @@ class Listener:
             # libzmq drops the connections it accepted through a listener it unbinds: the ranks reconnect and
             # register again on their own; a pause keeps that from repeating several times a second
             self._withdraw()
-            self._closed_until = time.monotonic() + REOPEN_AFTER_S
+            self._closed_until = now + REOPEN_AFTER_S
             log.warning("ondemand-profd: %d of %d file descriptors open; not accepting new connections until "
                         "some close (raise the limit: LimitNOFILE= in the unit, or ulimit -n)", self.estimate,
                         self.limit)
-        elif not self.lent and self.estimate < self.low and time.monotonic() >= self._closed_until:
+        elif not self.lent and self.estimate < self.low and now >= self._closed_until:
             self._lend()
             log.warning("ondemand-profd: %d file descriptors open; accepting connections again", self.estimate)
 

@@ -167,7 +167,7 @@ def writer_holds(path: Path) -> bool | None:
     the descriptor is set to SIGURG first, which is ignored by default; a program with its own SIGURG handler
     skips the check.
     """
-    setlease = getattr(fcntl, "F_SETLEASE", None) if fcntl is not None else None
+    setlease = getattr(fcntl, "F_SETLEASE", None)  # None without fcntl (not POSIX) or without leases
     if setlease is None or signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN):
         return None
     try:

@@ -84,8 +84,8 @@ def capture_rank(env: dict[str, Any], job: str, rank: int, steps: int = 2) -> di
     cid = done["capture_id"]
     caps = [c for c in captures(env["save"]) if c["capture_id"] == cid]
     assert [c["rank"] for c in caps] == [rank], caps
-    meta = {k: v for k, v in caps[0].items() if k not in ("files", "backend")}
-    assert len(trace_steps(caps[0])) == steps, (trace_steps(caps[0]), meta)
+    said = f"trace steps {trace_steps(caps[0])}; window {caps[0]['window']}; trigger {caps[0]['trigger']}"
+    assert len(trace_steps(caps[0])) == steps, said
     return caps[0]
 
 

@@ -108,6 +108,24 @@ def test_late_on_demand_window_is_moved_and_says_so() -> None:
     assert recording["late_by"] == 15 and "moved from [5, 7)" in recording["note"]
 
 
+def test_on_demand_window_begun_late_still_records_the_steps_asked_for() -> None:
+    """A request that reaches the rank inside its window (delivery slower than the daemon planned for) records
+    its full length from there; a static window under way keeps its exact steps."""
+    driver = FakeDriver()
+    sched = Scheduler(driver, warmup_steps=1)
+    events, listener = heard()
+    sched.submit(window(5, 8), listener)
+    run(sched, 6, 12)
+    assert driver.exports == [("w", [6, 7, 8])]
+    recording = dict(events)["recording"]
+    assert recording["late_by"] == 1 and "moved from [5, 8): it arrived at step 6, after its start" in recording["note"]
+    static = FakeDriver()
+    late_static = Scheduler(static, warmup_steps=0)
+    late_static.submit(window(5, 8, "s", source="static"))
+    run(late_static, 6, 12)
+    assert static.exports == [("s", [6, 7])]
+
+
 def test_static_window_is_skipped_for_an_on_demand_one_and_when_missed() -> None:
     driver = FakeDriver()
     sched = Scheduler(driver, warmup_steps=0)

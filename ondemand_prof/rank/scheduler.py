@@ -154,7 +154,7 @@ class Scheduler:
             if plan.phase is Phase.WAIT:
                 return
             self.queue.pop(0)
-            if plan.phase is Phase.MISSED:
+            if plan.phase is Phase.MISSED or (plan.late_by and queued.window.source != "static"):
                 moved = self._move_late(queued, step)
                 if moved is None:
                     continue
@@ -165,15 +165,20 @@ class Scheduler:
             return
 
     def _move_late(self, queued: Queued, step: int) -> Queued | None:
-        """An on-demand window that arrived after its end still records its length, from now, and says so."""
+        """An on-demand window that arrived after its start still records the steps asked for, from now, and
+        says so (the user asked for N steps: a late rank records N, not what is left of them). A static window
+        names exact steps: one already over is skipped (one under way records what is left, and is not moved)."""
         window = queued.window
-        if window.source == "static" or window.end is None:
+        if window.end is None:
+            return queued  # open-ended: it begins now, late
+        if window.source == "static":
             log.warning("ondemand_prof: window %s missed: already at step %d", window.describe(), step)
             tell(queued.listener, "skipped", window, error=f"missed: already at step {step}")
             return None
         length = window.end - window.start
+        when = "after its end" if step >= window.end else "after its start"
         note = "; ".join(filter(None, [window.note, f"moved from {window.describe()}: it arrived at step {step}, "
-                                                    "after its end"]))
+                                                    + when]))
         late = dataclasses.replace(window, start=step, end=step + length, note=note)
         return Queued(late, queued.listener, moved_by=step - window.start)
 

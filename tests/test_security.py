@@ -634,6 +634,7 @@ def test_rewrites_with_stalls_open_no_unrequested_window(tmp_path: Path, watch: 
     try:
         # the 1000 rewrites with inotify; 400 (10 stalls of 0.4 s) show the polling case, keeping time down
         count = "400" if watch else "1000"
+        began = time.monotonic()
         writer = subprocess.run([sys.executable, "-c", WRITER, str(trig / "capture"), count], timeout=600)
         assert writer.returncode == 0
         last = json.loads((trig / "capture").read_text())["id"]
@@ -641,6 +642,13 @@ def test_rewrites_with_stalls_open_no_unrequested_window(tmp_path: Path, watch: 
         latest = json.loads(status.read_text())
     finally:
         stop(proc)
+    took = time.monotonic() - began
     unrequested = [t for t in latest["triggers"] if "id" not in (t.get("request") or {})]
     assert unrequested == [], unrequested
     assert published(tmp_path / "profile") == [], "a window nobody asked for was recorded"
+    # every request after the first is rejected (busy): the rank's log gets a few lines a minute, not one each
+    log_lines = (tmp_path / "rank.log").read_text().splitlines()
+    rejected = [line for line in log_lines if " rejected on rank 0: busy" in line]
+    held = [line for line in log_lines if "more trigger(s) rejected or failed, not logged" in line or
+            "more rejected or failed since, not logged" in line]
+    assert 1 <= len(rejected) <= 5 * (1 + int(took // 60)) and held, log_lines[-20:]

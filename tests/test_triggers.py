@@ -237,3 +237,17 @@ def test_hook_logs_the_command_to_touch(dirs) -> None:
     assert rc == 0
     assert f"capture with 'touch {trig / 'capture'}'" in err  # the start-up line, even for a 2-step run
     assert (trig.stat().st_mode & 0o777) == 0o700
+
+
+def test_log_budget_says_how_many_lines_it_held_back() -> None:
+    """A loop rewriting the trigger gets five warning lines a minute, then one that counts the rest."""
+    from ondemand_prof.rank.agent import LogBudget
+
+    now = [0.0]
+    budget = LogBudget(burst=5, period_s=60.0, clock=lambda: now[0])
+    said = [budget.take() for _ in range(12)]
+    assert said[:5] == [(True, 0)] * 5 and said[5:] == [(False, 0)] * 7
+    assert not budget.due()
+    now[0] = 61.0
+    assert budget.due() and budget.held == 7
+    assert budget.take() == (True, 7) and not budget.due()  # the next line says how many were held back

@@ -38,6 +38,37 @@ RECHECK_S = 0.5  # stat the trigger even without an inotify event, in case one w
 INOTIFY_SPREAD_S = 0.05  # how much later than the first rank another rank may see an inotify event
 LEAD_MARGIN_S = 0.05  # scheduling slack (a loaded host delays agent threads)
 ANNOUNCE_WAIT_S = 2.0  # the start-up line waits this long at most for the daemon's answer
+# Rejected and failed triggers are logged, but a script rewriting the trigger in a loop must not flood the
+# training job's log (or fill a pipe nobody reads): at most LOG_BURST lines per LOG_PERIOD_S, the rest counted.
+LOG_BURST = 5
+LOG_PERIOD_S = 60.0
+
+
+class LogBudget:
+    """At most `burst` lines per `period_s`. take() says whether to log now and how many lines were held back
+    since the last one logged, so that the next line (or a final summary) can say so."""
+
+    def __init__(self, burst: int = LOG_BURST, period_s: float = LOG_PERIOD_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst, self.period_s, self._clock = burst, period_s, clock
+        self._began = -math.inf
+        self._used = 0
+        self.held = 0
+
+    def take(self) -> tuple[bool, int]:
+        now = self._clock()
+        if now - self._began >= self.period_s:
+            self._began, self._used = now, 0
+        if self._used >= self.burst:
+            self.held += 1
+            return False, 0
+        self._used += 1
+        held, self.held = self.held, 0
+        return True, held
+
+    def due(self) -> bool:
+        """Lines were held back and their period is over: time to say how many (the flood may have stopped)."""
+        return self.held > 0 and self._clock() - self._began >= self.period_s
 
 
 class Agent:
@@ -55,6 +86,7 @@ class Agent:
         self._stopping = threading.Event()
         self._status_q: collections.deque[tuple[dict[str, Any], str, dict[str, Any]]] = collections.deque()
         self._recent: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self._log_budget = LogBudget()
         self.tracker: WriterTracker | None = None
         self._watch(wanted)
         self._agreement = JobAgreement(self.config.job_id)
@@ -128,6 +160,7 @@ class Agent:
                         "not written")
             return
         self._flush_status()
+        self._log_held_back()
         if self._announce_at is not None:  # a run shorter than the wait for the daemon: still say where things were
             self._announce()
         for ext in self.extensions:
@@ -167,6 +200,8 @@ class Agent:
                 for ext in self.extensions:
                     ext.poll(now)
                 self._flush_status()
+                if self._log_budget.due():
+                    self._log_held_back()
             except Exception:  # noqa: BLE001 - the agent must outlive any one bad event
                 log.exception("ondemand_prof: agent error")
                 time.sleep(0.1)
@@ -397,10 +432,26 @@ class Agent:
             if entry.get("state") not in FINAL:
                 self._status_q.append((entry, "failed", {"error": reason}))
         self._flush_status()
+        self._log_held_back()
 
     def _flush_status(self) -> None:
         with self._status_lock:  # the agent thread, and a SIGTERM handler on the main thread
             self._flush_status_locked()
+
+    def _log_trigger_end(self, base: dict[str, Any], event: str, error: Any) -> None:
+        now, held = self._log_budget.take()
+        if now:
+            more = f" ({held} more rejected or failed since, not logged; see {self.status_dir}/rank{base['rank']}" \
+                   ".json)" if held else ""
+            log.warning("ondemand_prof: trigger %s %s on rank %s: %s%s", base["trigger"], event, base["rank"], error,
+                        more)
+
+    def _log_held_back(self) -> None:
+        with self._status_lock:  # the agent thread, and stop()
+            held, self._log_budget.held = self._log_budget.held, 0
+            if held:
+                log.warning("ondemand_prof: %d more trigger(s) rejected or failed, not logged (at most %d lines per "
+                            "%.0f s); the latest are in %s", held, LOG_BURST, LOG_PERIOD_S, self.status_dir)
 
     def _flush_status_locked(self) -> None:
         """rank{R}.json: this rank's recent triggers, newest first, each with its state and history, so a
@@ -420,8 +471,7 @@ class Agent:
                                      **{k: v for k, v in info.items() if k != "capture_id"}})
             entry.update({k: v for k, v in info.items() if k != "capture_id"}, state=event, updated_at=iso_time())
             if event in ("rejected", "failed"):
-                log.warning("ondemand_prof: trigger %s %s on rank %s: %s", base["trigger"], event, base["rank"],
-                            info.get("error"))
+                self._log_trigger_end(base, event, info.get("error"))
         triggers = sorted(self._recent.values(), key=lambda e: e.get("written_at") or e.get("seen_at", ""),
                           reverse=True)
         ident = self.prof.identity()

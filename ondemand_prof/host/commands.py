@@ -230,7 +230,7 @@ class Capture(Command):
                 out.write(f"  note: {plan['note']}\n")
             if plan.get("late_ranks"):
                 out.write(f"  warning: rank(s) {spans(plan['late_ranks'])} are already past the start step; they "
-                          "will start late and record fewer steps\n")
+                          "will start at once, late, and record the same number of steps from there\n")
             out.flush()
         if not wait:
             if args.json:

@@ -152,3 +152,45 @@ def test_service_handlers_without_sockets(tmp_path) -> None:
                        ({"type": "status", "id": 6, "job": "nope"}, "no live job 'nope'")]:
         err = json.loads(svc.handle(b"cli", body))
         assert err["type"] == "error" and text in err["error"], err
+
+
+def test_the_lead_grows_when_windows_reached_ranks_late(tmp_path) -> None:
+    """A rank that took a window five steps after the plan had it (a loaded host) makes the next plan start
+    far enough ahead for that; `status` says so. A stalled rank cannot push windows out beyond 5 s."""
+    import time
+
+    from ondemand_prof.host.commands import DAEMON_COMMANDS
+    from ondemand_prof.host.records import RecordStore
+    from ondemand_prof.host.registry import DeliveryTimes
+    from ondemand_prof.host.service import Service
+
+    svc = Service(RecordStore(tmp_path), DAEMON_COMMANDS, host="h", runtime_dir=tmp_path, state_dir=tmp_path,
+                  pid_check=lambda pid, thorough: True)
+    from ondemand_prof.core.options import ProfileConfig
+    from ondemand_prof.core.requests import WindowDefaults
+
+    defaults = WindowDefaults.from_config(ProfileConfig()).to_wire()
+    svc.handle(b"r0", {"type": "register", "job": "j", "rank": 0, "world_size": 1, "host": "h", "pid": 10,
+                       "step": 100, "step_time": 0.1, "began": time.time(), "defaults": defaults})
+
+    def capture() -> dict:
+        reply = json.loads(svc.handle(b"cli", {"type": "capture", "id": 1, "request": {"steps": 2}}))
+        assert reply["type"] == "ok", reply
+        return reply["data"]
+
+    first = capture()
+    assert first["plan"]["lead_steps"] == 3  # 50 ms of delivery within a 100 ms step, plus two
+    planned = first["plan"]["current_steps"]["0"]  # (the reply is JSON: keys are strings)
+    svc.handle(b"r0", {"type": "event", "capture_id": first["capture_id"], "event": "scheduled",
+                       "info": {"current_step": planned + 6, "window": first["window"]}})
+    assert capture()["plan"]["lead_steps"] == 7  # 0.5 s of delivery at 0.1 s a step, plus two
+    status = json.loads(svc.handle(b"cli", {"type": "status", "id": 3}))["data"]
+    assert status["daemon"]["delivery_s"] == pytest.approx(0.5)
+    assert "windows took up to 500 ms to reach ranks lately" in DAEMON_COMMANDS["status"].console(status, None)
+    stalled = DeliveryTimes(keep=2)
+    stalled.learn("a", 100, 10**6, 0.1)
+    stalled.learn("b", 100, 200, None)  # no step time: nothing learned
+    assert stalled.estimate() == 5.0 and list(stalled.slowest) == ["a"]
+    stalled.learn("b", 100, 101, 0.1)
+    stalled.learn("c", 100, 103, 0.1)  # "a" is the oldest of three captures: forgotten
+    assert list(stalled.slowest) == ["b", "c"] and stalled.estimate() == pytest.approx(0.2)

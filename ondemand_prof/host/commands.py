@@ -20,7 +20,7 @@ from ..core.ranks import RankSpecError, parse_ranks, spans
 from ..core.requests import RequestError, WindowDefaults, parse_request, resolve
 from .client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, dumps
 from .records import CaptureRecord, new_capture_id
-from .registry import plan_window, select_ranks
+from .registry import DELIVERY_S, plan_window, select_ranks
 from .service import MAX_WATCH_S, BadRequest, Service
 
 Fields = dict[str, tuple[type, ...]]
@@ -106,6 +106,9 @@ class Status(Command):
         d = data["daemon"]
         text = (f"ondemand-profd {d['version']} pid {d['pid']} on {d['host']}, up {d['uptime_s']:.0f} s; "
                 f"{d['captures']} capture record(s), {d['running_captures']} running\n")
+        if d.get("delivery_s", 0) > DELIVERY_S:  # learned from late ranks: captures now plan a longer lead
+            text += (f"windows took up to {d['delivery_s'] * 1000:.0f} ms to reach ranks lately; captures start "
+                     "far enough ahead for that\n")
         if not data["jobs"]:
             return text + "no ranks registered\n"
         for job, ranks in data["jobs"].items():
@@ -185,7 +188,8 @@ class Capture(Command):
             defaults = _common_defaults(targets)
             steps = min(defaults.steps if request.steps is None else request.steps, defaults.max_steps)
             wall = time.time()
-            plan = plan_window(targets, wall, start=request.start, start_step=request.start_step, steps=steps)
+            plan = plan_window(targets, wall, start=request.start, start_step=request.start_step, steps=steps,
+                               delivery_s=service.delivery.estimate())
         except (RequestError, ValueError) as exc:
             raise BadRequest(str(exc)) from None
         capture_id = _adopted_id(service, msg) or new_capture_id(wall)

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 from ..core.protocol import FINAL_STATES, TCP_PORT as DEFAULT_PORT
 from ..core.ranks import spans
+from ..core.safejson import finite_number
 from .client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, CtlError, dumps
 from .commands import Capture, Command, Show, Status, _table, _window, progress_text, render_report
 from .records import new_capture_id
-from .registry import DELIVERY_S, RankInfo, plan_window
+from .registry import DELIVERY_S, MAX_DELIVERY_S, RankInfo, plan_window
 from .summaries import merge_summaries
 
 if TYPE_CHECKING:  # the fan-out, key and host-list modules load only when a command goes across hosts
@@ -317,14 +318,16 @@ def choose_targets(infos: dict[str, list[RankInfo]], wanted: list[int]) -> dict[
     return {name: ranks for name, ranks in chosen.items() if ranks}
 
 
-def plan_across(targets: dict[str, list[RankInfo]], request: dict[str, Any], round_trip_s: float) -> dict[str, Any]:
+def plan_across(targets: dict[str, list[RankInfo]], request: dict[str, Any], round_trip_s: float,
+                local_delivery_s: float = DELIVERY_S) -> dict[str, Any]:
     """One absolute window for every target rank. Delivery covers the status round trip (the steps are that
-    old) and the capture's way out, plus one step for the daemons' own extrapolation."""
+    old) and the capture's way out, plus one step for the daemons' own extrapolation, plus the slowest host's
+    own delivery to its ranks (what each daemon learned from its ranks' answers; DELIVERY_S by default)."""
     ranks = [i for infos in targets.values() for i in infos]
     slowest = max((i.step_time or 0.0) for i in ranks)
     try:
         return plan_window(ranks, time.time(), start=request.get("start"), start_step=request.get("start_step"),
-                           steps=request["steps"], delivery_s=DELIVERY_S + 2 * round_trip_s + slowest)
+                           steps=request["steps"], delivery_s=local_delivery_s + 2 * round_trip_s + slowest)
     except ValueError as exc:
         raise CtlError(str(exc)) from None
 
@@ -370,7 +373,10 @@ def launch(fan: Fanout, request: dict[str, Any], job: str | None) -> Launched:
     if not targets:
         raise CtlError("no target ranks on the hosts that answered")
     cap_note = cap_steps_across(statuses, job, targets, request)
-    plan = plan_across(targets, request, round_trip)
+    # the slowest host's own delivery to its ranks, as its daemon learned it (a number a host sends: bounded)
+    learned = [r.data.get("daemon", {}).get("delivery_s") for name, r in statuses.items() if r.ok and name in targets]
+    local = max([DELIVERY_S, *(d for d in learned if finite_number(d, 0.0, MAX_DELIVERY_S))])
+    plan = plan_across(targets, request, round_trip, local)
     plan["note"] = "; ".join(filter(None, [cap_note, plan.get("note", "")]))
     request.pop("start", None)
     request["start_step"] = plan["start_step"]

@@ -22,6 +22,32 @@ MAX_NAME = 256  # a job id or host name
 # Time from the daemon sending a window to the rank's training thread holding it: ZMQ delivery (< 1 ms),
 # the agent's 5 ms poll, and slack for a loaded host. The step running then must end before the window starts.
 DELIVERY_S = 0.05
+MAX_DELIVERY_S = 5.0  # what a learned delivery time may grow to (a stalled rank must not push windows far out)
+
+
+class DeliveryTimes:
+    """How long windows took to reach this host's ranks, learned from their answers, so that the next plan's
+    lead covers a loaded host (whose agent threads wait for the GIL or a core) and the ranks begin on time.
+
+    A rank answers "scheduled" with the step its training thread took the window at. The plan had it running
+    step c then; taking it at c + 1 is on time, and every step beyond that is delivery the lead must cover.
+    The estimate is the slowest delivery of the last `keep` captures, at least DELIVERY_S and at most
+    MAX_DELIVERY_S: one loaded moment lengthens the lead of the next few captures, not of every one after."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self.keep = keep
+        self.slowest: dict[str, float] = {}  # capture id -> its slowest delivery (insertion order: oldest first)
+
+    def learn(self, capture_id: str, planned_step: int, taken_step: int, step_time: float | None) -> None:
+        if not step_time or not (MIN_STEP_TIME_S <= step_time <= MAX_STEP_TIME_S):
+            return
+        took = max(0, taken_step - planned_step - 1) * step_time
+        self.slowest[capture_id] = max(took, self.slowest.get(capture_id, 0.0))
+        while len(self.slowest) > self.keep:
+            del self.slowest[next(iter(self.slowest))]
+
+    def estimate(self) -> float:
+        return min(MAX_DELIVERY_S, max([DELIVERY_S, *self.slowest.values()]))
 
 
 @dataclass

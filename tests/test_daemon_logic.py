@@ -185,8 +185,11 @@ def test_the_lead_grows_when_windows_reached_ranks_late(tmp_path) -> None:
                        "info": {"current_step": planned + 6, "window": first["window"]}})
     assert capture()["plan"]["lead_steps"] == 7  # 0.5 s of delivery at 0.1 s a step, plus two
     status = json.loads(svc.handle(b"cli", {"type": "status", "id": 3}))["data"]
-    assert status["daemon"]["delivery_s"] == pytest.approx(0.5)
-    assert "windows took up to 500 ms to reach ranks lately" in DAEMON_COMMANDS["status"].console(status, None)
+    assert status["delivery_s"] == {"j": pytest.approx(0.5)}
+    assert "windows took up to 500 ms to reach this job's ranks lately" in \
+        DAEMON_COMMANDS["status"].console(status, None)
+    # another job's ranks (another user's, perhaps) do not lengthen this job's lead, and the other way round
+    assert svc.delivery.estimate("other") == 0.05
     stalled = DeliveryTimes(keep=2)
     stalled.learn("a", 100, 10**6, 0.1)
     stalled.learn("b", 100, 200, None)  # no step time: nothing learned

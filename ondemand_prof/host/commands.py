@@ -20,7 +20,7 @@ from ..core.ranks import RankSpecError, parse_ranks, spans
 from ..core.requests import RequestError, WindowDefaults, parse_request, resolve
 from .client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, dumps
 from .records import CaptureRecord, new_capture_id
-from .registry import DELIVERY_S, plan_window, select_ranks
+from .registry import plan_window, select_ranks
 from .service import MAX_WATCH_S, BadRequest, Service
 
 Fields = dict[str, tuple[type, ...]]
@@ -100,15 +100,13 @@ class Status(Command):
         from .triage import stragglers
 
         slow = {name: stragglers(ranks) for name, ranks in jobs.items()}  # adds vs_median and slow to each rank
-        return {"daemon": service.daemon_info(), "jobs": jobs if not msg.get("brief") else {}, "stragglers": slow}
+        return {"daemon": service.daemon_info(), "jobs": jobs if not msg.get("brief") else {}, "stragglers": slow,
+                "delivery_s": service.delivery.longer(jobs)}
 
     def console(self, data: Any, args: argparse.Namespace) -> str:
         d = data["daemon"]
         text = (f"ondemand-profd {d['version']} pid {d['pid']} on {d['host']}, up {d['uptime_s']:.0f} s; "
                 f"{d['captures']} capture record(s), {d['running_captures']} running\n")
-        if d.get("delivery_s", 0) > DELIVERY_S:  # learned from late ranks: captures now plan a longer lead
-            text += (f"windows took up to {d['delivery_s'] * 1000:.0f} ms to reach ranks lately; captures start "
-                     "far enough ahead for that\n")
         if not data["jobs"]:
             return text + "no ranks registered\n"
         for job, ranks in data["jobs"].items():
@@ -120,6 +118,10 @@ class Status(Command):
             rows = [[str(r["rank"]), r["host"], str(r["pid"]), str(r["step"]), _ms(r["step_time_s"]), r["state"],
                      f"{r['last_seen_s']:.1f} s ago", _vs_median(r)] for r in ranks]
             text += _table(rows, ["RANK", "HOST", "PID", "STEP", "STEP TIME", "STATE", "HEARD", "VS MEDIAN"])
+            delivery = (data.get("delivery_s") or {}).get(job)
+            if delivery:  # learned from ranks that took windows late: captures now plan a longer lead
+                text += (f"windows took up to {delivery * 1000:.0f} ms to reach this job's ranks lately; captures "
+                         "start far enough ahead for that\n")
             slow = (data.get("stragglers") or {}).get(job) or {}
             if slow.get("slow_ranks"):
                 text += (f"slow: rank(s) {spans(slow['slow_ranks'])} (step time over {slow['slow_ratio']:g}x the "
@@ -189,7 +191,7 @@ class Capture(Command):
             steps = min(defaults.steps if request.steps is None else request.steps, defaults.max_steps)
             wall = time.time()
             plan = plan_window(targets, wall, start=request.start, start_step=request.start_step, steps=steps,
-                               delivery_s=service.delivery.estimate())
+                               delivery_s=service.delivery.estimate(job))
         except (RequestError, ValueError) as exc:
             raise BadRequest(str(exc)) from None
         capture_id = _adopted_id(service, msg) or new_capture_id(wall)

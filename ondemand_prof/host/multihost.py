@@ -374,7 +374,7 @@ def launch(fan: Fanout, request: dict[str, Any], job: str | None) -> Launched:
         raise CtlError("no target ranks on the hosts that answered")
     cap_note = cap_steps_across(statuses, job, targets, request)
     # the slowest host's own delivery to its ranks, as its daemon learned it (a number a host sends: bounded)
-    learned = [r.data.get("daemon", {}).get("delivery_s") for name, r in statuses.items() if r.ok and name in targets]
+    learned = [(r.data.get("delivery_s") or {}).get(job) for name, r in statuses.items() if r.ok and name in targets]
     local = max([DELIVERY_S, *(d for d in learned if finite_number(d, 0.0, MAX_DELIVERY_S))])
     plan = plan_across(targets, request, round_trip, local)
     plan["note"] = "; ".join(filter(None, [cap_note, plan.get("note", "")]))

@@ -50,6 +50,30 @@ class DeliveryTimes:
         return min(MAX_DELIVERY_S, max([DELIVERY_S, *self.slowest.values()]))
 
 
+class DeliveryBook:
+    """DeliveryTimes per job: one job's ranks (another user's, perhaps) never lengthen another job's lead."""
+
+    def __init__(self, max_jobs: int = 256) -> None:
+        self.max_jobs = max_jobs
+        self.jobs: dict[str, DeliveryTimes] = {}  # least recently learned first
+
+    def of(self, job: str) -> DeliveryTimes:
+        times = self.jobs.pop(job, None) or DeliveryTimes()
+        self.jobs[job] = times
+        while len(self.jobs) > self.max_jobs:
+            del self.jobs[next(iter(self.jobs))]
+        return times
+
+    def estimate(self, job: str) -> float:
+        times = self.jobs.get(job)
+        return times.estimate() if times is not None else DELIVERY_S
+
+    def longer(self, jobs: Iterable[str]) -> dict[str, float]:
+        """The jobs among `jobs` whose learned delivery is longer than DELIVERY_S, and how long."""
+        out = {job: round(self.estimate(job), 4) for job in jobs}
+        return {job: seconds for job, seconds in out.items() if seconds > DELIVERY_S}
+
+
 @dataclass
 class RankInfo:
     route: bytes

@@ -19,7 +19,7 @@ from .. import __version__
 from ..core.files import iso_time, pid_alive
 from ..core.protocol import FINAL_STATES, HEARTBEAT_S, RANK_TIMEOUT_S, encode, reply_error, reply_ok
 from .records import CaptureRecord, RecordStore
-from .registry import DeliveryTimes, RankInfo, Registry
+from .registry import DeliveryBook, RankInfo, Registry
 from .triage import TriageBook
 
 log = logging.getLogger("ondemand_prof.daemon")
@@ -41,7 +41,7 @@ class Service:
         self.runtime_dir = runtime_dir
         self.state_dir = state_dir
         self.registry = Registry()
-        self.delivery = DeliveryTimes()  # the lead of the next plan covers what recent windows took to arrive
+        self.delivery = DeliveryBook()  # per job: the lead of the next plan covers what recent windows took to arrive
         self.pid_check = pid_check
         self.started = time.monotonic()
         self.started_wall = time.time()
@@ -79,8 +79,7 @@ class Service:
         return {"pid": os.getpid(), "version": __version__, "host": self.host,
                 "started_at": iso_time(self.started_wall), "uptime_s": round(now - self.started, 1),
                 "runtime_dir": str(self.runtime_dir), "state_dir": str(self.state_dir),
-                "captures": len(self.store.records), "running_captures": len(self.store.running()),
-                "delivery_s": round(self.delivery.estimate(), 4)}
+                "captures": len(self.store.records), "running_captures": len(self.store.running())}
 
     def find(self, capture_id: str) -> CaptureRecord:
         try:
@@ -160,7 +159,8 @@ class Service:
         planned_step = planned.get(info.rank, planned.get(str(info.rank)))
         taken = data.get("current_step")
         if type(planned_step) is int and type(taken) is int and 0 <= taken - planned_step <= 10**6:
-            self.delivery.learn(record.capture_id, planned_step, taken, info.step_time or info.observed_step_time)
+            self.delivery.of(info.job).learn(record.capture_id, planned_step, taken,
+                                             info.step_time or info.observed_step_time)
 
     def on_bye(self, route: bytes, msg: dict[str, Any]) -> None:
         info = self.registry.remove(route)

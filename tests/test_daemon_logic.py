@@ -59,7 +59,8 @@ def test_plan_goes_after_windows_already_on_the_ranks() -> None:
 def test_absolute_start_names_the_ranks_that_will_be_late() -> None:
     plan = plan_window([rank(0, 10), rank(1, 20)], 100.0, start=None, start_step=21, steps=2)
     assert (plan["start_step"], plan["end_step"]) == (21, 23)
-    assert plan["late_ranks"] == [1]
+    assert plan["late_ranks"] == [1] and plan["past_ranks"] == []  # close to it: may be late, not past it
+    assert plan_window([rank(0, 10), rank(1, 20)], 100.0, start=None, start_step=15, steps=2)["past_ranks"] == [1]
 
 
 def test_registry_selects_live_ranks_and_names_missing_ones() -> None:
@@ -181,6 +182,13 @@ def test_the_lead_grows_when_windows_reached_ranks_late(tmp_path) -> None:
     first = capture()
     assert first["plan"]["lead_steps"] == 3  # 50 ms of delivery within a 100 ms step, plus two
     planned = first["plan"]["current_steps"]["0"]  # (the reply is JSON: keys are strings)
+    # another process claiming rank 0 of the job (from another "host") is not the one the window went to
+    svc.handle(b"x0", {"type": "register", "job": "j", "rank": 0, "world_size": 1, "host": "x", "pid": 30,
+                       "step": 100, "step_time": 0.1, "began": time.time(), "defaults": defaults})
+    svc.handle(b"x0", {"type": "event", "capture_id": first["capture_id"], "event": "scheduled",
+                       "info": {"current_step": planned + 10**6, "window": first["window"]}})
+    assert svc.delivery.estimate("j") == 0.05
+    svc.registry.remove(b"x0")
     svc.handle(b"r0", {"type": "event", "capture_id": first["capture_id"], "event": "scheduled",
                        "info": {"current_step": planned + 6, "window": first["window"]}})
     assert capture()["plan"]["lead_steps"] == 7  # 0.5 s of delivery at 0.1 s a step, plus two
@@ -188,8 +196,11 @@ def test_the_lead_grows_when_windows_reached_ranks_late(tmp_path) -> None:
     assert status["delivery_s"] == {"j": pytest.approx(0.5)}
     assert "windows took up to 500 ms to reach this job's ranks lately" in \
         DAEMON_COMMANDS["status"].console(status, None)
-    # another job's ranks (another user's, perhaps) do not lengthen this job's lead, and the other way round
+    # another job's ranks (another user's, perhaps) do not lengthen this job's lead, and the other way round;
+    # a job with no live rank left is forgotten (names like port29500 come back with the next run)
     assert svc.delivery.estimate("other") == 0.05
+    svc.delivery.keep_only(["other"])
+    assert svc.delivery.estimate("j") == 0.05
     stalled = DeliveryTimes(keep=2)
     stalled.learn("a", 100, 10**6, 0.1)
     stalled.learn("b", 100, 200, None)  # no step time: nothing learned

@@ -102,10 +102,10 @@ def test_late_on_demand_window_is_moved_and_says_so() -> None:
     sched = Scheduler(driver, warmup_steps=1)
     events, listener = heard()
     sched.submit(window(5, 7), listener)
-    run(sched, 20, 23)  # the request arrived after its end: it records its length from now
-    assert driver.exports == [("w", [20, 21])]
+    run(sched, 20, 24)  # the request arrived after its end: it records its length, after a warmup step now
+    assert driver.exports == [("w", [21, 22])]
     recording = dict(events)["recording"]
-    assert recording["late_by"] == 15 and "moved from [5, 7)" in recording["note"]
+    assert recording["late_by"] == 16 and "moved from [5, 7) to [21, 23)" in recording["note"]
 
 
 def test_on_demand_window_begun_late_still_records_the_steps_asked_for() -> None:
@@ -116,14 +116,35 @@ def test_on_demand_window_begun_late_still_records_the_steps_asked_for() -> None
     events, listener = heard()
     sched.submit(window(5, 8), listener)
     run(sched, 6, 12)
-    assert driver.exports == [("w", [6, 7, 8])]
+    assert driver.exports == [("w", [7, 8, 9])]
+    assert ("warmup", "w", 6) in driver.log  # its warmup step, as an on-time window has
     recording = dict(events)["recording"]
-    assert recording["late_by"] == 1 and "moved from [5, 8): it arrived at step 6, after its start" in recording["note"]
+    assert recording["late_by"] == 2
+    assert "moved from [5, 8) to [7, 10): it arrived at step 6, after its start" in recording["note"]
     static = FakeDriver()
     late_static = Scheduler(static, warmup_steps=0)
     late_static.submit(window(5, 8, "s", source="static"))
     run(late_static, 6, 12)
     assert static.exports == [("s", [6, 7])]
+
+
+def test_the_window_planned_after_a_moved_one_is_accepted_and_says_why_it_waited() -> None:
+    """The daemon plans a capture after the previous one's planned end. When the previous one was moved (it
+    reached the rank late), the next is still accepted; it waits for the moved one to record its steps, then
+    records its own, and its note says it arrived in time and waited (not that it arrived late)."""
+    driver = FakeDriver()
+    sched = Scheduler(driver, warmup_steps=1)
+    sched.submit(window(10, 12, "a"), step=11)
+    run(sched, 11, 12)  # "a" arrived at step 11, inside its window: warmup now, moved to [12, 14)
+    assert sched.active is not None and (sched.active.window.start, sched.active.window.end) == (12, 14)
+    events, listener = heard()
+    assert sched.submit(window(12, 14, "b"), listener, step=12)[0]  # after a's planned end: not busy
+    assert not sched.submit(window(11, 12, "c"), step=12)[0]  # within a's planned steps: busy
+    run(sched, 12, 20)
+    assert driver.exports == [("a", [12, 13]), ("b", [15, 16])]
+    recording = dict(events)["recording"]
+    assert recording["late_by"] == 3 and recording["note"] == (
+        "moved from [12, 14) to [15, 17): it arrived at step 12, in time, but the profiler was busy until step 14")
 
 
 def test_static_window_is_skipped_for_an_on_demand_one_and_when_missed() -> None:

@@ -234,9 +234,15 @@ class Capture(Command):
                       f"{max(plan['current_steps'].values())}; lead {plan['lead_steps']} steps)\n")
             if plan.get("note"):
                 out.write(f"  note: {plan['note']}\n")
-            if plan.get("late_ranks"):
-                out.write(f"  warning: rank(s) {spans(plan['late_ranks'])} are already past the start step; they "
-                          "will start at once, late, and record the same number of steps from there\n")
+            past = plan.get("past_ranks", plan.get("late_ranks")) or []
+            close = [r for r in plan.get("late_ranks") or [] if r not in past]
+            if past:
+                out.write(f"  warning: rank(s) {spans(past)} are already past the start step; they will start at "
+                          "once, late, and record the same number of steps from there\n")
+            if close:
+                out.write(f"  warning: rank(s) {spans(close)} are less than {plan['lead_steps']} steps (the lead "
+                          "delivery needs) before the start step; they may get the window late, and then record "
+                          "the same number of steps from there\n")
             out.flush()
         if not wait:
             if args.json:
@@ -302,8 +308,8 @@ def progress_text(part: dict[str, Any]) -> str:
         return f"{state:<10} window {_window(part.get('window'))}"
     if state == "recording":
         late = part.get("late_by") or 0
-        return "recording" + (f" (late by {late} step{'s' if late != 1 else ''}: it got the window after its "
-                              "start)" if late else "")
+        why = part.get("note") or "it got the window after its start"  # the rank's note says which, and where to
+        return "recording" + (f" (late by {late} step{'s' if late != 1 else ''}: {why})" if late else "")
     if state == "done":
         return f"{'done':<10} {part.get('path')}"
     if state in ("failed", "rejected"):

@@ -64,6 +64,12 @@ class DeliveryBook:
             del self.jobs[next(iter(self.jobs))]
         return times
 
+    def keep_only(self, live_jobs: Iterable[str]) -> None:
+        """Forget the jobs that have no live rank left."""
+        live = set(live_jobs)
+        for job in [j for j in self.jobs if j not in live]:
+            del self.jobs[job]
+
     def estimate(self, job: str) -> float:
         times = self.jobs.get(job)
         return times.estimate() if times is not None else DELIVERY_S
@@ -262,15 +268,16 @@ def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, 
     lead = 2  # the step now running ends, then the boundary where the window can begin
     for t in targets:
         if t.step_time:
-            lead = max(lead, math.ceil(delivery_s / t.step_time) + 2)
+            lead = max(lead, math.ceil(delivery_s / t.step_time - 1e-9) + 2)  # (0.3 / 0.1 is 3.0000000000000004)
     earliest = furthest + lead
     if start_step is not None:
         first = start_step
-        late = sorted(r for r, s in current.items() if s + lead > start_step)
+        late = sorted(r for r, s in current.items() if s + lead > start_step)  # past it, or too close to it
+        past = sorted(r for r, s in current.items() if s >= start_step)
     else:
         first = max(furthest + (start or 1), earliest)
-        late = []
-    plan: dict[str, Any] = {"current_steps": current, "lead_steps": lead, "late_ranks": late}
+        late, past = [], []
+    plan: dict[str, Any] = {"current_steps": current, "lead_steps": lead, "late_ranks": late, "past_ranks": past}
     blocking = [(t.rank, w) for t in targets for w in t.windows or [] if w["end"] is None or w["end"] > first]
     if blocking and start_step is None:
         open_ended = [(r, w) for r, w in blocking if w["end"] is None]

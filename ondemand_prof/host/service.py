@@ -155,7 +155,12 @@ class Service:
             self.changed(record)
 
     def _learn_delivery(self, info: RankInfo, record: CaptureRecord, data: dict[str, Any]) -> None:
-        planned = (record.data.get("plan") or {}).get("current_steps") or {}
+        """Only from the process the window was sent to (a record read back from disk may hold anything)."""
+        part = record.part(info.rank)
+        plan = record.data.get("plan")
+        planned = plan.get("current_steps") if isinstance(plan, dict) else None
+        if not isinstance(part, dict) or part.get("pid") != info.pid or not isinstance(planned, dict):
+            return
         planned_step = planned.get(info.rank, planned.get(str(info.rank)))
         taken = data.get("current_step")
         if type(planned_step) is int and type(taken) is int and 0 <= taken - planned_step <= 10**6:
@@ -207,6 +212,8 @@ class Service:
                 log.warning("ondemand-profd: rank %d of job %s left: %s", info.rank, info.job, reason)
                 self.triage.forget_later(info, reason, now)  # a hung rank stays reachable for a native dump
                 self._fail_parts(info, f"rank {info.rank} is gone: {reason}", wall)
+            if self.delivery.jobs:  # job names are reused (port29500, pidN): a later run starts afresh
+                self.delivery.keep_only(self.registry.jobs())
             if now - self.started > RANK_TIMEOUT_S + HEARTBEAT_S and self.store.running():
                 self._fail_orphans(wall)
         self.store.flush()
@@ -251,8 +258,10 @@ def check_registration(peer: Any, msg: dict[str, Any], registry: Registry) -> No
     pid = msg["pid"]
     if pid != peer.pid and _proc_uid(pid) != peer.uid:
         raise BadRequest(f"register: pid {pid} is not a process of uid {peer.uid}, which is connecting")
+    # whatever host it claims: ranks of one job on one daemon share a machine, and a claimed host name is only
+    # the sender's word
     for other in registry.jobs().get(msg["job"], []):
-        if other.uid is not None and other.uid != peer.uid and other.host == msg["host"]:
+        if other.uid is not None and other.uid != peer.uid:
             raise BadRequest(f"register: job {msg['job']!r} belongs to uid {other.uid}; uid {peer.uid} cannot join it")
 
 

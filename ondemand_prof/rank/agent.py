@@ -435,29 +435,35 @@ class Agent:
         self._log_held_back()
 
     def _flush_status(self) -> None:
+        # Lines are logged after the lock is released: a log write can block (stderr a full pipe), and the
+        # SIGTERM handler on the main thread takes this lock to settle the status files.
         with self._status_lock:  # the agent thread, and a SIGTERM handler on the main thread
-            self._flush_status_locked()
+            lines = self._flush_status_locked()
+        for line in lines:
+            log.warning("%s", line)
 
-    def _log_trigger_end(self, base: dict[str, Any], event: str, error: Any) -> None:
-        now, held = self._log_budget.take()
-        if now:
-            more = f" ({held} more rejected or failed since, not logged; see {self.status_dir}/rank{base['rank']}" \
-                   ".json)" if held else ""
-            log.warning("ondemand_prof: trigger %s %s on rank %s: %s%s", base["trigger"], event, base["rank"], error,
-                        more)
+    def _trigger_end_line(self, base: dict[str, Any], event: str, error: Any) -> str | None:
+        say, held = self._log_budget.take()
+        if not say:
+            return None
+        more = f" ({held} more rejected or failed since, not logged; see {self.status_dir}/rank{base['rank']}.json)" \
+            if held else ""
+        return f"ondemand_prof: trigger {base['trigger']} {event} on rank {base['rank']}: {error}{more}"
 
     def _log_held_back(self) -> None:
-        with self._status_lock:  # the agent thread, and stop()
+        with self._status_lock:  # the agent thread, stop() and finalize()
             held, self._log_budget.held = self._log_budget.held, 0
-            if held:
-                log.warning("ondemand_prof: %d more trigger(s) rejected or failed, not logged (at most %d lines per "
-                            "%.0f s); the latest are in %s", held, LOG_BURST, LOG_PERIOD_S, self.status_dir)
+        if held:
+            log.warning("ondemand_prof: %d more trigger(s) rejected or failed, not logged (at most %d lines per "
+                        "%.0f s); the latest are in %s", held, LOG_BURST, LOG_PERIOD_S, self.status_dir)
 
-    def _flush_status_locked(self) -> None:
+    def _flush_status_locked(self) -> list[str]:
         """rank{R}.json: this rank's recent triggers, newest first, each with its state and history, so a
-        trigger's late progress ("done") never hides the answer to a newer one ("rejected")."""
+        trigger's late progress ("done") never hides the answer to a newer one ("rejected"). Returns the
+        warning lines to log (once the lock is released)."""
+        lines: list[str] = []
         if not self._status_q:
-            return
+            return lines
         rank = None
         while self._status_q:
             base, event, info = self._status_q.popleft()
@@ -471,7 +477,9 @@ class Agent:
                                      **{k: v for k, v in info.items() if k != "capture_id"}})
             entry.update({k: v for k, v in info.items() if k != "capture_id"}, state=event, updated_at=iso_time())
             if event in ("rejected", "failed"):
-                self._log_trigger_end(base, event, info.get("error"))
+                line = self._trigger_end_line(base, event, info.get("error"))
+                if line:
+                    lines.append(line)
         triggers = sorted(self._recent.values(), key=lambda e: e.get("written_at") or e.get("seen_at", ""),
                           reverse=True)
         ident = self.prof.identity()
@@ -480,5 +488,6 @@ class Agent:
             check_dir(self.status_dir)  # at every use: refused (one warning) if someone swapped it
             write_json_atomic(self.status_dir / f"rank{rank}.json", status)
         except OSError as exc:
-            log.warning("ondemand_prof: cannot write trigger status in %s: %s", self.status_dir, exc)
+            lines.append(f"ondemand_prof: cannot write trigger status in {self.status_dir}: {exc}")
+        return lines
 

@@ -189,7 +189,7 @@ class OnDemandProfiler:
 
     def submit(self, window: Window, listener: Listener | None = None) -> tuple[bool, str]:
         """Queue a window (on the training thread, usually through call_at_next_step)."""
-        ok, reason = self.scheduler.submit(window, listener)
+        ok, reason = self.scheduler.submit(window, listener, self._step)
         if ok:
             self._wake_up()
         return ok, reason

@@ -45,8 +45,9 @@ class Active:
     listener: Listener | None = None
     first_step: int = -1
     late_by: int = 0
-    moved_by: int = 0  # an on-demand window that arrived after its end was moved this many steps
+    moved_by: int = 0  # an on-demand window that arrived after its start was moved this many steps
     cancelled: bool = False
+    planned_end: int | None = None  # a moved window's end as planned (what it holds against new requests)
 
 
 @dataclass
@@ -54,6 +55,11 @@ class Queued:
     window: Window
     listener: Listener | None = None
     moved_by: int = 0
+    planned_end: int | None = None
+    arrived_at: int | None = None  # the step at which it was submitted (None: not known)
+
+    def held(self) -> tuple[int, int | None]:
+        return _held(self.window, self.moved_by, self.planned_end)
 
 
 @dataclass
@@ -69,24 +75,26 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------------------
     # Requests (training thread)
 
-    def submit(self, window: Window, listener: Listener | None = None) -> tuple[bool, str]:
-        """Queue a window. Refused as busy when it overlaps the running window or an on-demand one already
-        queued; a static window it overlaps is skipped when its time comes."""
+    def submit(self, window: Window, listener: Listener | None = None, step: int | None = None) -> tuple[bool, str]:
+        """Queue a window (`step`: the step now beginning, when known). Refused as busy when it overlaps the
+        running window or an on-demand one already queued, as they were planned; a static window it overlaps is
+        skipped when its time comes."""
         if self.disabled or self.closed:
             return False, "profiler disabled" if self.disabled else "profiler closed"
         blocking = self.blocking(window)
         if blocking is not None:
             return False, f"busy: window {blocking.describe()} ({blocking.source}, {blocking.capture_id}) " \
                           f"holds the profiler"
-        self.queue.append(Queued(window, listener))
+        self.queue.append(Queued(window, listener, arrived_at=step))
         self.queue.sort(key=lambda q: q.window.start)
         return True, "scheduled"
 
     def blocking(self, window: Window) -> Window | None:
-        if self.active and self.active.window.overlaps(window.start, window.end):
-            return self.active.window
-        return next((q.window for q in self.queue if q.window.source != "static" and
-                     q.window.overlaps(window.start, window.end)), None)
+        active = self.active
+        if active and window.overlaps(*_held(active.window, active.moved_by, active.planned_end)):
+            return active.window
+        return next((q.window for q in self.queue if q.window.source != "static" and window.overlaps(*q.held())),
+                    None)
 
     def cancel(self, capture_id: str, step: int) -> bool:
         """Stop a queued or running window: a running one is finished now and written, marked cancelled."""
@@ -176,11 +184,17 @@ class Scheduler:
             tell(queued.listener, "skipped", window, error=f"missed: already at step {step}")
             return None
         length = window.end - window.start
-        when = "after its end" if step >= window.end else "after its start"
-        note = "; ".join(filter(None, [window.note, f"moved from {window.describe()}: it arrived at step {step}, "
-                                                    + when]))
-        late = dataclasses.replace(window, start=step, end=step + length, note=note)
-        return Queued(late, queued.listener, moved_by=step - window.start)
+        start = step + self.warmup_steps  # its warmup step now, as an on-time window has (no start-up skew)
+        arrived = queued.arrived_at
+        if arrived is not None and arrived <= window.start:
+            why = f"it arrived at step {arrived}, in time, but the profiler was busy until step {step}"
+        else:
+            why = f"it arrived at step {step if arrived is None else arrived}, after its " + \
+                  ("end" if step >= window.end else "start")
+        note = "; ".join(filter(None, [window.note, f"moved from {window.describe()} to [{start}, {start + length})"
+                                                    f": {why}"]))
+        late = dataclasses.replace(window, start=start, end=start + length, note=note)
+        return Queued(late, queued.listener, moved_by=start - window.start, planned_end=window.end)
 
     def _may_begin(self, queued: Queued) -> bool:
         window = queued.window
@@ -213,7 +227,8 @@ class Scheduler:
 
     def _begin(self, queued: Queued, step: int, phase: Phase) -> None:
         session, context = self.driver.open(queued.window)
-        active = Active(queued.window, session, context, "warmup", queued.listener, moved_by=queued.moved_by)
+        active = Active(queued.window, session, context, "warmup", queued.listener, moved_by=queued.moved_by,
+                        planned_end=queued.planned_end)
         self.active = active
         tell(active.listener, "started", active.window, step=step,
              phase="warmup" if phase is Phase.WARMUP else "recording")
@@ -295,6 +310,13 @@ class Scheduler:
             out.append(_view(active.window, active.state))
         out.extend(_view(q.window, "scheduled") for q in list(self.queue) if q.window.source != "static")
         return out
+
+
+def _held(window: Window, moved_by: int, planned_end: int | None) -> tuple[int, int | None]:
+    """The steps a window holds against new requests: as planned. The daemon plans the next capture after the
+    previous one's planned end; that one is accepted, and waits (then moves, saying why) if a moved window
+    still records."""
+    return (window.start - moved_by, planned_end) if moved_by else (window.start, window.end)
 
 
 def _view(window: Window, state: str) -> dict[str, Any]:

@@ -58,9 +58,6 @@ class Queued:
     planned_end: int | None = None
     arrived_at: int | None = None  # the step at which it was submitted (None: not known)
 
-    def held(self) -> tuple[int, int | None]:
-        return _held(self.window, self.moved_by, self.planned_end)
-
 
 @dataclass
 class Scheduler:
@@ -93,8 +90,8 @@ class Scheduler:
         active = self.active
         if active and window.overlaps(*_held(active.window, active.moved_by, active.planned_end)):
             return active.window
-        return next((q.window for q in self.queue if q.window.source != "static" and window.overlaps(*q.held())),
-                    None)
+        return next((q.window for q in self.queue if q.window.source != "static" and
+                     window.overlaps(*_held(q.window, q.moved_by, q.planned_end))), None)
 
     def cancel(self, capture_id: str, step: int) -> bool:
         """Stop a queued or running window: a running one is finished now and written, marked cancelled."""

@@ -1,11 +1,16 @@
-"""What a capture costs the training loop: the window-end step and the steps after it, and memory.
+"""What a capture costs the training loop: the window-end step and the steps after it, where that time goes,
+and memory.
 
-    python bench/bench_window_cost.py [--repeat 5] [--variants torch,ours,ours-inprocess]
+    python bench/bench_window_cost.py [--repeat 3] [--threads 1,2] [--variants torch,ours,ours-inprocess]
 
 Each run is one fresh process per variant (so no variant inherits another's threads, children, allocator state or
-kineto warm-up), started in turn: torch, ours, ... then again, `--repeat` times; medians over the runs.
-In each process: a warm-up capture of the same kind (kineto's first-use costs are not the export's), then
-idle steps (their median is the baseline), a 20-step window with_stack + record_shapes, and `--tail` steps after it.
+kineto warm-up), started in turn: torch, ours, ... then again, `--repeat` times, for each training shape;
+medians over the runs. In each process: a warm-up capture of the same kind (kineto's first-use costs are not the
+export's), then idle steps (their median is the baseline), a 20-step window with_stack + record_shapes, and
+`--tail` steps after it.
+
+Training shapes (`--threads`): 1 = one intra-op thread, the other core idle (a GPU node's shape: the training
+thread waits on the device and most cores are free); 2 (= every core of this 2-core VM) = every core busy.
 
     window-end stall   the step() call that ends the window (collection; torch.profiler also exports in it)
     +10 steps          stall + sum over the 10 steps after it of (step time - idle median): the issue's measure
@@ -14,10 +19,17 @@ idle steps (their median is the baseline), a 20-step window with_stack + record_
     peak extra RSS     this process's RSS plus its children's unique memory (Private_* of smaps_rollup), sampled
                        every 5 ms by this (parent) process from /proc, minus the process's RSS before the window
 
+Where the time goes (second table), on the training thread over the window-end step and the 10 after it, each
+against the idle median of the same quantity: its own CPU time (collection, then anything else of ours and
+slower training code), time runnable but waiting for its core (/proc/thread-self/schedstat: another task, a
+helper of ours or not, had the core), and time asleep (waiting for the GIL, mostly: a save holding it);
+beside them the collection (stop_trace) and, off the training thread, the raw save and the post-processing.
+
 Variants: torch = torch.profiler with schedule + tensorboard_trace_handler; ours = OnDemandProfiler with a static
-window and default settings (trace written by a forked child, helpers at SCHED_IDLE); ours-inprocess =
-ONDEMAND_PROF_FORK_SAVE=0 (trace written on the export thread); ours-fork-nice = ONDEMAND_PROF_EXPORT_SCHED=nice
-(helpers 10 nice levels down instead of SCHED_IDLE); ours-before = both (what ondemand_prof did before issue 14).
+window and default settings (the GIL-free native save when built, which this script builds first; helpers at
+SCHED_IDLE); ours-inprocess = ONDEMAND_PROF_TRACE_SAVE=in-process (kineto's save on the export thread, holding
+the GIL: the default before issue 20); ours-fork = ONDEMAND_PROF_TRACE_SAVE=fork; ours-nice =
+ONDEMAND_PROF_EXPORT_SCHED=nice (helpers 10 nice levels down instead of SCHED_IDLE).
 Numbers are CPU only (torch's CPU activity).
 """
 
@@ -26,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -39,38 +52,98 @@ ROOT = Path(__file__).resolve().parent.parent
 VARIANT_ENV = {
     "torch": {},
     "ours": {},
-    "ours-inprocess": {"ONDEMAND_PROF_FORK_SAVE": "0"},
-    "ours-fork-nice": {"ONDEMAND_PROF_EXPORT_SCHED": "nice"},
-    "ours-before": {"ONDEMAND_PROF_FORK_SAVE": "0", "ONDEMAND_PROF_EXPORT_SCHED": "nice"},
+    "ours-inprocess": {"ONDEMAND_PROF_TRACE_SAVE": "in-process"},
+    "ours-fork": {"ONDEMAND_PROF_TRACE_SAVE": "fork"},
+    "ours-nice": {"ONDEMAND_PROF_EXPORT_SCHED": "nice"},
 }
 IDLE_STEPS = 30
 WINDOW_START = IDLE_STEPS + 5
+AFTER = 10  # the issue's measure: the window-end step and the 10 after it
 
 
 # ----------------------------------------------------------------------------------------------------------
 # One run (in a child process)
 
 
+def runqueue_ns() -> int:
+    """Nanoseconds this thread has been runnable but not running (another task had its core)."""
+    with open("/proc/thread-self/schedstat") as fh:
+        return int(fh.read().split()[1])
+
+
 def drive(step: Callable[[], None], end: int, tail: int) -> dict[str, Any]:
-    """Train steps 0 .. end+tail-1, calling step() after each; times every step and the call ending the window."""
+    """Train steps 0 .. end+tail-1, calling step() after each; times every step (wall, this thread's CPU, run
+    queue wait) and the call ending the window."""
     from bench_hook import make_model, train_step  # the model of bench_hook's window-end benchmark
 
     model, opt = make_model()
-    durations, stall, marks = [], 0.0, {}
+    durations, cpu, rq, stall, stall_cpu, marks = [], [], [], 0.0, 0.0, {}
     for i in range(end + tail):
         if i == WINDOW_START - 1:
             marks["window_begin"] = time.monotonic()
-        t0 = time.perf_counter()
+        t0, c0, r0 = time.perf_counter(), time.thread_time(), runqueue_ns()
         train_step(model, opt)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         step()
         t2 = time.perf_counter()
         durations.append(t2 - t0)
+        cpu.append(time.thread_time() - c0)
+        rq.append((runqueue_ns() - r0) / 1e9)
         if i == end - 1:
-            stall = t2 - t1
+            stall, stall_cpu = t2 - t1, time.thread_time() - c1
             marks["window_end"] = time.monotonic()
     marks["tail_end"] = time.monotonic()
-    return {"durations": durations, "stall": stall, "marks": marks}
+    return {"durations": durations, "cpu": cpu, "rq": rq, "stall": stall, "stall_cpu": stall_cpu, "marks": marks}
+
+
+class Phases:
+    """Where our export's time goes, recorded by wrapping the hook's collect, the backend's write and the
+    post-processing (no change to the code measured)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, float] = {}
+
+    def install(self) -> None:
+        from ondemand_prof.rank import hook, output
+        from ondemand_prof.rank.backends import torch_backend
+
+        phases = self.data
+        collect, finish, postprocess = hook.OnDemandProfiler.collect, torch_backend.TorchSession.finish, \
+            output.run_postprocess
+
+        def timed_collect(prof: Any, active: Any) -> Any:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return collect(prof, active)
+            finally:
+                phases.update(collect_s=time.perf_counter() - t0, collect_cpu_s=time.thread_time() - c0)
+
+        def timed_finish(session: Any) -> Any:
+            export = finish(session)
+            write = export.write
+
+            def timed_write(staging: Path) -> Any:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                try:
+                    return write(staging)
+                finally:
+                    phases.update(save_s=time.perf_counter() - t0, save_thread_cpu_s=time.thread_time() - c0)
+
+            export.write = timed_write
+            return export
+
+        def timed_postprocess(*args: Any) -> Any:
+            t0, ru = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+            try:
+                return postprocess(*args)
+            finally:
+                ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                phases.update(postprocess_s=time.perf_counter() - t0,
+                              postprocess_cpu_s=ru1.ru_utime + ru1.ru_stime - ru.ru_utime - ru.ru_stime)
+
+        hook.OnDemandProfiler.collect = timed_collect  # type: ignore[method-assign]
+        torch_backend.TorchSession.finish = timed_finish  # type: ignore[method-assign]
+        output.run_postprocess = timed_postprocess  # type: ignore[assignment]
 
 
 def run_ours(active: int, tail: int) -> dict[str, Any]:
@@ -87,6 +160,8 @@ def run_ours(active: int, tail: int) -> dict[str, Any]:
     warm = profiler(2, 2, lambda e, i: None)
     drive(lambda: warm.step(), 4, 2)
     warm.close()
+    phases = Phases()
+    phases.install()
     results: list[dict[str, Any]] = []
     prof = profiler(WINDOW_START, active,
                     lambda event, info: results.append(dict(info, event=event, t=time.monotonic())))
@@ -95,29 +170,47 @@ def run_ours(active: int, tail: int) -> dict[str, Any]:
     done = [r for r in results if r["event"] in ("done", "failed")]
     out["capture"] = {"status": done[0].get("status"), "steps": done[0].get("steps")} if done else None
     out["published_s"] = done[0]["t"] - out["marks"]["window_end"] if done else None
+    out["phases"] = phases.data
+    if done and done[0].get("path"):
+        meta = json.loads((Path(done[0]["path"]) / "metadata.json").read_text())
+        out["phases"]["way"] = meta["backend"].get("trace_save")
     return out
 
 
 def run_torch(active: int, tail: int) -> dict[str, Any]:
     import torch
 
+    phases: dict[str, Any] = {"way": "in the step"}
+
     def profile(start: int, steps: int) -> Any:
         sched = torch.profiler.schedule(wait=start - 1, warmup=1, active=steps, repeat=1)
+        handler = torch.profiler.tensorboard_trace_handler(tempfile.mkdtemp())
+
+        def timed_handler(prof: Any) -> None:  # the save; the rest of the stall is collection
+            t0, c0 = time.perf_counter(), time.thread_time()
+            handler(prof)
+            phases.update(save_s=time.perf_counter() - t0, save_thread_cpu_s=time.thread_time() - c0)
+
         return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=sched,
-                                      with_stack=True, record_shapes=True,
-                                      on_trace_ready=torch.profiler.tensorboard_trace_handler(tempfile.mkdtemp()))
+                                      with_stack=True, record_shapes=True, on_trace_ready=timed_handler)
 
     with profile(2, 2) as warm:
         drive(warm.step, 4, 2)
     with profile(WINDOW_START, active) as p:
         out = drive(p.step, WINDOW_START + active, tail)
+    phases["collect_s"] = out["stall"] - phases.get("save_s", 0.0)
+    phases["collect_cpu_s"] = out["stall_cpu"] - phases.get("save_thread_cpu_s", 0.0)
     out["published_s"] = 0.0
+    out["phases"] = phases
     return out
 
 
-def child_main(variant: str, active: int, tail: int) -> None:
+def child_main(variant: str, active: int, tail: int, threads: int) -> None:
     import logging
 
+    import torch
+
+    torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING)
     out = run_torch(active, tail) if variant == "torch" else run_ours(active, tail)
     print("RESULT " + json.dumps(out))
@@ -226,11 +319,12 @@ def wait_for_quiet(max_wait_s: float, limit_cores: float = 0.15) -> float:
             return load
 
 
-def run_variant(variant: str, active: int, tail: int) -> dict[str, Any]:
+def run_variant(variant: str, active: int, tail: int, threads: int) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), **VARIANT_ENV[variant])
-    t0, b0, o0 = time.monotonic(), busy_cpu_s(), own_cpu_s()
+    t0, b0, o0, load = time.monotonic(), busy_cpu_s(), own_cpu_s(), os.getloadavg()[0]
     proc = subprocess.Popen([sys.executable, __file__, "--child", variant, "--active", str(active), "--tail",
-                             str(tail)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(tail), "--threads", str(threads)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     sampler = MemorySampler(proc.pid)
     out, err = proc.communicate(timeout=600)
     sampler.stop()
@@ -239,103 +333,147 @@ def run_variant(variant: str, active: int, tail: int) -> dict[str, Any]:
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{variant} run failed (exit {proc.returncode}):\n{err[-2000:]}")
     res = json.loads(lines[0][len("RESULT "):])
-    return dict(summarize(res, sampler, active), foreign_cores=foreign)
+    return dict(summarize(res, sampler, active), foreign_cores=foreign, load=max(load, os.getloadavg()[0]))
 
 
 def summarize(res: dict[str, Any], sampler: MemorySampler, active: int) -> dict[str, Any]:
-    d = res["durations"]
     end = WINDOW_START + active
-    idle = statistics.median(d[5:WINDOW_START - 2])  # steps 5.. before the warmup step
-    extra = [x - idle for x in d[end:]]
+    base = {k: statistics.median(res[k][5:WINDOW_START - 2]) for k in ("durations", "cpu", "rq")}  # idle steps
+    extra = [x - base["durations"] for x in res["durations"][end:]]
+    # the training thread over the window-end step and the AFTER steps after it, against the idle medians
+    span_ = slice(end - 1, end + AFTER)
+    wall, cpu, rq = (sum(x - base[k] for x in res[k][span_]) for k in ("durations", "cpu", "rq"))
+    ph = res.get("phases", {})
     total, own, kids = sampler.peak_extra_mb(res["marks"])
-    return {"stall_ms": res["stall"] * 1e3, "after10_ms": (res["stall"] + sum(extra[:10])) * 1e3,
-            "tail_ms": (res["stall"] + sum(extra)) * 1e3, "idle_ms": idle * 1e3,
+    return {"stall_ms": res["stall"] * 1e3, "after10_ms": (res["stall"] + sum(extra[:AFTER])) * 1e3,
+            "tail_ms": (res["stall"] + sum(extra)) * 1e3, "idle_ms": base["durations"] * 1e3,
             "published_ms": None if res["published_s"] is None else res["published_s"] * 1e3,
-            "rss_mb": total, "rss_proc_mb": own, "rss_kids_mb": kids,
-            "capture": res.get("capture")}
+            "rss_mb": total, "rss_proc_mb": own, "rss_kids_mb": kids, "capture": res.get("capture"),
+            # where the time goes (ms)
+            "collect_ms": ph.get("collect_s", 0.0) * 1e3, "rest_of_stall_ms": (res["stall"] - ph.get("collect_s", 0.0)) * 1e3,
+            "thread_cpu_ms": (cpu - ph.get("collect_cpu_s", 0.0)) * 1e3,
+            "runqueue_ms": rq * 1e3, "asleep_ms": (wall - cpu - rq) * 1e3,
+            "save_ms": ph.get("save_s", 0.0) * 1e3, "save_cpu_ms": ph.get("save_thread_cpu_s", 0.0) * 1e3,
+            "postprocess_ms": ph.get("postprocess_s", 0.0) * 1e3,
+            "postprocess_cpu_ms": ph.get("postprocess_cpu_s", 0.0) * 1e3, "way": ph.get("way")}
 
 
 # ----------------------------------------------------------------------------------------------------------
 
 
 def median_of(rows: list[dict[str, Any]], key: str) -> float:
-    vals = [r[key] for r in rows if r[key] is not None]
+    vals = [r[key] for r in rows if r.get(key) is not None]
     return statistics.median(vals) if vals else float("nan")
 
 
 def span(rows: list[dict[str, Any]], key: str) -> str:
-    vals = [r[key] for r in rows if r[key] is not None]
+    vals = [r[key] for r in rows if r.get(key) is not None]
     return f"{median_of(rows, key):.1f} ({min(vals):.0f}-{max(vals):.0f})" if vals else "-"
 
 
-def print_table(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
+def shape_name(threads: int) -> str:
+    idle = (os.cpu_count() or threads) - threads
+    return f"{threads} intra-op thread{'s' if threads > 1 else ''}, " + \
+        (f"{idle} core{'s' if idle > 1 else ''} idle" if idle > 0 else "every core busy")
+
+
+def print_table(runs: dict[int, dict[str, list[dict[str, Any]]]], args: argparse.Namespace) -> None:
     print(f"\n{args.active}-step window, with_stack + record_shapes, CPU only, {os.cpu_count()} cores; "
-          f"median (min-max) of {args.repeat} runs, each variant in its own process")
-    print(f"| variant | idle step ms | window-end stall ms | 10 steps after: extra ms | stall + 10 steps ms | "
+          f"median (min-max) of {args.repeat} runs, each variant in its own process, interleaved")
+    print(f"| training | variant | idle step ms | window-end stall ms | stall + {AFTER} steps ms | "
           f"stall + {args.tail} steps ms | published after ms | peak extra RSS MB (process + children) | "
-          f"others' load, cores |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, rows in runs.items():
-        for r in rows:
-            r["next10_ms"] = r["after10_ms"] - r["stall_ms"]
-        print(f"| {name} | {median_of(rows, 'idle_ms'):.2f} | {span(rows, 'stall_ms')} | {span(rows, 'next10_ms')} | "
-              f"{span(rows, 'after10_ms')} | {span(rows, 'tail_ms')} | {median_of(rows, 'published_ms'):.0f} | "
-              f"{median_of(rows, 'rss_mb'):.0f} ({median_of(rows, 'rss_proc_mb'):.0f} + "
-              f"{median_of(rows, 'rss_kids_mb'):.0f}) | {median_of(rows, 'foreign_cores'):.2f} |")
-    if "torch" in runs:
-        print_ratios(runs)
+          f"load avg | others' load, cores |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for threads, variants in runs.items():
+        for name, rows in variants.items():
+            print(f"| {shape_name(threads)} | {name} | {median_of(rows, 'idle_ms'):.2f} | {span(rows, 'stall_ms')} | "
+                  f"{span(rows, 'after10_ms')} | {span(rows, 'tail_ms')} | {median_of(rows, 'published_ms'):.0f} | "
+                  f"{median_of(rows, 'rss_mb'):.0f} ({median_of(rows, 'rss_proc_mb'):.0f} + "
+                  f"{median_of(rows, 'rss_kids_mb'):.0f}) | {span(rows, 'load')} | "
+                  f"{median_of(rows, 'foreign_cores'):.2f} |")
+    print(f"\nWhere the time goes (ms, medians; training thread over the window-end step + {AFTER} steps, each "
+          "against the idle median):")
+    print("| training | variant | total | collection (stop_trace) | rest of the stall | other CPU of the training "
+          "thread | runnable, core taken | asleep (GIL) | raw save (way), CPU | post-processing, CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for threads, variants in runs.items():
+        for name, rows in variants.items():
+            ways = sorted({str(r.get("way")) for r in rows})
+            print(f"| {shape_name(threads)} | {name} | {median_of(rows, 'after10_ms'):.0f} | "
+                  f"{median_of(rows, 'collect_ms'):.0f} | {median_of(rows, 'rest_of_stall_ms'):.1f} | "
+                  f"{median_of(rows, 'thread_cpu_ms'):.0f} | {median_of(rows, 'runqueue_ms'):.0f} | "
+                  f"{median_of(rows, 'asleep_ms'):.0f} | {median_of(rows, 'save_ms'):.0f} ({'/'.join(ways)}), "
+                  f"{median_of(rows, 'save_cpu_ms'):.0f} | {median_of(rows, 'postprocess_ms'):.0f}, "
+                  f"{median_of(rows, 'postprocess_cpu_ms'):.0f} |")
+    for threads, variants in runs.items():
+        if "torch" in variants:
+            print_ratios(threads, variants)
 
 
-def print_ratios(runs: dict[str, list[dict[str, Any]]]) -> None:
+def print_ratios(threads: int, runs: dict[str, list[dict[str, Any]]]) -> None:
     t = runs["torch"]
+    goal = 0.8 if threads < (os.cpu_count() or 1) else 1.0
     for name, rows in runs.items():
         if name == "torch":
             continue
-        ratios = [o["after10_ms"] / th["after10_ms"] for o, th in zip(rows, t)]
-        print(f"{name} / torch: stall {median_of(rows, 'stall_ms') / median_of(t, 'stall_ms'):.2f} (goal <= 0.8), "
-              f"stall + 10 steps {median_of(rows, 'after10_ms') / median_of(t, 'after10_ms'):.2f} "
-              f"(goal <= 0.3; per run {', '.join(f'{r:.2f}' for r in ratios)})")
+        total = [o["after10_ms"] / th["after10_ms"] for o, th in zip(rows, t)]
+        stall = [o["stall_ms"] / th["stall_ms"] for o, th in zip(rows, t)]
+        print(f"{shape_name(threads)}: {name} / torch: stall {statistics.median(stall):.2f} (goal <= 0.8 in every "
+              f"run; per run {', '.join(f'{r:.2f}' for r in stall)}), stall + {AFTER} steps "
+              f"{statistics.median(total):.2f} (goal <= {goal}; per run {', '.join(f'{r:.2f}' for r in total)})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--active", type=int, default=20)
     parser.add_argument("--tail", type=int, default=60)
+    parser.add_argument("--threads", default="1,2", help="training shapes: intra-op threads (comma list)")
     parser.add_argument("--variants", default="torch,ours,ours-inprocess")
-    parser.add_argument("--retries", type=int, default=3, help="repeat a run disturbed by other load")
+    parser.add_argument("--retries", type=int, default=1, help="repeat a run disturbed by other load")
     parser.add_argument("--max-foreign", type=float, default=0.1, help="cores others may use during a run")
-    parser.add_argument("--quiet-wait", type=float, default=120, help="seconds to wait for a quiet machine")
+    parser.add_argument("--quiet-wait", type=float, default=30, help="seconds to wait for a quiet machine")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child_main(args.child, args.active, args.tail)
+        child_main(args.child, args.active, args.tail, int(args.threads))
         return
+    if any(v.startswith("ours") for v in args.variants.split(",")):
+        from ondemand_prof.rank import native_save
+
+        ok, message = native_save.build()  # what `python -m ondemand_prof.rank.native_save build` does
+        print(f"native save: {message}", flush=True)
     runs, retried = run_all(args)
     print_table(runs, args)
     print(f"{retried} run(s) were repeated because other processes used more than {args.max_foreign} cores")
 
 
-def run_all(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]], int]:
-    """Every variant `repeat` times, interleaved so that a slow spell of the machine hits every variant; a run
-    during which other processes used more than --max-foreign cores is repeated (up to --retries times)."""
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants.split(",")}
+def run_all(args: argparse.Namespace) -> tuple[dict[int, dict[str, list[dict[str, Any]]]], int]:
+    """Every variant `repeat` times for each shape, interleaved so that a slow spell of the machine hits every
+    variant; a run during which other processes used more than --max-foreign cores is repeated (up to --retries
+    times; the table gives the load average and others' load beside the numbers)."""
+    shapes = [int(t) for t in args.threads.split(",")]
+    runs: dict[int, dict[str, list[dict[str, Any]]]] = {t: {v: [] for v in args.variants.split(",")} for t in shapes}
     retried = 0
     for i in range(args.repeat):
-        for v in runs:
-            for _ in range(args.retries + 1):
-                wait_for_quiet(args.quiet_wait)
-                r = run_variant(v, args.active, args.tail)
-                if r["foreign_cores"] <= args.max_foreign:
-                    break
-                retried += 1
-                print(f"run {i + 1} {v}: other processes used {r['foreign_cores']:.2f} cores; again", flush=True)
-            runs[v].append(r)
-            print(f"run {i + 1} {v} (others {r['foreign_cores']:.2f} cores): stall {r['stall_ms']:.1f} ms, "
-                  f"+10 {r['after10_ms']:.1f} ms, +{args.tail} {r['tail_ms']:.1f} ms, "
-                  f"published after {r['published_ms']:.0f} ms, rss +{r['rss_mb']:.0f} MB, "
-                  f"capture {r.get('capture')}", flush=True)
+        for threads in shapes:
+            for v in runs[threads]:
+                for _ in range(args.retries + 1):
+                    wait_for_quiet(args.quiet_wait)
+                    r = run_variant(v, args.active, args.tail, threads)
+                    if r["foreign_cores"] <= args.max_foreign:
+                        break
+                    retried += 1
+                    print(f"run {i + 1} {v}: other processes used {r['foreign_cores']:.2f} cores; again", flush=True)
+                runs[threads][v].append(r)
+                print(f"run {i + 1} threads {threads} {v} (load {r['load']:.1f}, others {r['foreign_cores']:.2f} "
+                      f"cores): stall {r['stall_ms']:.1f} ms, +{AFTER} {r['after10_ms']:.1f} ms (collect "
+                      f"{r['collect_ms']:.0f}, cpu {r['thread_cpu_ms']:.0f}, runqueue {r['runqueue_ms']:.0f}, asleep "
+                      f"{r['asleep_ms']:.0f}; save {r['save_ms']:.0f} {r['way']}, post {r['postprocess_ms']:.0f}), "
+                      f"+{args.tail} {r['tail_ms']:.1f} ms, published after {r['published_ms']:.0f} ms, rss "
+                      f"+{r['rss_mb']:.0f} MB, capture {r.get('capture')}", flush=True)
     return runs, retried
+
 
 if __name__ == "__main__":
     main()

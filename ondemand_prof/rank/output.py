@@ -135,12 +135,18 @@ def publish(job: ExportJob) -> dict[str, Any]:
     meta["window"] = dict(meta.get("window", {}), recorded_steps=job.recorded_steps)
     meta.update(status="ok", error=None, steps_in_trace=job.recorded_steps)
     out_dir, trace = staging, None
+    timings: dict[str, float] = {}
     try:
         staging.mkdir(parents=True, exist_ok=True)
         written = job.export.write(staging)
+        timings["write_s"] = time.monotonic() - started
+        # what the backend learned while writing (torch: which way the trace was saved)
+        meta["backend"] = dict(meta.get("backend", {}), **job.export.info)
         out_dir = written.directory
         if written.raw_trace is not None:
+            t0 = time.monotonic()
             result = run_postprocess(job, written.raw_trace, out_dir)
+            timings["postprocess_s"] = time.monotonic() - t0
             trace = out_dir / result["trace"]
             meta["steps_in_trace"] = result["steps_in_trace"]
             meta["postprocess"] = {"dropped": result["dropped"], "events": result["events"]}
@@ -152,7 +158,7 @@ def publish(job: ExportJob) -> dict[str, Any]:
         log.error("ondemand_prof: export of window %s failed: %s", job.window.describe(), exc)
         meta.update(status="failed", error=f"{type(exc).__name__}: {exc}", steps_in_trace=[])
     meta["timings"] = dict(meta.get("timings", {}), export_s=round(time.monotonic() - started, 4),
-                           queued_s=round(started - job.submitted_at, 4))
+                           queued_s=round(started - job.submitted_at, 4), **{k: round(v, 4) for k, v in timings.items()})
     return _rename_into_place(job, meta, out_dir, trace)
 
 

@@ -3,19 +3,21 @@
 Two costs follow the window-end step when the export runs on a thread of the training process:
   * kineto's ProfilerResult.save() (behind export_chrome_trace) holds the GIL for its whole duration, so the
     training thread makes almost no progress while the export thread writes the raw trace;
-  * the post-processing child competes with training for the cores; on a machine with as many busy
-    intra-op threads as cores every runnable extra task stretches each parallel region of the step.
+  * the helpers (the saver, the post-processing child) compete with training for the cores.
 
-So, by default:
-  * save_trace() writes the trace from a forked child of the training process: the child holds its own
-    copy of the GIL, the parent waits in waitpid (GIL released). The fork itself holds the GIL (about 14 ms per
-    GB of RSS on the 2-core test VM) and the training thread's next writes to memory pay copy-on-write faults;
-    README "Benchmarks" has the numbers. If the child cannot be made or fails (exit status, signal, timeout),
-    the trace is saved in-process as before: the export is slower for training, never lost.
-  * spawn_background() starts a helper process (post-processing) at SCHED_IDLE, and the forked saver lowers
-    itself to SCHED_IDLE too: they run on cores the training run leaves idle.
-ONDEMAND_PROF_FORK_SAVE=1 turns the fork on (it is off by default: see fork_save_enabled); ONDEMAND_PROF_EXPORT_SCHED=nice lowers the children by 10 nice
-levels instead (as before) (for a host whose cores are always busy, where SCHED_IDLE could starve them).
+So save_trace() writes the raw trace, by ONDEMAND_PROF_TRACE_SAVE:
+  auto        (default) with the GIL-free native save (rank/native_save.py: the same C++ save, the GIL released,
+              on a thread at idle priority) when its module is built for this torch; else in-process, as before;
+  in-process  export_chrome_trace on the exporter thread (holds the GIL throughout); never builds anything;
+  fork        from a forked child of the training process (also ONDEMAND_PROF_FORK_SAVE=1, the older switch): the
+              child holds its own copy of the GIL, the parent waits in the kernel. The fork itself holds the GIL
+              (about 14 ms per GB of RSS on the 2-core test VM) and the training thread's next writes to memory pay
+              copy-on-write faults. If the child cannot be made or fails (exit status, signal, timeout), the trace
+              is saved in-process.
+spawn_background() starts a helper process (post-processing) at SCHED_IDLE, and the native saver thread and the
+forked saver lower themselves the same way: they run on cores the training run leaves idle.
+ONDEMAND_PROF_EXPORT_SCHED=nice lowers them by 10 nice levels instead (for a host whose cores are always busy,
+where SCHED_IDLE could starve them).
 
 Nothing here raises into the training loop: these functions run on the exporter thread, and they raise only
 what an in-process save raises (the exporter records it in the capture's metadata).
@@ -31,11 +33,14 @@ import subprocess
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 log = logging.getLogger(__name__)
 
 FORK_ENV = "ONDEMAND_PROF_FORK_SAVE"
+SAVE_ENV = "ONDEMAND_PROF_TRACE_SAVE"
+SAVE_MODES = ("auto", "in-process", "fork")
+NATIVE_LOAD_WAIT_S = 10.0  # the first load attempt of the native module (milliseconds; never a build)
 SCHED_ENV = "ONDEMAND_PROF_EXPORT_SCHED"
 FORK_SAVE_TIMEOUT_S = 300.0  # a SCHED_IDLE child on busy cores is slow, not stuck; this bounds a stuck one
 FALLBACK_NICE = 10
@@ -47,29 +52,81 @@ warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlo
                         module=__name__)
 
 
+def save_mode() -> str:
+    """auto, in-process or fork (module docstring). The fork is opt-in (ONDEMAND_PROF_TRACE_SAVE=fork or
+    ONDEMAND_PROF_FORK_SAVE=1) where os.fork exists: on the CPU model measured so far it (GIL held ~14 ms/GB RSS,
+    then copy-on-write faults in the next step) cost as much as the in-process save it replaces, and a child stuck
+    on a lock held at the fork delays that window's trace until the timeout (README "Output")."""
+    mode = os.environ.get(SAVE_ENV, "").strip().lower() or "auto"
+    if os.environ.get(FORK_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        mode = "fork"
+    if mode not in SAVE_MODES:
+        log.warning("ondemand_prof: %s=%s is not one of %s; using auto", SAVE_ENV, mode, ", ".join(SAVE_MODES))
+        mode = "auto"
+    if mode == "fork" and not hasattr(os, "fork"):
+        mode = "in-process"
+    return mode
+
+
 def fork_save_enabled() -> bool:
-    """Whether save_trace() forks: opt-in with ONDEMAND_PROF_FORK_SAVE=1, where os.fork exists. Off by default:
-    on the CPU model measured so far the fork (GIL held ~14 ms/GB RSS, then copy-on-write faults in the next step)
-    cost as much as the in-process save it replaces, and a child stuck on a lock held at the fork delays that
-    window's trace until the timeout (README "Output")."""
-    return hasattr(os, "fork") and os.environ.get(FORK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return save_mode() == "fork"
+
+
+def prepare_native() -> None:
+    """Called when a torch backend is made: load (or build in the background) the native save, in auto mode."""
+    if save_mode() == "auto":
+        from .native_save import SAVER
+
+        SAVER.prepare()
 
 
 def idle_priority_enabled() -> bool:
     return hasattr(os, "SCHED_IDLE") and os.environ.get(SCHED_ENV, "idle").strip().lower() != "nice"
 
 
-def save_trace(save: Callable[[str], None], path: Path, timeout_s: float = FORK_SAVE_TIMEOUT_S) -> str:
-    """Write a trace with `save(path)` (e.g. a torch profile's export_chrome_trace), from a forked child when
-    possible. Returns how it was written: "fork" or "in-process" (the fallback, or the only way when disabled)."""
-    if fork_save_enabled():
+def save_trace(save: Callable[[str], None], path: Path, timeout_s: float = FORK_SAVE_TIMEOUT_S,
+               kineto_result: Callable[[], Any] | None = None) -> str:
+    """Write a trace with `save(path)` (e.g. a torch profile's export_chrome_trace), or, given `kineto_result`
+    (returning the profile's torch._C._autograd._ProfilerResult), with the native save when it is loaded.
+    Returns how it was written: "native", "fork" or "in-process" (the fallback, or the only way)."""
+    mode = save_mode()
+    if mode == "fork":
         problem = _save_in_child(save, path, timeout_s)
         if problem is None:
             return "fork"
         log.warning("ondemand_prof: writing the trace in a child process failed (%s); writing it in-process",
                     problem)
+    elif mode == "auto" and kineto_result is not None:
+        problem = _save_native(kineto_result, path)
+        if problem is None:
+            return "native"
+        log.debug("ondemand_prof: native trace save not used (%s)", problem)
     save(str(path))
     return "in-process"
+
+
+def _save_native(kineto_result: Callable[[], Any], path: Path) -> str | None:
+    """None when the native module wrote `path`; otherwise why not (nothing was written: the caller saves)."""
+    from .native_save import SAVER
+
+    module = SAVER.module(wait_s=NATIVE_LOAD_WAIT_S)
+    if module is None:
+        return SAVER.reason
+    try:
+        result = kineto_result()
+    except Exception as exc:  # noqa: BLE001 - a torch without the attribute: the in-process save
+        return f"no kineto result: {type(exc).__name__}: {exc}"
+    idle = idle_priority_enabled()
+    try:
+        module.save(result, str(path), idle, 0 if idle else FALLBACK_NICE, helper_cpus())
+    except TypeError as exc:  # the module does not know this result type (a pybind11 registry apart): unsaved
+        return f"the native module cannot take this result: {exc}"
+    return None
+
+
+def helper_cpus() -> list[int]:
+    """The CPUs the helpers may use: every CPU this process may use; pinning is decided in issue 20's bench."""
+    return []
 
 
 def _save_in_child(save: Callable[[str], None], path: Path, timeout_s: float) -> str | None:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from ...core.options import OPTIONS, Option, window_options
 from ...core.window import Window
-from ..trace_save import save_trace
+from ..trace_save import prepare_native, save_trace
 from .base import Export, Identity, Written
 
 log = logging.getLogger(__name__)
@@ -94,13 +94,16 @@ class TorchSession:
         self._prof.stop_trace()
         self._state = "done"
         prof = self._prof
+        info: dict[str, Any] = {"torch_profile_kwargs": _describe(self.kwargs)}
 
         def write(staging: Path) -> Written:
             path = staging / "raw.pt.trace.json"
-            save_trace(prof.export_chrome_trace, path)  # from a forked child: kineto's save holds the GIL
+            # kineto's own save holds the GIL throughout: trace_save writes it without (rank/native_save.py)
+            info["trace_save"] = save_trace(prof.export_chrome_trace, path,
+                                            kineto_result=lambda: prof.profiler.kineto_results)
             return Written(staging, raw_trace=path)
 
-        return Export(write=write, info={"torch_profile_kwargs": _describe(self.kwargs)})
+        return Export(write=write, info=info)
 
     def abort(self) -> None:
         try:
@@ -140,6 +143,7 @@ class TorchBackend:
         import torch
 
         self._cuda = bool(torch.cuda.is_available())
+        prepare_native()  # load (or build, in the background) the GIL-free trace save before the first export
 
     def open(self, window: Window, identity: Identity, staging: Path | None = None) -> TorchSession:
         return TorchSession(window, identity, self._cuda)

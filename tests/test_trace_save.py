@@ -1,5 +1,7 @@
-"""The trace leaves the training process from a forked child (issue 14): same trace as an in-process save, and
-every way the child can fail ends in an in-process save, never in a lost trace or an exception in training."""
+"""How the trace leaves the training process. Issue 14: from a forked child, the same trace as an in-process
+save, and every way the child can fail ends in an in-process save, never in a lost trace or an exception in
+training. Issue 20: the GIL-free native save (rank/native_save.py) writes the same bytes with the GIL free, is
+loaded only from a cache of ours built for this torch, and a failed build leaves the in-process save."""
 
 from __future__ import annotations
 
@@ -7,8 +9,10 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,8 +21,8 @@ import pytest
 import torch
 from torch.autograd.profiler import record_function
 
-from conftest import ROOT, assert_ok, captures, load_trace, run_ranks, trace_steps
-from ondemand_prof.rank import trace_save
+from conftest import ROOT, assert_ok, captures, load_trace, run_ranks, trace_steps, wait_for
+from ondemand_prof.rank import native_save, trace_save
 
 STEPS = [0, 1, 2]
 
@@ -179,7 +183,7 @@ COMMON = ["--no-profile-ondemand", "--profile-min-free-mb", "0", "--profile-with
 
 CHILD_DIES = """
 import os, runpy, signal
-from ondemand_prof.rank import trace_save
+from ondemand_prof.rank import native_save, trace_save
 
 def die():
     if os.environ["TEST_CHILD_FAILURE"] == "kill":
@@ -223,3 +227,132 @@ def test_training_run_whose_saver_child_dies_still_publishes(failure: str, tmp_p
     assert cap["status"] == "ok" and trace_steps(cap) == [3, 4, 5, 6]
     reason = "killed by signal 9" if failure == "kill" else "exit status 3"
     assert f"writing the trace in a child process failed ({reason}); writing it in-process" in log
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The GIL-free native save (issue 20)
+
+
+@pytest.fixture(scope="module")
+def native_module() -> Any:
+    """The native module, built into the user's cache as `python -m ondemand_prof.rank.native_save build` does
+    (once per torch version: 15-60 s on 2 cores; nothing when it is there)."""
+    if not native_save.compiler_present():
+        pytest.skip("no C++ compiler: the native save cannot be built here (traces are written in-process)")
+    ok, message = native_save.build()
+    assert ok, message
+    module, why = native_save.load()
+    assert module is not None, why
+    return module
+
+
+@pytest.fixture
+def auto_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(trace_save.FORK_ENV)
+    monkeypatch.delenv(trace_save.SAVE_ENV, raising=False)
+
+
+def test_native_save_writes_the_same_trace_while_python_runs(native_module: Any, auto_mode: None,
+                                                             stopped_profile: Any, in_process_trace: Path,
+                                                             tmp_path: Path) -> None:
+    """kineto writes `{path}.tmp` and renames it; a FIFO there makes the save wait for a reader, and the reader is
+    Python code on another thread, which can run only if the save let go of the GIL (else the child hangs until
+    its alarm kills it)."""
+    assert native_save.SAVER.module(build_missing=False) is not None, native_save.SAVER.reason
+    path, copy = tmp_path / "raw.pt.trace.json", tmp_path / "read-through-the-fifo.json"
+    os.mkfifo(f"{path}.tmp")
+    pid = os.fork()
+    if pid == 0:  # kineto saves a result once per process
+        code = 1
+        try:
+            signal.alarm(60)
+            ways: list[str] = []
+            saver = threading.Thread(target=lambda: ways.append(trace_save.save_trace(
+                stopped_profile.export_chrome_trace, path, kineto_result=lambda: stopped_profile.profiler.kineto_results)))
+            saver.start()
+            with open(f"{path}.tmp", "rb") as fh:
+                copy.write_bytes(fh.read())
+            saver.join()
+            code = 0 if ways == ["native"] else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    assert code != -signal.SIGALRM, "the save held the GIL: the reading thread never ran"
+    assert code == 0, "the trace was not written by the native save"
+    assert copy.read_bytes().replace(str(path).encode(), b"<path>") == saved_bytes(in_process_trace)
+
+
+def _cached_copy(root: Path, key: str) -> Path:
+    root.mkdir(mode=0o700, exist_ok=True)
+    target = native_save.module_path(root, key)
+    shutil.copyfile(native_save.module_path(native_save.cache_root(), native_save.build_key()), target)
+    os.chmod(target, 0o700)
+    return target
+
+
+FLAWS = {
+    "directory writable by its group": lambda root, so: os.chmod(root, 0o770),
+    "directory is a symbolic link": lambda root, so: (os.rename(root, f"{root}.real"), os.symlink(f"{root}.real", root)),
+    "file writable by others": lambda root, so: os.chmod(so, 0o722),
+    "file of another user": lambda root, so: os.chown(so, 65534, 65534),
+}
+
+
+@pytest.mark.parametrize("flaw", FLAWS)
+def test_a_cached_module_is_refused_unless_it_is_ours(flaw: str, native_module: Any, tmp_path: Path) -> None:
+    if flaw == "file of another user" and os.getuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    root = tmp_path / "native"
+    so = _cached_copy(root, native_save.build_key())
+    FLAWS[flaw](root, so)
+    module, why = native_save.load(root)
+    assert module is None
+    expected = {"directory writable by its group": "writable by its group", "directory is a symbolic link":
+                "symbolic link", "file writable by others": "writable by others", "file of another user":
+                "belongs to uid 65534"}[flaw]
+    assert expected in why
+
+
+def test_a_module_built_for_another_torch_or_source_is_not_used(native_module: Any, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "native"
+    _cached_copy(root, "0" * 20)  # the file a different source or torch build would be looked up under
+    monkeypatch.setattr(native_save, "build_key", lambda: "0" * 20)
+    module, why = native_save.load(root)
+    assert module is None and f"built for torch {torch.__version__} (key {native_module.source_key})" in why
+
+
+def test_training_run_with_the_native_save_publishes_the_same_trace(native_module: Any, tmp_path: Path) -> None:
+    native, _ = run_window(tmp_path / "native", env={trace_save.FORK_ENV: "0"})
+    inproc, _ = run_window(tmp_path / "inproc", env={trace_save.FORK_ENV: "0", trace_save.SAVE_ENV: "in-process"})
+    assert native["backend"]["trace_save"] == "native" and inproc["backend"]["trace_save"] == "in-process"
+    for cap in (native, inproc):
+        assert cap["status"] == "ok" and trace_steps(cap) == [3, 4, 5, 6]
+    assert event_names(native) == event_names(inproc)
+
+
+def test_a_failed_build_is_remembered_and_the_trace_written_in_process(tmp_path: Path) -> None:
+    # a rank with no module in its cache builds one in the background; this compiler fails
+    env = {trace_save.FORK_ENV: "0", "XDG_CACHE_HOME": str(tmp_path / "cache"), "CXX": "false"}
+    first, _ = run_window(tmp_path / "first", env=env)
+    assert first["status"] == "ok" and trace_steps(first) == [3, 4, 5, 6]
+    assert first["backend"]["trace_save"] == "in-process"
+    root = tmp_path / "cache" / "ondemand_prof" / "native"
+    failed = wait_for(lambda: next(root.glob("*.failed"), None), timeout=120, what="the failed build's note")
+    assert "compile failed" in failed.read_text()
+    assert (root.stat().st_mode & 0o777) == 0o700
+    noted = failed.stat().st_mtime_ns
+    second, log = run_window(tmp_path / "second", env=env)  # not built again: the failure is remembered
+    assert second["status"] == "ok" and second["backend"]["trace_save"] == "in-process"
+    assert "the build failed before: compile failed" in log
+    assert failed.stat().st_mtime_ns == noted
+
+
+def test_an_unknown_save_mode_is_named_and_auto_used(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv(trace_save.FORK_ENV)
+    monkeypatch.setenv(trace_save.SAVE_ENV, "forked")
+    with caplog.at_level(logging.WARNING, logger=trace_save.__name__):
+        assert trace_save.save_mode() == "auto"
+    assert "ONDEMAND_PROF_TRACE_SAVE=forked is not one of auto, in-process, fork" in caplog.text

@@ -9,7 +9,7 @@ It is compiled with the host's C++ compiler against the installed torch's header
 torch build, Python and source, and kept in a cache directory we create 0700 and check at every use
 ($XDG_CACHE_HOME/ondemand_prof/native, default ~/.cache/ondemand_prof/native):
   * at install: `python -m ondemand_prof.rank.native_save build` (prints what it did; exit 1 when it cannot), or
-  * in the background the first time a torch window opens in a process (`prepare()`): a child at idle priority,
+  * in the background, when a process's first export finds no module (NativeSaver): a child at idle priority,
     in its own session so that it finishes (and caches) even if the rank ends first; the ranks of a host build
     once (a lock); a failed build is not retried until the source, torch or Python change (the `build` command
     retries). Until the module is there, traces are written in-process, as before.
@@ -100,7 +100,7 @@ def _file_problem(root: Path, path: Path) -> str | None:
     """Why `path` must not be loaded (None: load it): the directory is checked as every directory of ours is
     (core/safedir), the file must be a regular file we own that nobody else can write."""
     if not root.exists():
-        return f"{root} does not exist (nothing built yet)"
+        return f"{root} does not exist: not built yet"
     try:
         ensure_private_dir(root)
     except (UnsafeDirectory, OSError) as exc:
@@ -221,79 +221,95 @@ def _error_line(output: str) -> str:
 
 
 class NativeSaver:
-    """The process's view of the module: loaded once, or built in the background first."""
+    """The process's view of the module. Used on the exporter thread only, after a window's collection: no thread
+    of its own, so that no Python code of ours runs while a window records (with_stack traces every thread's
+    Python calls). The first use loads the module (milliseconds); when it is missing, it starts the build in the
+    background and the traces are written in-process until a later use finds the module built."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._module: Any = None
-        self._reason = "not prepared"
-        self._thread: threading.Thread | None = None
-        self._tried = threading.Event()  # the first load attempt is over (a build may still be running)
+        self._reason = "not loaded yet"
+        self._tried = False
+        self._build: subprocess.Popen | None = None
 
-    def prepare(self, build_missing: bool = True) -> None:
-        """Start loading (and, when missing and not failed before, building) in the background. Cheap, once."""
+    def module(self, build_missing: bool = True) -> Any | None:
+        """The loaded module, or None (then `reason` says why). Never raises, never waits for a build."""
         with self._lock:
-            if self._thread is not None:
-                return
-            self._thread = threading.Thread(target=self._prepare, args=(build_missing,),
-                                            name="ondemand-prof-native", daemon=True)
-            self._thread.start()
-
-    def module(self, wait_s: float = 0.0) -> Any | None:
-        """The loaded module, or None (then `reason` says why). Waits up to wait_s for prepare()'s first load
-        attempt (a load takes milliseconds), never for a build: until one ends, traces are written in-process."""
-        if self._thread is not None and wait_s > 0:
-            self._tried.wait(wait_s)
-        return self._module
+            try:
+                if self._module is None and self._should_load():
+                    self._load(build_missing)
+            except Exception as exc:  # noqa: BLE001 - the exporter thread: say why, write in-process
+                self._reason = f"{type(exc).__name__}: {exc}"
+            return self._module
 
     @property
     def reason(self) -> str:
         return self._reason
 
-    def _prepare(self, build_missing: bool) -> None:
-        try:
-            mod, why = load()
-            self._module, self._reason = mod, why
-            self._tried.set()
-            if mod is None and build_missing and "not built yet" in why and _compiler_present():
-                self._reason = "being built in the background"
-                why = _build_in_child()
-                if not why:
-                    mod, why = load()
-            self._module, self._reason = mod, why
-            if mod is None:
+    def _should_load(self) -> bool:
+        if not self._tried:
+            return True
+        if self._build is None or self._build.poll() is None:
+            return False  # no build of ours (a failure is not retried), or ours still runs
+        self._build = None
+        return True  # our build has ended: look again
+
+    def _load(self, build_missing: bool) -> None:
+        self._tried = True
+        self._module, self._reason = load()
+        if self._module is not None or not build_missing or "not built yet" not in self._reason:
+            if self._module is None:
                 log.info("ondemand_prof: GIL-free trace save unavailable (%s); traces are written in-process",
-                         why)
-        except Exception as exc:  # noqa: BLE001 - a background thread of the training process: log, never raise
-            self._reason = f"{type(exc).__name__}: {exc}"
-            log.info("ondemand_prof: GIL-free trace save unavailable (%s)", self._reason)
-        finally:
-            self._tried.set()
+                         self._reason)
+            return
+        if not compiler_present():
+            self._reason += "; no C++ compiler to build it"
+        elif building_elsewhere(cache_root()):
+            self._reason = "another process is building it"
+            self._tried = False  # look again at the next export
+        else:
+            self._build, why = _start_build()
+            self._reason = why or "being built in the background; traces are written in-process until then"
+        log.info("ondemand_prof: GIL-free trace save not loaded yet (%s)", self._reason)
 
 
-def _compiler_present() -> bool:
+def compiler_present() -> bool:
+    """Whether a C++ compiler is there to try ($CXX, g++ or c++)."""
     return bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++"))
 
 
-def _build_in_child() -> str:
-    """Run the build command in its own session at idle priority; "" when it built, else why not."""
+def building_elsewhere(root: Path) -> bool:
+    """Whether another process holds the build lock now (then that build is left to finish on its own)."""
+    try:
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also releases a lock taken here
+
+
+def _start_build() -> tuple[subprocess.Popen | None, str]:
+    """Start the build command at idle priority in its own session (it finishes, and caches, even if the rank ends
+    first; its output goes nowhere: a failure is written beside the module as `.failed`)."""
     from .trace_save import lower_priority
 
     env = dict(os.environ)
     package_parent = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = package_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "ondemand_prof.rank.native_save", "build", "--idle"],
-                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "ondemand_prof.rank.native_save", "build", "--idle",
+                                 "--no-wait"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
     except OSError as exc:
-        return f"could not start the build: {exc}"
+        return None, f"could not start the build: {exc}"
     lower_priority(proc.pid)
-    try:
-        out, _ = proc.communicate(timeout=BUILD_TIMEOUT_S + 60)
-    except subprocess.TimeoutExpired:
-        return "the build did not finish in time"  # it goes on in its own session and caches for next time
-    return "" if proc.returncode == 0 else (out.strip().splitlines() or ["build failed"])[-1]
+    return proc, ""
 
 
 SAVER = NativeSaver()
@@ -304,13 +320,14 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Build or check ondemand_prof's GIL-free trace save.")
     parser.add_argument("command", choices=["build", "check"])
     parser.add_argument("--idle", action="store_true", help="build at idle priority (what a rank starts)")
+    parser.add_argument("--no-wait", action="store_true", help="give up at once when another process is building")
     args = parser.parse_args(argv)
     if args.idle:
         from .trace_save import lower_priority
 
         lower_priority(0)  # the compiler inherits it
     if args.command == "build":
-        ok, message = build()
+        ok, message = build(wait_for_others_s=0 if args.no_wait else BUILD_TIMEOUT_S)
         print(message)
         if not ok:
             return 1

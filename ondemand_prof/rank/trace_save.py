@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 FORK_ENV = "ONDEMAND_PROF_FORK_SAVE"
 SAVE_ENV = "ONDEMAND_PROF_TRACE_SAVE"
 SAVE_MODES = ("auto", "in-process", "fork")
-NATIVE_LOAD_WAIT_S = 10.0  # the first load attempt of the native module (milliseconds; never a build)
 SCHED_ENV = "ONDEMAND_PROF_EXPORT_SCHED"
 FORK_SAVE_TIMEOUT_S = 300.0  # a SCHED_IDLE child on busy cores is slow, not stuck; this bounds a stuck one
 FALLBACK_NICE = 10
@@ -72,14 +71,6 @@ def fork_save_enabled() -> bool:
     return save_mode() == "fork"
 
 
-def prepare_native() -> None:
-    """Called when a torch backend is made: load (or build in the background) the native save, in auto mode."""
-    if save_mode() == "auto":
-        from .native_save import SAVER
-
-        SAVER.prepare()
-
-
 def idle_priority_enabled() -> bool:
     return hasattr(os, "SCHED_IDLE") and os.environ.get(SCHED_ENV, "idle").strip().lower() != "nice"
 
@@ -109,7 +100,7 @@ def _save_native(kineto_result: Callable[[], Any], path: Path) -> str | None:
     """None when the native module wrote `path`; otherwise why not (nothing was written: the caller saves)."""
     from .native_save import SAVER
 
-    module = SAVER.module(wait_s=NATIVE_LOAD_WAIT_S)
+    module = SAVER.module()
     if module is None:
         return SAVER.reason
     try:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from ...core.options import OPTIONS, Option, window_options
 from ...core.window import Window
-from ..trace_save import prepare_native, save_trace
+from ..trace_save import save_trace
 from .base import Export, Identity, Written
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,6 @@ class TorchBackend:
         import torch
 
         self._cuda = bool(torch.cuda.is_available())
-        prepare_native()  # load (or build, in the background) the GIL-free trace save before the first export
 
     def open(self, window: Window, identity: Identity, staging: Path | None = None) -> TorchSession:
         return TorchSession(window, identity, self._cuda)

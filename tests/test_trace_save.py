@@ -257,7 +257,7 @@ def test_native_save_writes_the_same_trace_while_python_runs(native_module: Any,
                                                              tmp_path: Path) -> None:
     """kineto writes `{path}.tmp` and renames it; a FIFO there makes the save wait for a reader, and the reader is
     Python code on another thread, which can run only if the save let go of the GIL (else the child hangs until
-    its alarm kills it)."""
+    its alarm kills it). Afterwards the result holds no events: its contents were freed on the saver thread."""
     assert native_save.SAVER.module(build_missing=False) is not None, native_save.SAVER.reason
     path, copy = tmp_path / "raw.pt.trace.json", tmp_path / "read-through-the-fifo.json"
     os.mkfifo(f"{path}.tmp")
@@ -273,13 +273,17 @@ def test_native_save_writes_the_same_trace_while_python_runs(native_module: Any,
             with open(f"{path}.tmp", "rb") as fh:
                 copy.write_bytes(fh.read())
             saver.join()
-            code = 0 if ways == ["native"] else 2
+            # and the result's contents were freed there too, not later under the GIL
+            left = len(stopped_profile.profiler.kineto_results.events())
+            code = 2 if ways != ["native"] else 3 if native_module.frees_result and left else 0
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     assert code != -signal.SIGALRM, "the save held the GIL: the reading thread never ran"
-    assert code == 0, "the trace was not written by the native save"
+    assert code != 2, "the trace was not written by the native save"
+    assert code != 3, "the native save left the result's events to be freed by Python"
+    assert code == 0
     assert copy.read_bytes().replace(str(path).encode(), b"<path>") == saved_bytes(in_process_trace)
 
 

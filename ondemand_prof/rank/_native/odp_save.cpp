@@ -1,9 +1,11 @@
 // ondemand_prof's GIL-free trace save (rank/native_save.py builds and loads it; README "Output").
 //
-// torch's ProfilerResult.save() (behind export_chrome_trace) is bound without releasing the GIL, so a trace
-// written on a background thread stops the training thread for the whole write. This calls the same C++
-// method with the GIL released, on a helper thread that lowers its own priority first: the file is the one
-// export_chrome_trace writes, byte for byte, and the training thread keeps the GIL and its core.
+// torch binds ProfilerResult.save() (behind export_chrome_trace) without releasing the GIL, so a trace written
+// on a background thread stops the training thread for the whole write; and the result's destructor (tens of
+// ms for a 20-step CPU window with stacks, more for a large GPU window) runs under the GIL too, wherever Python
+// drops it. save() below calls the same C++ method with the GIL released, on a thread that first lowers its own
+// priority, and destroys the result's contents on that thread too: the file is the one export_chrome_trace
+// writes, byte for byte, and the training thread keeps the GIL and its core.
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -13,7 +15,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <exception>
+#include <memory>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,6 +27,30 @@ namespace py = pybind11;
 using torch::autograd::profiler::ProfilerResult;
 
 namespace {
+
+// The contents are moved out of the Python-owned result by copying its bytes and constructing an empty result in
+// its place (ProfilerResult has no move operations). That is sound only for members that do not point into
+// themselves: a uint64_t, std::vectors and a std::unique_ptr, as in every torch 2.x. The size check turns it
+// off (the result is then saved in place and freed by Python, as before) when a torch version adds members.
+constexpr bool kCanTake =
+    sizeof(ProfilerResult) ==
+    sizeof(uint64_t) + sizeof(std::vector<torch::autograd::profiler::KinetoEvent>) +
+        sizeof(std::unique_ptr<torch::profiler::impl::kineto::ActivityTraceWrapper>) +
+        sizeof(std::vector<torch::autograd::profiler::experimental_event_t>);
+
+constexpr std::align_val_t kAlign{alignof(ProfilerResult)};
+
+ProfilerResult* take(ProfilerResult* r) {
+  void* mem = ::operator new(sizeof(ProfilerResult), kAlign);
+  std::memcpy(mem, static_cast<void*>(r), sizeof(ProfilerResult));
+  new (r) ProfilerResult();  // the old contents now belong to mem; the Python object holds an empty result
+  return static_cast<ProfilerResult*>(mem);
+}
+
+void destroy(ProfilerResult* r) {
+  r->~ProfilerResult();
+  ::operator delete(static_cast<void*>(r), kAlign);
+}
 
 // Runs on the saver thread (no GIL): leave the training thread's core and the cores' normal share to others.
 // Each step is best effort; a refusal only means the save competes like any thread.
@@ -44,30 +73,36 @@ void lower_this_thread(bool idle, int nice, const std::vector<int>& cpus) {
   }
 }
 
-// Writes `result` (a torch._C._autograd._ProfilerResult) to `path`. The caller's thread waits with the GIL
-// released; errors from kineto come back as the exception save() would have raised.
-void save(py::object result, const std::string& path, bool idle, int nice, std::vector<int> cpus) {
+// Writes `result` (a torch._C._autograd._ProfilerResult) to `path` and, where kCanTake, frees its contents, all
+// with the GIL released; the caller's thread waits. Errors from kineto come back as the exception save() would
+// have raised. Returns whether the contents were freed here (the Python object then holds an empty result,
+// which must not be saved again).
+bool save(py::object result, const std::string& path, bool idle, int nice, std::vector<int> cpus) {
   ProfilerResult* r = result.cast<ProfilerResult*>();  // the caller holds `result`, so it outlives the save
+  ProfilerResult* taken = kCanTake ? take(r) : nullptr;
   std::exception_ptr error;
   {
     py::gil_scoped_release nogil;
     std::thread saver([&] {
       try {
         lower_this_thread(idle, nice, cpus);
-        r->save(path);
+        (taken ? taken : r)->save(path);
       } catch (...) {
         error = std::current_exception();
       }
+      if (taken) destroy(taken);
     });
     saver.join();
   }
   if (error) std::rethrow_exception(error);
+  return taken != nullptr;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("save", &save, py::arg("result"), py::arg("path"), py::arg("idle"), py::arg("nice"), py::arg("cpus"));
+  m.attr("frees_result") = kCanTake;
   m.attr("torch_version") = ODP_TORCH_VERSION;
   m.attr("source_key") = ODP_SOURCE_KEY;
 }

@@ -29,7 +29,8 @@ Variants: torch = torch.profiler with schedule + tensorboard_trace_handler; ours
 window and default settings (the GIL-free native save when built, which this script builds first; helpers at
 SCHED_IDLE); ours-inprocess = ONDEMAND_PROF_TRACE_SAVE=in-process (kineto's save on the export thread, holding
 the GIL: the default before issue 20); ours-fork = ONDEMAND_PROF_TRACE_SAVE=fork; ours-nice =
-ONDEMAND_PROF_EXPORT_SCHED=nice (helpers 10 nice levels down instead of SCHED_IDLE).
+ONDEMAND_PROF_EXPORT_SCHED=nice (helpers 10 nice levels down instead of SCHED_IDLE); ours-anycpu =
+ONDEMAND_PROF_HELPER_CPUS=all (helpers not kept off the training thread's core).
 Numbers are CPU only (torch's CPU activity).
 """
 
@@ -55,6 +56,7 @@ VARIANT_ENV = {
     "ours-inprocess": {"ONDEMAND_PROF_TRACE_SAVE": "in-process"},
     "ours-fork": {"ONDEMAND_PROF_TRACE_SAVE": "fork"},
     "ours-nice": {"ONDEMAND_PROF_EXPORT_SCHED": "nice"},
+    "ours-anycpu": {"ONDEMAND_PROF_HELPER_CPUS": "all"},
 }
 IDLE_STEPS = 30
 WINDOW_START = IDLE_STEPS + 5

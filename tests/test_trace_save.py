@@ -175,6 +175,19 @@ def test_background_helpers_run_at_low_priority(sched: str, monkeypatch: pytest.
         assert policy == os.SCHED_OTHER and nice == min(19, ours + trace_save.FALLBACK_NICE)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to keep one for training")
+def test_background_helpers_keep_off_the_training_threads_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    training_cpu = min(os.sched_getaffinity(0))
+    monkeypatch.setattr(trace_save, "_training_cpu", training_cpu)
+    code = "import os, time; time.sleep(0.5); print(sorted(os.sched_getaffinity(0)))"
+    proc = trace_save.spawn_background([sys.executable, "-c", code], dict(os.environ), timeout_s=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == sorted(os.sched_getaffinity(0) - {training_cpu})
+    monkeypatch.setenv(trace_save.CPUS_ENV, "all")  # the way to let them anywhere
+    proc = trace_save.spawn_background([sys.executable, "-c", code], dict(os.environ), timeout_s=60)
+    assert json.loads(proc.stdout) == sorted(os.sched_getaffinity(0))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Real training processes
 

@@ -41,6 +41,7 @@ FORK_ENV = "ONDEMAND_PROF_FORK_SAVE"
 SAVE_ENV = "ONDEMAND_PROF_TRACE_SAVE"
 SAVE_MODES = ("auto", "in-process", "fork")
 SCHED_ENV = "ONDEMAND_PROF_EXPORT_SCHED"
+CPUS_ENV = "ONDEMAND_PROF_HELPER_CPUS"  # auto: off the training thread's core; all: anywhere
 FORK_SAVE_TIMEOUT_S = 300.0  # a SCHED_IDLE child on busy cores is slow, not stuck; this bounds a stuck one
 FALLBACK_NICE = 10
 SLOW_FORK_S = 0.1
@@ -115,9 +116,33 @@ def _save_native(kineto_result: Callable[[], Any], path: Path) -> str | None:
     return None
 
 
+_training_cpu: int | None = None  # the CPU the training thread was on when its last window was collected
+
+
+def note_training_cpu() -> None:
+    """On the training thread, at a window's end: remember its CPU, which the helpers then leave to it
+    (/proc/thread-self/stat field 39; about 20 us)."""
+    global _training_cpu
+    try:
+        with open("/proc/thread-self/stat", "rb") as fh:
+            _training_cpu = int(fh.read().rsplit(b")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        _training_cpu = None
+
+
 def helper_cpus() -> list[int]:
-    """The CPUs the helpers may use: every CPU this process may use; pinning is decided in issue 20's bench."""
-    return []
+    """The CPUs the helpers (native saver thread, post-processing child) are pinned to: every CPU this process may
+    use except the one its training thread was last on; [] (no pinning) when that leaves none, when the CPU is
+    unknown, or with ONDEMAND_PROF_HELPER_CPUS=all. The kernel may move the training thread later; the helpers
+    run at idle priority anyway, so pinning only keeps them off its caches and its wake-ups."""
+    if _training_cpu is None or os.environ.get(CPUS_ENV, "auto").strip().lower() == "all":
+        return []
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return []
+    rest = sorted(allowed - {_training_cpu})
+    return rest if rest and len(rest) < len(allowed) else []
 
 
 def _save_in_child(save: Callable[[str], None], path: Path, timeout_s: float) -> str | None:
@@ -235,12 +260,18 @@ def lower_priority(pid: int) -> None:
 
 
 def spawn_background(cmd: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, capture_output=True, text=True) with the child at background priority. The priority
-    is set from here right after exec (not with preexec_fn, which runs Python between fork and exec in a
+    """subprocess.run(cmd, capture_output=True, text=True) with the child at background priority, off the training
+    thread's core (helper_cpus). The priority and CPUs are set from here right after exec (not with preexec_fn, which runs Python between fork and exec in a
     process with other threads), so the child's interpreter start-up is the only part that runs at normal
     priority."""
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         lower_priority(proc.pid)
+        cpus = helper_cpus()
+        if cpus:
+            try:
+                os.sched_setaffinity(proc.pid, cpus)
+            except OSError:
+                pass
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:

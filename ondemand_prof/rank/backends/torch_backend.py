@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from ...core.options import OPTIONS, Option, window_options
 from ...core.window import Window
-from ..trace_save import save_trace
+from ..trace_save import note_training_cpu, save_trace
 from .base import Export, Identity, Written
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class TorchSession:
         if self._state == "warmup":
             self._prof.start_trace()  # torch has no way to leave warmup other than through a trace
         self._prof.stop_trace()
+        note_training_cpu()  # the helpers that write and post-process this trace keep off its core
         self._state = "done"
         prof = self._prof
         info: dict[str, Any] = {"torch_profile_kwargs": _describe(self.kwargs)}

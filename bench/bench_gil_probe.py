@@ -1,13 +1,16 @@
-"""How long each way of writing a trace keeps the GIL from the training thread (issue 14, option b evaluated).
+"""How long each way of writing a trace keeps the GIL from the training thread (issues 14 and 20).
 
     python bench/bench_gil_probe.py [--repeat 5]
 
 One process records a 20-step CPU profile (with_stack + record_shapes) of the benchmark model, then writes it
 `--repeat` times each way while a watcher thread spins on the GIL and records its longest gap:
-    in-process   export_chrome_trace on this thread (kineto's save holds the GIL throughout)
-    fork         trace_save.save_trace: the gap is the fork itself (page-table copy); the child writes
-    native       a 10-line C++ extension that calls ProfilerResult::save with the GIL released (built here
-                 with torch.utils.cpp_extension; needs g++ and ninja; not part of the package)
+    in-process   export_chrome_trace on this thread (kineto's save holds the GIL throughout), then dropping the
+                 result (its destructor runs under the GIL too)
+    fork         trace_save.save_trace with ONDEMAND_PROF_TRACE_SAVE=fork: the gap is the fork itself (page-table
+                 copy); the child writes
+    native       rank/native_save.py's module (built here first, as `python -m ondemand_prof.rank.native_save
+                 build` does): ProfilerResult::save with the GIL released, and the result's contents freed on the
+                 saver thread; then dropping the (now empty) result
 Each save of a kineto result can happen once per process, so every measured save runs in a fork of the
 profiled process made before the watcher starts. Also prints the RSS and the fork's copy-on-write cost: the page
 faults and time of the next training step after a fork whose child is still alive.
@@ -32,18 +35,7 @@ import torch  # noqa: E402
 from torch.autograd.profiler import record_function  # noqa: E402
 
 from bench_hook import make_model, train_step  # noqa: E402  (the same model as the other benchmarks)
-from ondemand_prof.rank import trace_save  # noqa: E402
-
-NATIVE_SOURCE = r"""
-#include <torch/csrc/autograd/profiler_kineto.h>
-#include <pybind11/pybind11.h>
-namespace py = pybind11;
-void save(py::object result, std::string path) {
-  auto* r = result.cast<torch::autograd::profiler::ProfilerResult*>();
-  py::gil_scoped_release nogil;
-  r->save(path);
-}
-"""
+from ondemand_prof.rank import native_save, trace_save  # noqa: E402
 
 
 def record(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
@@ -120,20 +112,30 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    from torch.utils.cpp_extension import load_inline
-
     t0 = time.perf_counter()
-    native = load_inline("odp_gil_probe", NATIVE_SOURCE, functions=["save"], build_directory=tempfile.mkdtemp())
+    ok, message = native_save.build()
+    native, why = native_save.load()
+    if native is None:
+        sys.exit(f"the native save cannot be built here: {message}; {why}")
     build_s = time.perf_counter() - t0
     model, opt = make_model()
     for _ in range(10):
         train_step(model, opt)
     prof = record(model, opt)
     out = Path(tempfile.mkdtemp())
+    os.environ[trace_save.SAVE_ENV] = "fork"
+
+    def then_drop(save: Callable[[], Any]) -> Callable[[], None]:
+        def work() -> None:
+            save()
+            prof.profiler.kineto_results = None  # what the exporter's last reference does, under the GIL
+        return work
+
     ways = {
-        "in-process": lambda: prof.export_chrome_trace(str(out / "a.json")),
+        "in-process, then drop the result": then_drop(lambda: prof.export_chrome_trace(str(out / "a.json"))),
         "fork": lambda: trace_save.save_trace(prof.export_chrome_trace, out / "b.json"),
-        "native (GIL released)": lambda: native.save(prof.profiler.kineto_results, str(out / "c.json")),
+        "native (GIL released, result freed there), then drop": then_drop(
+            lambda: native.save(prof.profiler.kineto_results, str(out / "c.json"), True, 0, [])),
     }
     rows = {name: [in_fork(lambda w=w: longest_gil_gap(w)) for _ in range(args.repeat)] for name, w in ways.items()}
     cow = [cow_cost(model, opt) for _ in range(args.repeat)]
@@ -141,7 +143,7 @@ def main() -> None:
         rss = next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
     size = (out / "a.json").stat().st_size / 2**20
     print(f"trace {size:.1f} MB, process RSS {rss:.0f} MB, CPU only, {os.cpu_count()} cores; "
-          f"median of {args.repeat}; native extension built in {build_s:.0f} s")
+          f"median of {args.repeat}; native module: {message} ({build_s:.0f} s)")
     print("| way | longest GIL gap ms | save ms (this thread) |\n|---|---|---|")
     for name, vals in rows.items():
         print(f"| {name} | {statistics.median(v[0] for v in vals):.1f} | {statistics.median(v[1] for v in vals):.1f} |")

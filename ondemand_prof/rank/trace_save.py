@@ -68,10 +68,6 @@ def save_mode() -> str:
     return mode
 
 
-def fork_save_enabled() -> bool:
-    return save_mode() == "fork"
-
-
 def idle_priority_enabled() -> bool:
     return hasattr(os, "SCHED_IDLE") and os.environ.get(SCHED_ENV, "idle").strip().lower() != "nice"
 

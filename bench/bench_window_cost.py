@@ -149,7 +149,7 @@ class Phases:
         output.run_postprocess = timed_postprocess  # type: ignore[assignment]
 
 
-def run_ours(active: int, tail: int) -> dict[str, Any]:
+def run_ours(active: int, tail: int, phases: Phases | None = None) -> dict[str, Any]:
     from ondemand_prof import OnDemandProfiler, ProfileConfig
     from ondemand_prof.core.window import Window
     from ondemand_prof.core.options import WindowOptions
@@ -160,11 +160,13 @@ def run_ours(active: int, tail: int) -> dict[str, Any]:
                            source="bench", capture_id="bench"), listener=on_event)
         return prof
 
-    warm = profiler(2, 2, lambda e, i: None)
-    drive(lambda: warm.step(), 4, 2)
-    warm.close()
-    phases = Phases()
-    phases.install()
+    if phases is None:  # a process of its own: warm kineto up first (in --same-process, warm_up() did)
+        warm = profiler(2, 2, lambda e, i: None)
+        drive(lambda: warm.step(), 4, 2)
+        warm.close()
+        phases = Phases()
+        phases.install()
+    phases.data.clear()
     results: list[dict[str, Any]] = []
     prof = profiler(WINDOW_START, active,
                     lambda event, info: results.append(dict(info, event=event, t=time.monotonic())))
@@ -180,7 +182,7 @@ def run_ours(active: int, tail: int) -> dict[str, Any]:
     return out
 
 
-def run_torch(active: int, tail: int) -> dict[str, Any]:
+def run_torch(active: int, tail: int, warm_up: bool = True) -> dict[str, Any]:
     import torch
 
     phases: dict[str, Any] = {"way": "in the step"}
@@ -197,8 +199,9 @@ def run_torch(active: int, tail: int) -> dict[str, Any]:
         return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=sched,
                                       with_stack=True, record_shapes=True, on_trace_ready=timed_handler)
 
-    with profile(2, 2) as warm:
-        drive(warm.step, 4, 2)
+    if warm_up:
+        with profile(2, 2) as warm:
+            drive(warm.step, 4, 2)
     with profile(WINDOW_START, active) as p:
         out = drive(p.step, WINDOW_START + active, tail)
     phases["collect_s"] = out["stall"] - phases.get("save_s", 0.0)
@@ -208,15 +211,43 @@ def run_torch(active: int, tail: int) -> dict[str, Any]:
     return out
 
 
-def child_main(variant: str, active: int, tail: int, threads: int) -> None:
+def child_main(variant: str, active: int, tail: int, threads: int, repeat: int = 1,
+               variants: list[str] | None = None) -> None:
     import logging
 
     import torch
 
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING)
+    if variant == "same-process":
+        print("RESULT " + json.dumps(same_process(active, tail, repeat, variants)))
+        return
     out = run_torch(active, tail) if variant == "torch" else run_ours(active, tail)
     print("RESULT " + json.dumps(out))
+
+
+def same_process(active: int, tail: int, repeat: int, variants: list[str]) -> list[dict[str, Any]]:
+    """Every variant's window in this one process, in turn, `repeat` rounds (the order rotates each round), so that
+    all of them meet the same spell of load. Between windows (not measured): our capture is published, and a
+    full garbage collection frees the previous window's profile for everyone alike."""
+    import gc
+
+    run_torch(2, 2)  # kineto's and our first-use costs, before anything is measured
+    phases = Phases()
+    phases.install()
+    run_ours(2, 2, phases)
+    out: list[dict[str, Any]] = []
+    for i in range(repeat):
+        for variant in variants[i % len(variants):] + variants[:i % len(variants)]:
+            os.environ.pop("ONDEMAND_PROF_TRACE_SAVE", None)
+            os.environ.pop("ONDEMAND_PROF_EXPORT_SCHED", None)
+            os.environ.pop("ONDEMAND_PROF_HELPER_CPUS", None)
+            os.environ.update(VARIANT_ENV[variant])
+            gc.collect()
+            load = os.getloadavg()[0]
+            res = run_torch(active, tail, warm_up=False) if variant == "torch" else run_ours(active, tail, phases)
+            out.append(dict(res, variant=variant, round=i, load=load))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -444,19 +475,53 @@ def main() -> None:
     parser.add_argument("--retries", type=int, default=1, help="repeat a run disturbed by other load")
     parser.add_argument("--max-foreign", type=float, default=0.1, help="cores others may use during a run")
     parser.add_argument("--quiet-wait", type=float, default=30, help="seconds to wait for a quiet machine")
+    parser.add_argument("--same-process", action="store_true",
+                        help="all variants' windows in turn in one process per shape (no memory figures)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child_main(args.child, args.active, args.tail, int(args.threads))
+        child_main(args.child, args.active, args.tail, int(args.threads), args.repeat, args.variants.split(","))
         return
     if any(v.startswith("ours") for v in args.variants.split(",")):
         from ondemand_prof.rank import native_save
 
         ok, message = native_save.build()  # what `python -m ondemand_prof.rank.native_save build` does
         print(f"native save: {message}", flush=True)
-    runs, retried = run_all(args)
+    runs, retried = run_same_process(args) if args.same_process else run_all(args)
     print_table(runs, args)
     print(f"{retried} run(s) were repeated because other processes used more than {args.max_foreign} cores")
+
+
+class NoSampler:
+    def peak_extra_mb(self, marks: dict[str, float]) -> tuple[float, float, float]:
+        return float("nan"), float("nan"), float("nan")
+
+
+def run_same_process(args: argparse.Namespace) -> tuple[dict[int, dict[str, list[dict[str, Any]]]], int]:
+    """One process per shape runs every variant's window in turn (same_process()); rows per variant, in rounds."""
+    runs: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    for threads in (int(t) for t in args.threads.split(",")):
+        wait_for_quiet(args.quiet_wait)
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        t0, b0, o0 = time.monotonic(), busy_cpu_s(), own_cpu_s()
+        proc = subprocess.run([sys.executable, __file__, "--child", "same-process", "--active", str(args.active),
+                               "--tail", str(args.tail), "--threads", str(threads), "--repeat", str(args.repeat),
+                               "--variants", args.variants], env=env, capture_output=True, text=True, timeout=3600)
+        foreign = (busy_cpu_s() - b0 - (own_cpu_s() - o0)) / (time.monotonic() - t0)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"same-process run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        runs[threads] = {v: [] for v in args.variants.split(",")}
+        for res in json.loads(lines[0][len("RESULT "):]):
+            r = dict(summarize(res, NoSampler(), args.active), foreign_cores=foreign, load=res["load"])
+            runs[threads][res["variant"]].append(r)
+            print(f"round {res['round'] + 1} threads {threads} {res['variant']} (load {r['load']:.1f}): stall "
+                  f"{r['stall_ms']:.1f} ms, +{AFTER} {r['after10_ms']:.1f} ms, own {r['after10_own_ms']:.1f} ms "
+                  f"(collect {r['collect_ms']:.0f}, cpu {r['thread_cpu_ms']:.0f}, runqueue {r['runqueue_ms']:.0f}, "
+                  f"asleep {r['asleep_ms']:.0f}; save {r['save_ms']:.0f} {r['way']}, post {r['postprocess_ms']:.0f})",
+                  flush=True)
+        print(f"threads {threads}: others used {foreign:.2f} cores on average", flush=True)
+    return runs, 0
 
 
 def run_all(args: argparse.Namespace) -> tuple[dict[int, dict[str, list[dict[str, Any]]]], int]:
@@ -469,10 +534,10 @@ def run_all(args: argparse.Namespace) -> tuple[dict[int, dict[str, list[dict[str
     for i in range(args.repeat):
         for threads in shapes:
             for v in runs[threads]:
-                for _ in range(args.retries + 1):
+                for attempt in range(args.retries + 1):
                     wait_for_quiet(args.quiet_wait)
                     r = run_variant(v, args.active, args.tail, threads)
-                    if r["foreign_cores"] <= args.max_foreign:
+                    if r["foreign_cores"] <= args.max_foreign or attempt == args.retries:
                         break
                     retried += 1
                     print(f"run {i + 1} {v}: other processes used {r['foreign_cores']:.2f} cores; again", flush=True)

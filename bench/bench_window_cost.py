@@ -175,7 +175,7 @@ def run_ours(active: int, tail: int, phases: Phases | None = None) -> dict[str, 
     done = [r for r in results if r["event"] in ("done", "failed")]
     out["capture"] = {"status": done[0].get("status"), "steps": done[0].get("steps")} if done else None
     out["published_s"] = done[0]["t"] - out["marks"]["window_end"] if done else None
-    out["phases"] = phases.data
+    out["phases"] = dict(phases.data)  # phases.data is refilled by the next window
     if done and done[0].get("path"):
         meta = json.loads((Path(done[0]["path"]) / "metadata.json").read_text())
         out["phases"]["way"] = meta["backend"].get("trace_save")
@@ -419,7 +419,8 @@ def shape_name(threads: int) -> str:
 
 def print_table(runs: dict[int, dict[str, list[dict[str, Any]]]], args: argparse.Namespace) -> None:
     print(f"\n{args.active}-step window, with_stack + record_shapes, CPU only, {os.cpu_count()} cores; "
-          f"median (min-max) of {args.repeat} runs, each variant in its own process, interleaved")
+          f"median (min-max) of {args.repeat} runs, " + ("every variant's windows in turn in one process per shape"
+          if args.same_process else "each variant in its own process, interleaved"))
     print(f"| training | variant | idle step ms | window-end stall ms | stall + {AFTER} steps ms | same without "
           f"run-queue waits ms | stall + {args.tail} steps ms | published after ms | peak extra RSS MB (process + "
           f"children) | load avg | others' load, cores |")

@@ -111,7 +111,7 @@ def test_profiler_made_before_the_process_group_settles_into_one_job(env: dict[s
     errs = [finish(p)[1] for p in procs]
     for rank, err in enumerate(errs):
         # the start-up line, on stderr without any logging set up, and again once the job settled
-        assert f"now rank {rank} of 2, job {job}: capture with 'ondemandctl capture --job {job}" in err, err
+        assert f"now rank {rank} of 2, job {job}: capture with `ondemandctl capture --job {job}" in err, err
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -328,6 +328,8 @@ def test_start_up_and_written_lines_on_stderr_unless_quiet(tmp_path: Path, quiet
         return
     trigger = Path(tempfile.gettempdir()) / f"ondemand_prof-{os.getuid()}" / cap["job_id"] / "capture"
     assert ours == [
-        f"ondemand_prof: rank 0 of 1, job {cap['job_id']}: capture with 'touch {trigger}' (no ondemand-profd "
-        f"answered at ipc://{NO_DAEMON_DIR}/profd.sock; start one for ondemandctl); traces go to {save}",
-        f"ondemand_prof: rank 0 wrote {cap['dir']} (steps 2-3, ok)"], res.stderr
+        f"ondemand_prof: rank 0 of 1, job {cap['job_id']}: capture with `touch {trigger}` (all ranks of the job "
+        f"that watch it; no ondemand-profd answered at ipc://{NO_DAEMON_DIR}/profd.sock: start one for "
+        f"ondemandctl); traces go to {save}",
+        f"ondemand_prof: rank 0 wrote {cap['folder'] / Path(cap['trace_file']).name} (steps 2-3, ok; metadata and "
+        f"summaries in {cap['dir']})"], res.stderr

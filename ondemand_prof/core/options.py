@@ -239,6 +239,9 @@ OPTIONS: tuple[Option, ...] = (
            negatable=True),
     Option("ondemand_steps", "profile_ondemand_steps", parse_int, 2, "Length of a default on-demand window.",
            ours=True, bounds=(1, 1_000_000)),
+    Option("ondemand_ranks", "profile_ondemand_ranks", parse_rank_list, (-1,),
+           "Ranks an on-demand request that names none captures (a touched trigger file, a signal, ondemandctl "
+           "capture without --ranks); -1 = all. --profile-ranks is the static window's.", ours=True),
     Option("trigger_dir", "profile_trigger_dir", parse_str, "", "Directory watched for trigger files.", ours=True),
     Option("trigger_poll_s", "profile_trigger_poll", parse_float, 0.0,
            "Poll the trigger dir every N s instead of inotify (0 = inotify, polling where it fails).", ours=True,

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from .options import MAX_STEP, OPTIONS, ConfigError, Option, WindowOptions, window_options
-from .ranks import RankSpecError, parse_ranks
+from .ranks import RankSpecError, parse_ranks, selects
 from .window import Window, _step
 
 MAX_START_OFFSET = 1_000_000
@@ -125,13 +125,20 @@ class WindowDefaults:
     options: Any
     steps: int
     max_steps: int
+    ranks: tuple[int, ...] = (-1,)  # the ranks a request naming none captures (--profile-ondemand-ranks)
 
     @classmethod
     def from_config(cls, config: Any) -> "WindowDefaults":
-        return cls(WindowOptions.from_config(config), config.ondemand_steps, config.max_window_steps)
+        return cls(WindowOptions.from_config(config), config.ondemand_steps, config.max_window_steps,
+                   tuple(config.ondemand_ranks))
+
+    def selects(self, rank: int) -> bool:
+        """Whether a request that names no ranks captures `rank` (a touch, or ondemandctl without --ranks)."""
+        return selects(self.ranks, rank)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"options": asdict(self.options), "steps": self.steps, "max_steps": self.max_steps}
+        return {"options": asdict(self.options), "steps": self.steps, "max_steps": self.max_steps,
+                "ranks": list(self.ranks)}
 
     @classmethod
     def from_wire(cls, data: Any) -> "WindowDefaults":
@@ -143,8 +150,12 @@ class WindowDefaults:
         if steps is None or max_steps is None:
             raise RequestError("window defaults need 'steps' and 'max_steps'")
         options = data.get("options")
+        try:  # a rank of an older version sends none: all ranks, as ondemandctl always took
+            ranks = parse_ranks(data["ranks"]) if data.get("ranks") is not None else (-1,)
+        except RankSpecError as exc:
+            raise RequestError(f"window defaults: ranks: {exc}") from None
         return cls(WindowOptions(**check_options(options if isinstance(options, Mapping) else {}, complete=True)),
-                   steps, max_steps)
+                   steps, max_steps, ranks)
 
 
 def resolve(request: CaptureRequest, defaults: WindowDefaults, start: int, *, source: str, capture_id: str,

@@ -20,7 +20,7 @@ from ..core.ranks import RankSpecError, parse_ranks, spans
 from ..core.requests import RequestError, WindowDefaults, parse_request, resolve
 from .client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, dumps
 from .records import CaptureRecord, new_capture_id
-from .registry import plan_window, select_ranks
+from .registry import plan_window, select_ranks, stall_text, stalls
 from .service import MAX_WATCH_S, BadRequest, Service
 
 Fields = dict[str, tuple[type, ...]]
@@ -76,6 +76,11 @@ def _vs_median(rank: dict[str, Any]) -> str:
     return "-" if not ratio else f"{ratio:.2f}x" + ("  SLOW" if rank.get("slow") else "")
 
 
+def _state(rank: dict[str, Any]) -> str:
+    stalled = rank.get("stalled_s")
+    return rank["state"] if stalled is None else f"STALLED {stalled:.0f} s"
+
+
 def _window(w: list[int] | None) -> str:
     return "-" if not w else f"[{w[0]}, {w[1]})"
 
@@ -100,8 +105,10 @@ class Status(Command):
         from .triage import stragglers
 
         slow = {name: stragglers(ranks) for name, ranks in jobs.items()}  # adds vs_median and slow to each rank
+        stalled = {name: stall for name, ranks in jobs.items() if (stall := stalls(ranks, wall)) is not None}
+        conflicts = {name: c for name in jobs if (c := service.registry.conflicts_of(name, now))}
         return {"daemon": service.daemon_info(), "jobs": jobs if not msg.get("brief") else {}, "stragglers": slow,
-                "delivery_s": service.delivery.longer(jobs)}
+                "delivery_s": service.delivery.longer(jobs), "stalled": stalled, "conflicts": conflicts}
 
     def console(self, data: Any, args: argparse.Namespace) -> str:
         d = data["daemon"]
@@ -115,9 +122,16 @@ class Status(Command):
             for label, key in (("trigger dir", "trigger_dir"), ("save path", "save_root")):
                 places = sorted({r.get(key) or "?" for r in ranks})
                 text += f"  {label}: {', '.join(places)}\n"
-            rows = [[str(r["rank"]), r["host"], str(r["pid"]), str(r["step"]), _ms(r["step_time_s"]), r["state"],
+            rows = [[str(r["rank"]), r["host"], str(r["pid"]), str(r["step"]), _ms(r["step_time_s"]), _state(r),
                      f"{r['last_seen_s']:.1f} s ago", _vs_median(r)] for r in ranks]
             text += _table(rows, ["RANK", "HOST", "PID", "STEP", "STEP TIME", "STATE", "HEARD", "VS MEDIAN"])
+            stall = (data.get("stalled") or {}).get(job)
+            if stall:
+                text += stall_text(job, stall) + "\n"
+            for c in (data.get("conflicts") or {}).get(job) or []:
+                text += (f"CONFLICT: rank {c['rank']} is held by pid {c['pid']} ({c['host']}); pid {c['refused_pid']} "
+                         f"({c['refused_host']}) claims it too and is refused ({c['attempts']} tries): two jobs "
+                         "share this job id\n")
             delivery = (data.get("delivery_s") or {}).get(job)
             if delivery:  # learned from ranks that took windows late: captures now plan a longer lead
                 text += (f"windows took up to {delivery * 1000:.0f} ms to reach this job's ranks lately; captures "
@@ -135,7 +149,8 @@ class Capture(Command):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--job", help="the job (needed when several are live)")
-        parser.add_argument("--ranks", default="-1", help="ranks: a list or ranges like 0-3,7; -1 = all (default)")
+        parser.add_argument("--ranks", help="ranks: a list or ranges like 0-3,7; -1 = all (default: the ranks a "
+                            "touched trigger file captures, --profile-ondemand-ranks, all unless the job set it)")
         where = parser.add_mutually_exclusive_group()
         where.add_argument("--start", type=int, help="first step, counted from the furthest-ahead rank's current "
                            "step (default 1: as soon as every rank can; the daemon adds lead when needed)")
@@ -158,7 +173,7 @@ class Capture(Command):
         if args.html and not args.report:
             raise CtlError("--html needs --report (it writes the report of what was captured)", EXIT_USAGE)
         try:
-            ranks = list(parse_ranks(args.ranks))
+            ranks = None if args.ranks is None else list(parse_ranks(args.ranks))
         except RankSpecError as exc:
             raise CtlError(f"--ranks {args.ranks!r}: {exc}", EXIT_USAGE) from None
         for flag in ("steps", "start", "start_step"):
@@ -166,7 +181,9 @@ class Capture(Command):
             if value is not None and value < (1 if flag == "steps" else 0):
                 raise CtlError(f"--{flag.replace('_', '-')} {value}: expected "
                                f"{'1 or more' if flag == 'steps' else '0 or more'}", EXIT_USAGE)
-        request: dict[str, Any] = {"ranks": ranks, "steps": args.steps, **window_overrides(args)}
+        request: dict[str, Any] = {"steps": args.steps, **window_overrides(args)}
+        if ranks is not None:
+            request["ranks"] = ranks
         for key in ("start", "start_step"):
             if getattr(args, key) is not None:
                 request[key] = getattr(args, key)
@@ -184,12 +201,13 @@ class Capture(Command):
             request = parse_request(msg["request"])
             job = service.registry.resolve_job(_opt_str(msg, "job"))
             live = service.registry.jobs()[job]
-            world = max(r.world_size for r in live)
-            ranks = select_ranks(list(request.ranks) if request.ranks is not None else -1, world)
-            targets = service.registry.select(job, ranks)
+            targets = _targets(service, job, request.ranks, max(r.world_size for r in live))
+            wall = time.time()
+            stall = stalls([{"rank": t.rank, "step": t.step, "stalled_s": t.stalled_s(wall)} for t in targets], wall)
+            if stall:  # a window there cannot start: say so now rather than time out later
+                raise ValueError(f"{stall_text(job, stall)}. No window can start until they step again")
             defaults = _common_defaults(targets)
             steps = min(defaults.steps if request.steps is None else request.steps, defaults.max_steps)
-            wall = time.time()
             plan = plan_window(targets, wall, start=request.start, start_step=request.start_step, steps=steps,
                                delivery_s=service.delivery.estimate(job))
         except (RequestError, ValueError) as exc:
@@ -270,6 +288,7 @@ class Capture(Command):
         """Long-poll the daemon for changes and print each rank's progress as it happens."""
         printed: dict[str, int] = {}  # history entries shown per rank: every state is shown, even brief ones
         shown_step: dict[str, str] = {}
+        shown_stall = ""
         deadline = time.monotonic() + args.timeout
         while True:
             if not args.json:
@@ -289,8 +308,39 @@ class Capture(Command):
             if left <= 0:
                 return record, False
             hold = min(10.0, left)
+            seen = record["version"]
             record = client.request("watch", wait_s=hold + client.timeout_s, capture_id=record["capture_id"],
-                                    seen=record["version"], timeout_s=hold)
+                                    seen=seen, timeout_s=hold)
+            if record["version"] == seen and not args.json:  # nothing moved for a while: is the job hung?
+                stall = _stall_of(client, record)
+                if stall and stall != shown_stall:
+                    shown_stall = stall
+                    out.write(f"  {stall}; the window cannot go on until they step again (still waiting, up to "
+                              f"--timeout {args.timeout:g} s)\n")
+
+
+def _targets(service: Service, job: str, ranks: tuple[int, ...] | None, world: int) -> list[Any]:
+    """The ranks a request names, or, naming none, those a touched trigger file would capture (each rank's
+    --profile-ondemand-ranks, sent at registration): one default for the file and ondemandctl."""
+    if ranks is not None:
+        return service.registry.select(job, select_ranks(list(ranks), world))
+    targets = [r for r in service.registry.select(job, [-1]) if r.defaults is None or r.defaults.selects(r.rank)]
+    if not targets:
+        raise ValueError(f"no rank of job {job!r} takes a capture that names no ranks (--profile-ondemand-ranks); "
+                         "name them with --ranks")
+    return targets
+
+
+def _stall_of(client: Client, record: dict[str, Any]) -> str:
+    """What status says of a stall among a capture's unfinished ranks ('' when none, or when it cannot say)."""
+    waiting = {p["rank"] for p in record["parts"].values() if p["state"] not in FINAL_STATES}
+    try:
+        stall = client.request("status", job=record["job"], brief=True).get("stalled", {}).get(record["job"])
+    except CtlError:
+        return ""
+    if not stall or not waiting.intersection(stall["ranks"]):
+        return ""
+    return stall_text(record["job"], stall)
 
 
 def recording_step(record: dict[str, Any], part: dict[str, Any]) -> str:

@@ -68,7 +68,7 @@ class CaptureRecord:
             self.open_parts -= 1
         part["state"] = state
         part["history"].append({"state": state, "at": iso_time(wall)})
-        for key in ("path", "error", "late_by", "steps", "window", "status", "current_step", "note", "cancelled"):
+        for key in ("path", "trace", "error", "late_by", "steps", "window", "status", "current_step", "note", "cancelled"):
             if info.get(key) is not None:
                 part[key] = info[key]
         if self.open_parts == 0:

@@ -19,7 +19,7 @@ from .. import __version__
 from ..core.files import iso_time, pid_alive
 from ..core.protocol import FINAL_STATES, HEARTBEAT_S, RANK_TIMEOUT_S, encode, reply_error, reply_ok
 from .records import CaptureRecord, RecordStore
-from .registry import DeliveryBook, RankInfo, Registry
+from .registry import DeliveryBook, RankConflict, RankInfo, Registry
 from .triage import TriageBook
 
 log = logging.getLogger("ondemand_prof.daemon")
@@ -96,6 +96,10 @@ class Service:
             check_registration(peer, msg, self.registry)
         try:
             info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check)
+        except RankConflict as exc:
+            if exc.new:  # once per claimant, not at every retry
+                log.warning("ondemand-profd: %s", exc)
+            raise BadRequest(str(exc)) from None
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         info.uid = peer.uid if peer is not None else None
@@ -108,7 +112,7 @@ class Service:
         return encode("registered", daemon_pid=os.getpid(), heartbeat_s=HEARTBEAT_S)
 
     def on_heartbeat(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
-        info = self.registry.heartbeat(route, msg, time.monotonic())
+        info = self.registry.heartbeat(route, msg, time.monotonic(), time.time())
         if info is None:
             return encode("register")  # we restarted, or expired this rank: tell it to register again
         if info.state == "recording" and info.windows:
@@ -146,11 +150,13 @@ class Service:
         data = data if isinstance(data, dict) else {}
         if event == "scheduled":
             self._learn_delivery(info, record, data)
-        if data.get("path") is not None:
-            problem = output_path_problem(data["path"], info.save_root, info.uid)
+        for key in ("path", "trace"):
+            problem = None if data.get(key) is None else output_path_problem(data[key], info.save_root, info.uid)
             if problem:
-                log.warning("ondemand-profd: rank %d of job %s reported %s: %s", info.rank, info.job, event, problem)
+                log.warning("ondemand-profd: capture %s: rank %d of job %s reported %s, refused: %s", capture_id,
+                            info.rank, info.job, event, problem)
                 event, data = "failed", {"error": f"reported output refused: {problem}"}
+                break
         if record.update(info.rank, event, data, time.time()):
             self.changed(record)
 

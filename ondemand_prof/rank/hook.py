@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime as _dt
 import functools
 import logging
@@ -28,7 +29,7 @@ from ..core.options import ConfigError, ProfileConfig, WindowOptions, config_fro
     config_from_mapping, default_job_id
 from ..core.window import Window
 from .backends import Backend, Identity, Session, select_backend
-from .layout import CaptureLayout
+from .layout import CaptureLayout, trace_path
 from .output import ExportJob, Exporter, disk_problem, writable_problem
 from .scheduler import IDLE, Active, Listener, Scheduler, tell
 
@@ -47,7 +48,11 @@ class OnDemandProfiler:
 
     def __init__(self, config: ProfileConfig | None = None, *, first_step: int = 0, backend: str | Backend = "auto",
                  start_agent: bool = True) -> None:
-        self.config = config or ProfileConfig()
+        config = config or ProfileConfig()
+        # A relative save path means the rank's working directory, now: made absolute here, once, so the rank
+        # reports, prints and records one path that the daemon (another working directory) can check.
+        self._save_root = Path(os.path.abspath(Path(config.save_path).expanduser()))
+        self.config = dataclasses.replace(config, save_path=str(self._save_root))
         self._step = first_step
         self._wake = IDLE
         self._counter: Any = None
@@ -58,7 +63,6 @@ class OnDemandProfiler:
         self._backend: Backend | None = None if isinstance(backend, str) else backend
         self._identity: Identity | None = None
         self._exporter = Exporter()
-        self._save_root = Path(self.config.save_path).expanduser()
         self.layout = CaptureLayout(self._save_root, socket.gethostname(), os.getpid())
         self.job_id = self.config.job_id or default_job_id()
         self.scheduler = Scheduler(self, warmup_steps=self.config.warmup_steps)
@@ -74,7 +78,7 @@ class OnDemandProfiler:
         if self.config.enabled or self.config.ondemand:
             problem = writable_problem(self._save_root)
             if problem:
-                raise ConfigError(f"invalid --profile-save-path {self.config.save_path!r}: {problem}")
+                raise ConfigError(f"invalid --profile-save-path {config.save_path!r}: {problem}")
         self.layout.remove_stale_staging()
         if self.config.enabled:
             self._queue_static()
@@ -274,13 +278,13 @@ class OnDemandProfiler:
 
     def _on_published(self, active: Active, result: dict[str, Any]) -> None:
         event = "done" if result.get("status") in ("ok", "partial") else "failed"
-        if result.get("path"):  # output.py logged it; say it on stderr too when logging would not show it
+        if result.get("path"):  # logged, and said on stderr too when logging would not show it
             from .announce import say, written_line
 
-            say(logging.getLogger("ondemand_prof.rank.output"), self.config.quiet, written_line(self.identity(), result),
-                logged=True)
-        tell(active.listener, event, active.window, path=result.get("path"), status=result.get("status"),
-             error=result.get("error"), steps=result.get("steps_in_trace"), cancelled=active.cancelled or None)
+            say(logging.getLogger("ondemand_prof.rank.output"), self.config.quiet, written_line(self.identity(), result))
+        tell(active.listener, event, active.window, path=result.get("path"), trace=trace_path(result),
+             status=result.get("status"), error=result.get("error"), steps=result.get("steps_in_trace"),
+             cancelled=active.cancelled or None)
 
     def _metadata(self, active: Active, steps: list[int], collect_s: float, info: dict[str, Any]) -> dict[str, Any]:
         window = active.window

@@ -174,7 +174,7 @@ def _rename_into_place(job: ExportJob, meta: dict[str, Any], out_dir: Path, trac
         if out_dir != job.out.staging:
             shutil.rmtree(job.out.staging, ignore_errors=True)
         meta["path"] = str(final)
-        log.info("ondemand_prof: rank %s wrote %s (steps %s, %s)", job.identity.rank, final,
+        log.debug("ondemand_prof: rank %s published %s (steps %s, %s)", job.identity.rank, final,
                  _steps_text(meta.get("steps_in_trace", [])), meta["status"])
     except OSError as exc:
         log.error("ondemand_prof: could not publish %s: %s", final, exc)

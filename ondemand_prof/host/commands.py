@@ -12,6 +12,7 @@ import re
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any, TextIO
 
 from ..core.options import add_window_flags, window_overrides
@@ -20,7 +21,7 @@ from ..core.ranks import RankSpecError, parse_ranks, spans
 from ..core.requests import RequestError, WindowDefaults, parse_request, resolve
 from .client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, dumps
 from .records import CaptureRecord, new_capture_id
-from .registry import plan_window, select_ranks, stall_text, stalls
+from .registry import match_id, plan_window, select_ranks, stall_text, stalls
 from .service import MAX_WATCH_S, BadRequest, Service
 
 Fields = dict[str, tuple[type, ...]]
@@ -97,10 +98,13 @@ class Status(Command):
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         now, wall = time.monotonic(), time.time()
-        job = _opt_str(msg, "job")
         live = service.registry.jobs()
-        if job and job not in live:
-            raise BadRequest(f"no live job {job!r}; live jobs: {', '.join(live) or 'none'}")
+        job = _opt_str(msg, "job")
+        if job:
+            try:
+                job = match_id(job, live, "live job")
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
         jobs = {name: [r.as_dict(now, wall) for r in ranks] for name, ranks in live.items() if not job or name == job}
         from .triage import stragglers
 
@@ -361,13 +365,15 @@ def progress_text(part: dict[str, Any]) -> str:
         why = part.get("note") or "it got the window after its start"  # the rank's note says which, and where to
         return "recording" + (f" (late by {late} step{'s' if late != 1 else ''}: {why})" if late else "")
     if state == "done":
-        return f"{'done':<10} {part.get('path')}"
+        return f"{'done':<10} {part.get('trace') or part.get('path')}"
     if state in ("failed", "rejected"):
         return f"{state:<10} {part.get('error')}"
     return state
 
 
 def result_text(record: dict[str, Any], finished: bool, waited: bool = True) -> str:
+    """The outcome, the capture folder (what HTA, TensorBoard and `ondemandctl report` open), and each rank's
+    trace file with its steps, or why it has none."""
     parts = sorted(record["parts"].values(), key=lambda p: p["rank"])
     done = [p for p in parts if p["state"] == "done"]
     here = socket.gethostname()
@@ -378,16 +384,32 @@ def result_text(record: dict[str, Any], finished: bool, waited: bool = True) -> 
     else:
         head = f"{record['status']}: {len(done)} of {len(parts)} rank(s) wrote a trace\n"
     lines = [head]
+    folders = sorted({os.path.dirname(p["path"]) for p in done if p.get("path")})
+    if folders:
+        lines.append(f"  capture folder{'s' if len(folders) > 1 else ''}: {', '.join(folders)}  (ondemandctl report "
+                     f"{record['capture_id']})\n")
     for p in parts:
         if p["state"] == "done":
-            path = p.get("path") or "?"
-            missing = p["host"] == here and not os.path.isdir(path)
+            path = p.get("trace") or p.get("path") or "?"  # torch_npu writes a directory, not one trace file
             steps = p.get("steps")
             lines.append(f"  rank {p['rank']:<4} {path}" + (f"  steps {steps[0]}..{steps[-1]}" if steps else "")
-                         + ("  (MISSING on disk)" if missing else "") + "\n")
+                         + (_on_disk(path) if p["host"] == here else "") + "\n")
         elif p["state"] in ("failed", "rejected"):
             lines.append(f"  rank {p['rank']:<4} {p['state']}: {p.get('error')}\n")
     return "".join(lines)
+
+
+def _on_disk(path: str) -> str:
+    """'' when the path is there; else what a person reading it should know."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return "  (MISSING on disk)"
+    except PermissionError:
+        return "  (on disk, not readable by you)"
+    except OSError as exc:
+        return f"  ({exc.strerror})"
+    return ""
 
 
 def exit_for(record: dict[str, Any]) -> int:
@@ -413,7 +435,13 @@ class List(Command):
         limit = msg.get("limit", 20)
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
             raise BadRequest(f"field 'limit' must be an integer from 1 to 1000, got {limit!r}")
-        return {"captures": [r.summary() for r in service.store.newest(limit, _opt_str(msg, "job") or None)]}
+        job = _opt_str(msg, "job") or None
+        if job:
+            try:
+                job = match_id(job, (r.data["job"] for r in service.store.records.values()), "job with captures")
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+        return {"captures": [r.summary() for r in service.store.newest(limit, job)]}
 
     def console(self, data: Any, args: argparse.Namespace) -> str:
         caps = data["captures"]
@@ -514,19 +542,44 @@ class Report(Command):
     needs_daemon = False
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("paths", nargs="+", help="a save path (every capture under it, newest first), a "
-                            "capture directory, a torch_npu *_ascend_pt directory, or a trace file")
+        parser.add_argument("paths", nargs="+", help="a capture id (or any unique part of it, from ondemandctl "
+                            "list), a save path (every capture under it, newest first), a capture directory, a "
+                            "torch_npu *_ascend_pt directory, or a trace file")
         parser.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with charts")
         parser.add_argument("--top", type=int, default=10, help="operators per table (default 10)")
         parser.add_argument("--summary", action="store_true", help="only the across-ranks tables")
+        parser.add_argument("--runtime-dir", type=Path, default=None, help="for a capture id: the daemon's runtime "
+                            "directory (env ONDEMAND_PROF_RUNTIME_DIR)")
+        parser.add_argument("--connect-timeout", type=float, default=5.0, help="for a capture id: seconds to wait "
+                            "for the daemon's answer (default 5)")
 
     def run(self, client: Client | None, args: argparse.Namespace, out: TextIO) -> int:
-        from pathlib import Path
-
         if args.top < 1:
             raise CtlError(f"--top {args.top}: expected 1 or more", 2)
-        data = report_paths([Path(p) for p in args.paths], args, out)
+        paths: list[Path] = []
+        for given in args.paths:  # a path that exists is a path; anything else is a capture id the daemon knows
+            paths.extend([Path(given)] if os.path.lexists(given) else capture_folders(given, args))
+        data = report_paths(paths, args, out)
         return EXIT_OK if data["ranks_read"] else EXIT_FAILED
+
+
+def capture_folders(capture_id: str, args: argparse.Namespace) -> list[Path]:
+    """The capture folders (one per save path) holding what the capture's ranks on this host wrote, from the
+    daemon's record. CtlError when it is not a path and the daemon knows no such capture."""
+    from ..core.protocol import default_runtime_dir
+
+    try:
+        with Client(args.runtime_dir or default_runtime_dir(), args.connect_timeout) as client:
+            record = client.request("show", capture_id=capture_id)
+    except CtlError as exc:
+        raise CtlError(f"{capture_id!r} is not a file or directory, and not a capture the daemon knows: {exc}",
+                       exc.code) from None
+    folders = sorted({str(Path(p["path"]).parent) for p in record["parts"].values()
+                      if p["state"] == "done" and p.get("path")})
+    if not folders:
+        raise CtlError(f"capture {record['capture_id']} wrote no trace here (status {record['status']}; ondemandctl "
+                       f"show {record['capture_id']})")
+    return [Path(f) for f in folders]
 
 
 def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> dict[str, Any]:

@@ -301,12 +301,11 @@ class Registry:
         return dict(sorted(out.items()))
 
     def resolve_job(self, job: str | None) -> str:
-        """The job a request means: the one given, or the only live one. ValueError says why not."""
+        """The job a request means: the one given (or the only live one it begins), or the only live one.
+        ValueError says why not."""
         jobs = self.jobs()
         if job:
-            if job not in jobs:
-                raise ValueError(f"no live job {job!r}; live jobs: {', '.join(jobs) or 'none'}")
-            return job
+            return match_id(job, jobs, "live job")
         if not jobs:
             raise ValueError("no ranks are registered with this daemon (is the training job running with the "
                              "ondemand_prof hook, and ONDEMAND_PROF_RUNTIME_DIR the same on both sides?)")
@@ -328,6 +327,22 @@ class Registry:
             raise ValueError(f"rank(s) {spans(missing)} of job {job!r} are not registered; live ranks: "
                              f"{spans(sorted(live)) or 'none'} (world size {world}){hint}")
         return [live[r] for r in ranks]
+
+
+def match_id(given: str, known: Iterable[str], what: str) -> str:
+    """`given`, or the one id of `known` it begins (torchrun's job ids are whole UUIDs: their first characters
+    are enough). ValueError names the candidates."""
+    known = sorted(set(known))
+    if given in known:
+        return given
+    matches = [k for k in known if k.startswith(given)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise ValueError(f"{given!r} begins {len(matches)} {what}s ({', '.join(matches[:8])}"
+                         f"{', ...' if len(matches) > 8 else ''}): give more of it")
+    raise ValueError(f"no {what} {given!r}; {what}s: {', '.join(known[:20]) or 'none'}"
+                     f"{', ...' if len(known) > 20 else ''}")
 
 
 def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, start_step: int | None,

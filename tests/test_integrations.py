@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 import sys
 import tempfile
 from pathlib import Path
@@ -256,6 +257,30 @@ def test_zero_code_under_torchrun_profiles_the_ranks_not_the_launcher(env: dict[
     argv = [str(installed), *torchrun(2)[1:], str(EXAMPLES / "zero_code.py"), "--steps", LONG]
     job = check_example(env, argv, 2, python=str(installed), ONDEMAND_PROF_AUTO="1", PYTHONPATH="")
     assert len(live_ranks(env["run"])) == 2  # not the launcher
+
+
+def test_zero_code_shows_itself_in_a_loop_that_updates_weights_by_hand(env: dict[str, Any], tmp_path: Path) -> None:
+    """No optimizer, no process group, ONDEMAND_PROF_AUTO=1: the first forward with gradients makes the profiler,
+    so the start-up line comes and the daemon lists the process; with no optimizer step it says what it counts."""
+    daemon(env)
+    stop = tmp_path / "stop"
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "zerocode_by_hand.py"), str(stop)], cwd=tmp_path,
+                            env=base_env(ONDEMAND_PROF_AUTO="1", ONDEMAND_PROF_AUTO_NO_STEP_S="1.5",
+                                         ONDEMAND_PROF_RUNTIME_DIR=str(env["run"])),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env["procs"].append(proc)
+    try:
+        [rank] = wait_for(lambda: live_ranks(env["run"]), 60, "the hand-updating process to register")
+        assert rank["pid"] == proc.pid and rank["step"] == 0  # no step counted: nothing calls optimizer.step()
+        time.sleep(2.0)  # past the 1.5 s without an optimizer step
+    finally:
+        stop.touch()
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    lines = [line for line in err.splitlines() if "ondemand_prof: " in line]
+    assert any(f"rank 0 of 1, job " in line and "capture with `ondemandctl capture --job" in line for line in lines), err
+    assert any("rank 0: no optimizer.step() in 1.5 s; zero-code counts optimizer.step(): call prof.step() in loops "
+               "that update weights by hand" in line for line in lines), err
 
 
 def test_zero_code_hook_does_nothing_without_the_variable(tmp_path: Path, installed: Path) -> None:

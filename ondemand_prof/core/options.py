@@ -28,7 +28,8 @@ LEVELS = ("level_none", "level0", "level1", "level2")
 EXPORT_TYPES = ("text", "db")
 ENV_PREFIX = "ONDEMAND_PROF_"
 # environment variables of ours that are not profiler options (the daemon's, the CLI's, the tests')
-OTHER_ENV = {"ONDEMAND_PROF_STATE_DIR", "ONDEMAND_PROF_LOG", "ONDEMAND_PROF_FORK_SAVE", "ONDEMAND_PROF_AUTO"}
+OTHER_ENV = {"ONDEMAND_PROF_STATE_DIR", "ONDEMAND_PROF_LOG", "ONDEMAND_PROF_FORK_SAVE", "ONDEMAND_PROF_AUTO",
+             "ONDEMAND_PROF_AUTO_NO_STEP_S"}
 # signals a training job relies on for its own life; we refuse to take them over
 RESERVED_SIGNALS = {"SIGINT", "SIGTERM", "SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT",
                     "SIGCHLD", "SIGPIPE"}

@@ -59,6 +59,8 @@ def test_a_hung_rank_is_stalled_not_extrapolated() -> None:
     assert info.stalled_s(109.0) is None  # 9 s: under the 10 s floor
     slow = RankInfo(b"", "j", 0, 1, "h", 1, 7, step_time=2.0, step_began_at=100.0)
     assert slow.stalled_s(139.0) is None and slow.stalled_s(141.0) == 41.0  # 20 steps of 2 s
+    starting = RankInfo(b"", "j", 0, 1, "h", 1, 0, step_began_at=100.0)  # no step finished yet: starting up
+    assert starting.stalled_s(400.0) is None
     stall = stalls([row, {"rank": 0, "step": 41, "stalled_s": None}], 160.5)
     assert stall is not None and stall["ranks"] == [1] and stall["steps"] == {"1": 40} and not stall["all"]
     assert "job j is STALLED: rank(s) 1 have not finished a step for 60 s" in stall_text("j", stall)

@@ -78,8 +78,12 @@ def _vs_median(rank: dict[str, Any]) -> str:
 
 
 def _state(rank: dict[str, Any]) -> str:
-    stalled = rank.get("stalled_s")
-    return rank["state"] if stalled is None else f"STALLED {stalled:.0f} s"
+    stalled, in_step = rank.get("stalled_s"), rank.get("in_step_s") or 0.0
+    if stalled is not None:
+        return f"STALLED {stalled:.0f} s"
+    if not rank.get("step_time_s") and in_step >= 10:  # no step finished yet (a stall once one has)
+        return f"starting {in_step:.0f} s"
+    return rank["state"]
 
 
 def _window(w: list[int] | None) -> str:

@@ -123,8 +123,9 @@ class RankInfo:
 
     def stalled_s(self, wall: float) -> float | None:
         """How long the rank has been in its current step, once that is a stall (STALL_STEPS of its median step,
-        at least STALL_MIN_S); None while it steps."""
-        if self.step_began_at is None:
+        at least STALL_MIN_S); None while it steps, and before it finished a step (a job starting up: rendezvous,
+        loading data, compiling; status says 'starting')."""
+        if self.step_began_at is None or not (self.step_time or self.observed_step_time):
             return None
         ran = wall - self.step_began_at
         return ran if ran > max(STALL_MIN_S, STALL_STEPS * (self.step_time or 0.0)) else None

@@ -294,6 +294,7 @@ class OnDemandProfiler:
             "tool": {"name": "ondemand_prof", "version": __version__},
             **self.identity().as_dict(),
             "capture_id": window.capture_id,
+            "save_path": self.config.save_path,  # absolute: a relative one was resolved when the profiler was made
             "trigger": {"source": window.source, "request": dict(window.requested)},
             "window": {"start": window.start, "end": window.end, "recorded_steps": steps, "late_by": active.late_by,
                        "warmup_steps": self.config.warmup_steps, "note": window.note or None,

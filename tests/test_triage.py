@@ -5,6 +5,7 @@ the CUDA snapshot and the flight-recorder dump of other backends are synthetic f
 from __future__ import annotations
 
 import json
+import re
 import pickle
 import subprocess
 import time
@@ -73,8 +74,11 @@ def test_a_rank_holding_the_gil_gets_a_native_dump_said_as_such(env: dict[str, A
     ranks(env, 1, "--no-dist", "--steps", "200", "--step-sleep", "0.01", "--stall-rank", "0", "--stall-at-step", "30",
           "--stall-s", "30", "--stall-holding-gil", "--status-file", str(status))
     stalled(env, status, 1)  # its heartbeats stop now; the daemon keeps it reachable for a native dump
-    time.sleep(4)  # past the daemon's heartbeat timeout: status no longer lists it, stacks still reach it
+    time.sleep(4)  # past the daemon's heartbeat timeout: status no longer lists it as live, stacks still reach it
     assert live_ranks(env["run"]) == []
+    text = ctl(env["run"], "status")  # ... but says it is silent with its process alive, and what to run
+    assert re.search(r"SILENT: rank 0 \(pid \d+, \S+, last at step 30\) sent no heartbeat for \d+ s but its "
+                     r"process is alive", text.stdout), text.stdout
     res = ctl(env["run"], "stacks", "--timeout", "2")
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout

@@ -77,6 +77,12 @@ def _vs_median(rank: dict[str, Any]) -> str:
     return "-" if not ratio else f"{ratio:.2f}x" + ("  SLOW" if rank.get("slow") else "")
 
 
+def _silent_text(job: str, ranks: list[dict[str, Any]]) -> str:
+    return "".join(f"SILENT: rank {r['rank']} (pid {r['pid']}, {r['host']}, last at step {r['step']}) sent no heartbeat "
+                   f"for {r['silent_s']:.0f} s but its process is alive: native code holding the GIL? ondemandctl "
+                   f"stacks --job {job} dumps its threads natively\n" for r in ranks)
+
+
 def _state(rank: dict[str, Any]) -> str:
     stalled, in_step = rank.get("stalled_s"), rank.get("in_step_s") or 0.0
     if stalled is not None:
@@ -115,15 +121,23 @@ class Status(Command):
         slow = {name: stragglers(ranks) for name, ranks in jobs.items()}  # adds vs_median and slow to each rank
         stalled = {name: stall for name, ranks in jobs.items() if (stall := stalls(ranks, wall)) is not None}
         conflicts = {name: c for name in jobs if (c := service.registry.conflicts_of(name, now))}
+        silent: dict[str, list[dict[str, Any]]] = {}  # heartbeats stopped, process alive: the GIL held?
+        for info in service.triage.silent_ranks(job or None, now):
+            silent.setdefault(info.job, []).append({"rank": info.rank, "pid": info.pid, "host": info.host,
+                                                    "step": info.step, "silent_s": round(now - info.last_seen, 1)})
         return {"daemon": service.daemon_info(), "jobs": jobs if not msg.get("brief") else {}, "stragglers": slow,
-                "delivery_s": service.delivery.longer(jobs), "stalled": stalled, "conflicts": conflicts}
+                "delivery_s": service.delivery.longer(jobs), "stalled": stalled, "conflicts": conflicts,
+                "silent": silent}
 
     def console(self, data: Any, args: argparse.Namespace) -> str:
         d = data["daemon"]
         text = (f"ondemand-profd {d['version']} pid {d['pid']} on {d['host']}, up {d['uptime_s']:.0f} s; "
                 f"{d['captures']} capture record(s), {d['running_captures']} running\n")
-        if not data["jobs"]:
+        silent = data.get("silent") or {}
+        if not data["jobs"] and not silent:
             return text + "no ranks registered\n"
+        for job in sorted(set(silent) - set(data["jobs"])):
+            text += f"\njob {job}: no rank answers\n" + _silent_text(job, silent[job])
         for job, ranks in data["jobs"].items():
             world = max(r["world_size"] for r in ranks)
             text += f"\njob {job}: {len(ranks)} of {world} rank(s) registered\n"
@@ -136,6 +150,7 @@ class Status(Command):
             stall = (data.get("stalled") or {}).get(job)
             if stall:
                 text += stall_text(job, stall) + "\n"
+            text += _silent_text(job, silent.get(job) or [])
             for c in (data.get("conflicts") or {}).get(job) or []:
                 text += (f"CONFLICT: rank {c['rank']} is held by pid {c['pid']} ({c['host']}); pid {c['refused_pid']} "
                          f"({c['refused_host']}) claims it too and is refused ({c['attempts']} tries): two jobs "

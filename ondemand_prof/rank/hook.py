@@ -14,7 +14,6 @@ import argparse
 import collections
 import dataclasses
 import datetime as _dt
-import functools
 import logging
 import operator
 import os
@@ -133,14 +132,13 @@ class OnDemandProfiler:
     # ------------------------------------------------------------------------------------------------------
     # The hot path
 
-    def step(self, step: int | None = None, /) -> None:
-        """End of a training step. `step`, when given, is the number of the step that just ended.
+    def step(self, step: int | None = None) -> None:
+        """End of a training step. `step`, when given (`prof.step(n)` or `prof.step(step=n)`), is the number of
+        the step that just ended.
 
-        `step` is positional-only, in every state: the idle form below (a C call) cannot take keywords, so a
-        keyword call fails on the first step instead of hours later, when a window happens to be pending.
-
-        While nothing is scheduled, an instance attribute `step` (a C-level counter, no Python frame)
-        shadows this method; lowering `_wake` and removing that attribute brings this method back.
+        While nothing is scheduled, an instance attribute `step` (a small function around a C-level counter)
+        shadows this method, with the same signature; lowering `_wake` and removing that attribute brings this
+        method back.
         """
         if self._counter is not None:
             self._leave_idle()
@@ -164,7 +162,7 @@ class OnDemandProfiler:
         # length_hint). next(counter, n) also accepts the loop's own number (prof.step(n)), which is then ignored
         # until a window is pending. See README "Idle cost".
         self._counter = iter(range(self._step + 1, _COUNTER_END))
-        self.step = functools.partial(next, self._counter) if self._auto is None else \
+        self.step = _idle_step(self._counter) if self._auto is None else \
             self._auto.idle_step(self._counter)  # type: ignore[method-assign]
         if self._inbox:  # a request arrived meanwhile: take the checked path at the next step
             self._wake_up()
@@ -370,6 +368,17 @@ class OnDemandProfiler:
             except Exception:  # noqa: BLE001
                 log.debug("agent stop failed", exc_info=True)
         return done
+
+
+def _idle_step(counter: Any) -> Callable[..., None]:
+    """The idle step(): one C call counts it. The loop's own number (`step(n)`, `step(step=n)`) is not read
+    while idle; it takes keywords like the method, so no call fails only when a window happens to be pending."""
+    nxt = next
+
+    def step(step: int | None = None) -> None:
+        nxt(counter)
+
+    return step
 
 
 def _counter_value(counter: Any) -> int:

@@ -141,6 +141,23 @@ def test_adding_an_option_is_one_table_entry(monkeypatch):
     assert kwargs["with_flops"] is True and kwargs["with_stack"] is False
 
 
+def test_profile_config_is_the_table_written_out_with_real_types() -> None:
+    """core/config.py is generated from OPTIONS (scripts/generate.py): a table changed without regenerating it
+    fails here; its fields carry the types the parsers return, so editors and type checkers see them."""
+    import typing
+
+    from ondemand_prof.core import options as o
+
+    path = Path(o.__file__).with_name("config.py")
+    assert path.read_text() == o.render_config_module(), "run: python scripts/generate.py"
+    hints = typing.get_type_hints(o.ProfileConfig)
+    assert [f for f in hints] == [opt.name for opt in o.OPTIONS]
+    assert (hints["ranks"], hints["step_start"], hints["auto_ratio"], hints["with_stack"], hints["level"]) == (
+        tuple[int, ...], int, float, bool, str)
+    assert o.ProfileConfig().file_mode == 0o640 and list(typing.get_type_hints(o.WindowOptions)) == [
+        opt.name for opt in o.window_options()]
+
+
 @pytest.mark.parametrize("data,message", [
     ({"training": {"profile_level": "high"}}, "invalid training.profile_level 'high': expected one of"),
     ({"training": {"profile_ranks": "all"}}, "invalid training.profile_ranks 'all': bad rank 'all': expected an integer"),

@@ -17,9 +17,11 @@ import logging
 import math
 import os
 import signal as _signal
+import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from .configbase import ConfigMethods, WindowMethods
 from .ranks import RankSpecError, parse_ranks, selects
 
 log = logging.getLogger(__name__)
@@ -144,6 +146,13 @@ def parse_mode(value: Any, label: str, strict: bool = False) -> int:
     return int(text, 8)
 
 
+# what each parser returns, as the generated ProfileConfig annotates it (core/config.py)
+for _parse, _type in ((parse_bool, "bool"), (parse_int, "int"), (parse_float, "float"),
+                      (parse_rank_list, "tuple[int, ...]"), (parse_str, "str"), (parse_signal, "str"),
+                      (parse_mode, "int")):
+    _parse.type_name = _type  # type: ignore[attr-defined]
+
+
 def choice(choices: Sequence[str]) -> Callable[..., str]:
     def parse(value: Any, label: str, strict: bool = False) -> str:
         text = value.strip().lower() if isinstance(value, str) and not strict else value
@@ -152,6 +161,7 @@ def choice(choices: Sequence[str]) -> Callable[..., str]:
         return text
 
     parse.choices = tuple(choices)  # type: ignore[attr-defined]
+    parse.type_name = "str"  # type: ignore[attr-defined]
     return parse
 
 
@@ -194,6 +204,10 @@ class Option:
     @property
     def choices(self) -> tuple[str, ...] | None:
         return getattr(self.parse, "choices", None)
+
+    @property
+    def type_name(self) -> str:
+        return getattr(self.parse, "type_name", "Any")
 
     def value(self, raw: Any, label: str, strict: bool = False) -> Any:
         """Parse and bound one value; ConfigError names `label`."""
@@ -278,47 +292,56 @@ def window_options(options: Sequence[Option] = OPTIONS) -> tuple[Option, ...]:
     return tuple(o for o in options if o.window)
 
 
-def _config_methods(cls: type) -> type:
-    def replace(self: Any, **changes: Any) -> Any:
-        return dataclasses.replace(self, **changes)
-
-    def selects_rank(self: Any, rank: int) -> bool:
-        """-1 anywhere in the list means every rank (MindSpeed compares the whole list to [-1])."""
-        return selects(self.ranks, rank)
-
-    cls.replace = replace  # type: ignore[attr-defined]
-    cls.selects_rank = selects_rank  # type: ignore[attr-defined]
-    return cls
-
-
 def make_config_class(options: Sequence[Option] = OPTIONS) -> type:
-    """ProfileConfig: a frozen dataclass with one field per option."""
-    fields = [(o.name, Any, dataclasses.field(default=o.default)) for o in options]
-    cls = dataclasses.make_dataclass("ProfileConfig", fields, frozen=True)
+    """A ProfileConfig for another table (tests, extensions): a frozen dataclass with one field per option.
+    The package's own ProfileConfig is generated from OPTIONS into core/config.py, so editors and type checkers
+    see its fields and types."""
+    fields = [(o.name, o.type_name, dataclasses.field(default=o.default)) for o in options]
+    cls = dataclasses.make_dataclass("ProfileConfig", fields, bases=(ConfigMethods,), frozen=True)
     cls.__module__ = __name__
-    cls.__doc__ = "Everything the profiler hook needs to know; fields: OPTIONS (README 'Configuration reference')."
-    return _config_methods(cls)
+    return cls
 
 
 def make_window_options_class(options: Sequence[Option] = OPTIONS) -> type:
-    """WindowOptions: the window options of the table; a request may override any of them."""
-    fields = [(o.name, Any, dataclasses.field(default=o.default)) for o in window_options(options)]
-    cls = dataclasses.make_dataclass("WindowOptions", fields, frozen=True)
+    """WindowOptions for another table: the window options of the table; a request may override any of them."""
+    fields = [(o.name, o.type_name, dataclasses.field(default=o.default)) for o in window_options(options)]
+    cls = dataclasses.make_dataclass("WindowOptions", fields, bases=(WindowMethods,), frozen=True)
     cls.__module__ = __name__
-
-    def from_config(klass: type, config: Any, **overrides: Any) -> Any:
-        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(klass)}
-        values.update(overrides)
-        return klass(**values)
-
-    cls.from_config = classmethod(from_config)  # type: ignore[attr-defined]
-    cls.as_dict = lambda self: dataclasses.asdict(self)  # type: ignore[attr-defined]
-    cls.__doc__ = "The profiler options one window records with (the window options of OPTIONS)."
     return cls
 
 
-ProfileConfig = make_config_class()
-WindowOptions = make_window_options_class()
+def _literal(option: Option) -> str:
+    return oct(option.default) if option.parse is parse_mode else repr(option.default)
+
+
+def render_config_module(options: Sequence[Option] = OPTIONS) -> str:
+    """The text of core/config.py: ProfileConfig and WindowOptions written out from the table (a test checks
+    that the file is this text; `python scripts/generate.py` rewrites it)."""
+    def field(o: Option) -> str:
+        line = f"    {o.name}: {o.type_name} = {_literal(o)}"
+        if len(line) + len(o.help) + 4 <= 116:
+            return f"{line}  # {o.help}\n"
+        return "".join(f"    # {text}\n" for text in textwrap.wrap(o.help, 110)) + line + "\n"
+
+    def fields(opts: Sequence[Option]) -> str:
+        return "".join(field(o) for o in opts)
+
+    return ('"""ProfileConfig and WindowOptions, generated from core/options.py OPTIONS by\n'
+            '`python scripts/generate.py`: edit the table, not this file."""\n\n'
+            "from __future__ import annotations\n\n"
+            "from dataclasses import dataclass\n\n"
+            "from .configbase import ConfigMethods, WindowMethods\n\n\n"
+            "@dataclass(frozen=True)\n"
+            "class ProfileConfig(ConfigMethods):\n"
+            '    """Everything the profiler hook needs to know (README \'Configuration reference\')."""\n\n'
+            f"{fields(options)}\n\n"
+            "@dataclass(frozen=True)\n"
+            "class WindowOptions(WindowMethods):\n"
+            '    """The profiler options one window records with: the window options of OPTIONS."""\n\n'
+            f"{fields(window_options(options))}")
+
+
+from .config import ProfileConfig, WindowOptions  # noqa: E402 - generated from OPTIONS above
 OPTION_BY_KEY = {o.key: o for o in OPTIONS}
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -522,3 +545,4 @@ __all__ = [
     "add_profile_args", "add_window_flags", "config_from_args", "config_from_mapping", "config_from_env",
     "default_job_id", "window_options", "window_overrides",
 ]
+

@@ -15,7 +15,8 @@ class ProfileConfig(ConfigMethods):
     enabled: bool = False  # Enable the static profiling window.
     step_start: int = 0  # First step recorded (inclusive).
     step_end: int = -1  # Step at which recording stops (exclusive); -1 = until close().
-    ranks: tuple[int, ...] = (0,)  # Ranks that profile: a list or ranges like 0-3,8; -1 anywhere = all ranks.
+    # Ranks the static window profiles: a list or ranges like 0-3,8; -1 anywhere = all ranks.
+    ranks: tuple[int, ...] = (0,)
     level: str = 'level0'  # Collection level: level_none, level0, level1, level2.
     export_type: str = 'text'  # Export format: text or db.
     data_simplification: bool = False  # Shrink the output (see README).
@@ -38,9 +39,7 @@ class ProfileConfig(ConfigMethods):
     trigger_poll_s: float = 0.0
     signal: str = ''  # Open the default window on this signal (e.g. SIGUSR2); off when empty.
     daemon: bool = True  # Register with the host daemon (ondemand-profd) when one runs.
-    # The daemon's runtime directory (default: /run/ondemand_prof for root, else $XDG_RUNTIME_DIR/ondemand_prof or
-    # /tmp/ondemand_prof-<uid>/run).
-    runtime_dir: str = ''
+    runtime_dir: str = ''  # The daemon's runtime directory, where its socket is.
     export_timeout_s: float = 120.0  # How long close() waits for pending exports (s).
     min_free_mb: int = 256  # Skip a window when less disk than this is free.
     # Mode of the files a capture writes, in octal; its directories get the matching search bits (0640 -> 0750).

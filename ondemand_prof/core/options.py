@@ -192,6 +192,7 @@ class Option:
     npu: str = ""
     bounds: tuple[float, float] | None = None
     negatable: bool = False  # the flag has a --no- form (bools that default to on)
+    default_doc: str = ""  # the default as the reference shows it, where the value alone does not say it
 
     @property
     def flag(self) -> str:
@@ -227,7 +228,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("step_end", "profile_step_end", parse_int, -1,
            "Step at which recording stops (exclusive); -1 = until close().", bounds=(-1, MAX_STEP)),
     Option("ranks", "profile_ranks", parse_rank_list, (0,),
-           "Ranks that profile: a list or ranges like 0-3,8; -1 anywhere = all ranks.", yaml_default=(-1,)),
+           "Ranks the static window profiles: a list or ranges like 0-3,8; -1 anywhere = all ranks.",
+           yaml_default=(-1,)),
     Option("level", "profile_level", choice(LEVELS), "level0", "Collection level: " + ", ".join(LEVELS) + ".",
            window=True, torch="level", npu="experimental:profiler_level"),
     Option("export_type", "profile_export_type", choice(EXPORT_TYPES), "text", "Export format: text or db.",
@@ -247,7 +249,9 @@ OPTIONS: tuple[Option, ...] = (
            "Warmup steps before a window (recorded, discarded).", ours=True, bounds=(0, 100)),
     Option("gzip", "profile_gzip", _B, False, "Write the trace gzipped (.json.gz).", ours=True),
     Option("job_id", "profile_job_id", parse_str, "", "Job name in metadata and the default trigger dir.",
-           ours=True),
+           ours=True, default_doc="from `SLURM_JOB_ID` (`JOBID.STEPID` with `SLURM_STEP_ID`), `TORCHELASTIC_RUN_ID` "
+           "(torchrun, `accelerate launch`), `MASTER_PORT` (Lightning's and Accelerate's own launchers, `mp.spawn` "
+           "scripts), else the launcher's pid; once torch.distributed is up, rank 0's id for every rank"),
     Option("max_window_steps", "profile_max_window_steps", parse_int, 200,
            "Cap on the length of an on-demand window, in steps.", ours=True, bounds=(1, 1_000_000)),
     Option("ondemand", "profile_ondemand", _B, True, "Listen for on-demand triggers (files, daemon).", ours=True,
@@ -257,7 +261,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("ondemand_ranks", "profile_ondemand_ranks", parse_rank_list, (-1,),
            "Ranks an on-demand request that names none captures (a touched trigger file, a signal, ondemandctl "
            "capture without --ranks); -1 = all. --profile-ranks is the static window's.", ours=True),
-    Option("trigger_dir", "profile_trigger_dir", parse_str, "", "Directory watched for trigger files.", ours=True),
+    Option("trigger_dir", "profile_trigger_dir", parse_str, "", "Directory watched for trigger files.", ours=True,
+           default_doc="`$TMPDIR/ondemand_prof-<uid>/<job id>`"),
     Option("trigger_poll_s", "profile_trigger_poll", parse_float, 0.0,
            "Poll the trigger dir every N s instead of inotify (0 = inotify, polling where it fails).", ours=True,
            bounds=(0, 3600)),
@@ -265,9 +270,9 @@ OPTIONS: tuple[Option, ...] = (
            "Open the default window on this signal (e.g. SIGUSR2); off when empty.", ours=True),
     Option("daemon", "profile_daemon", _B, True, "Register with the host daemon (ondemand-profd) when one runs.",
            ours=True, negatable=True),
-    Option("runtime_dir", "profile_runtime_dir", parse_str, "", "The daemon's runtime directory (default: "
-           "/run/ondemand_prof for root, else $XDG_RUNTIME_DIR/ondemand_prof or /tmp/ondemand_prof-<uid>/run).",
-           ours=True),
+    Option("runtime_dir", "profile_runtime_dir", parse_str, "", "The daemon's runtime directory, where its "
+           "socket is.", ours=True, default_doc="`/run/ondemand_prof` for root, else "
+           "`/tmp/ondemand_prof-<uid>/run`"),
     Option("export_timeout_s", "profile_export_timeout", parse_float, 120.0,
            "How long close() waits for pending exports (s).", ours=True, bounds=(0.001, 86400)),
     Option("min_free_mb", "profile_min_free_mb", parse_int, 256, "Skip a window when less disk than this is free.",
@@ -339,6 +344,35 @@ def render_config_module(options: Sequence[Option] = OPTIONS) -> str:
             "class WindowOptions(WindowMethods):\n"
             '    """The profiler options one window records with: the window options of OPTIONS."""\n\n'
             f"{fields(window_options(options))}")
+
+
+def _default_text(option: Option) -> str:
+    """How the reference shows a default: as a user writes it."""
+    if option.default_doc:
+        return option.default_doc
+    value = option.default
+    if isinstance(value, tuple):
+        text = f"`{list(value)}`" if value != (-1,) else "`-1` (all)"
+    elif option.parse is parse_mode:
+        text = f"`{value:04o}`"
+    elif value == "":
+        text = "off"
+    else:
+        text = f"`{value}`"
+    if option.yaml_default is not None:
+        text += f" (YAML `{list(option.yaml_default)}`)"
+    return text
+
+
+def render_config_reference(options: Sequence[Option] = OPTIONS) -> str:
+    """The configuration reference (docs/configuration-reference.md), one row per option of the table."""
+    rows = ["| flag | YAML key | env | default | meaning |", "|---|---|---|---|---|"]
+    for o in options:
+        flag = f"`{o.flag}` / `--no-{o.flag[2:]}`" if o.negatable else f"`{o.flag}`"
+        where = " Window option: a trigger file or `ondemandctl capture` may set it." if o.window else ""
+        rows.append(f"| {flag} | `{o.key}` | `{o.env_var}` | {_default_text(o)} | {o.help}{where} |")
+    return ("<!-- generated from ondemand_prof/core/options.py OPTIONS by `python scripts/generate.py`: edit the "
+            "table, not this file -->\n\n" + "\n".join(rows) + "\n")
 
 
 from .config import ProfileConfig, WindowOptions  # noqa: E402 - generated from OPTIONS above

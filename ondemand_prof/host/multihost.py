@@ -476,7 +476,7 @@ def launch(fan: Fanout, request: dict[str, Any], job: str | None, slurm: str | N
     """Ask every daemon for its ranks' steps, plan one window, send it with one capture id to every host."""
     request = dict(request)
     t0 = time.monotonic()
-    statuses = ask(fan, "status")
+    statuses = fan.request("status")  # the hosts that did not answer are explained after the capture is sent
     round_trip = max((r.seconds for r in statuses.values() if r.ok), default=0.0)
     job, infos = rank_infos(statuses, job, slurm)
     wanted = request.pop("ranks")
@@ -508,6 +508,7 @@ def launch(fan: Fanout, request: dict[str, Any], job: str | None, slurm: str | N
     found = {n: r.data for n, r in replies.items() if r.ok}
     failed = {n: r.error for n, r in replies.items() if r.kind == "error"}
     quiet = _unanswered(replies)
+    explain(fan, statuses)
     if not found and not quiet:
         raise CtlError("no host accepted the capture: " + "; ".join(f"{n}: {e}" for n, e in failed.items()))
     return Launched(capture_id, job, targets, plan, found, failed, sent_s, quiet, _unanswered(statuses),
@@ -525,7 +526,7 @@ def _capture(fan: Fanout, cmd: Command, args: argparse.Namespace, out: TextIO) -
         finished = follow(fan, run.found, run.failed, args.timeout, None if args.json else out, quiet=quiet,
                           capture_id=run.capture_id)
     if quiet:
-        give_up(fan, run.capture_id, quiet)
+        give_up(fan, run.capture_id, quiet, run.found)
     record = merged_record(run.found, run.failed, quiet, run.targets)
     record.update(capture_id=run.capture_id, job=run.job)
     record.setdefault("window", [run.plan["start_step"], run.plan["end_step"]])
@@ -557,17 +558,23 @@ def exit_code(status: str) -> int:
     return {"done": EXIT_OK, "partial": EXIT_PARTIAL, MISALIGNED: EXIT_MISALIGNED}.get(status, EXIT_FAILED)
 
 
-def give_up(fan: Fanout, capture_id: str, quiet: dict[str, str]) -> None:
-    """The hosts still silent when we stop asking: cancel what was sent to them (best effort: queued for a
-    host that comes back while we close; if it never gets there, its daemon refuses the window anyway once the
-    start has passed, host/alignment.py), then say why each is silent (host/diagnose.py)."""
-    fan.request("cancel", {"capture_id": capture_id}, hosts=list(quiet), wait_s=CANCEL_WAIT_S)
+def give_up(fan: Fanout, capture_id: str, quiet: dict[str, str], found: dict[str, dict[str, Any]]) -> None:
+    """The hosts still silent when we stop asking. Those that never confirmed the capture are sent a cancel
+    (best effort: it follows the capture on the same connection, so a daemon that comes back finds both; if
+    it never gets there, the daemon refuses the window anyway once its start has passed, host/alignment.py).
+    Those that had confirmed it are left alone: their ranks took the window in time and record the planned
+    steps. Then each is said why it is silent (host/diagnose.py)."""
+    unconfirmed = [n for n in quiet if n not in found]
+    if unconfirmed:
+        fan.request("cancel", {"capture_id": capture_id}, hosts=unconfirmed, wait_s=CANCEL_WAIT_S)
     from .diagnose import explain as probe_all
 
     verdicts = probe_all([fan.peers[n].target for n in quiet], fan.keyed)
     for name in quiet:
         why = verdicts.get(name, ("", quiet[name]))[1]
-        quiet[name] = f"{why}; gave up on it (a cancel was sent)"
+        quiet[name] = why + ("; gave up on it (a cancel was sent)" if name not in found else
+                             f"; gave up waiting (its ranks had the window: ondemandctl show {capture_id} tells what "
+                             "they did)")
 
 
 def _lost_part(info: RankInfo, daemon: str, error: str, failed: bool) -> dict[str, Any]:
@@ -593,7 +600,7 @@ def _print_plan(run: Launched, out: TextIO) -> None:
     for name, error in run.failed.items():
         out.write(f"  host {name} FAILED: {error}\n")
     for name, error in run.quiet.items():
-        out.write(f"  host {name} did not confirm the capture ({error}); asking again until it answers\n")
+        out.write(f"  host {name} did not confirm the capture: {error}\n")
     out.flush()
 
 

@@ -154,6 +154,10 @@ class Net:
         for ns in [*self.ns.values(), self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+        try:
+            Path("/etc/netns").rmdir()  # only when empty: nobody else's namespaces are touched
+        except OSError:
+            pass
         for d in self.daemons.values():
             shutil.rmtree(d["run"], ignore_errors=True)
             shutil.rmtree(d["state"], ignore_errors=True)

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the fan-out, key and host-list modules load only when a com
     from .hosts import Target
 
 WATCH_HOLD_S = 1.0  # each round of watches waits at most this long for a change on any host
+REFRESH_AFTER_S = 0.5  # a status round slower than this (hosts that did not answer) is asked again of the others
 CANCEL_WAIT_S = 0.5  # how long a cancel to a host we gave up on waits for its answer (it is best effort)
 
 
@@ -476,7 +477,7 @@ def launch(fan: Fanout, request: dict[str, Any], job: str | None, slurm: str | N
     """Ask every daemon for its ranks' steps, plan one window, send it with one capture id to every host."""
     request = dict(request)
     t0 = time.monotonic()
-    statuses = fan.request("status")  # the hosts that did not answer are explained after the capture is sent
+    statuses = fresh_statuses(fan)
     round_trip = max((r.seconds for r in statuses.values() if r.ok), default=0.0)
     job, infos = rank_infos(statuses, job, slurm)
     wanted = request.pop("ranks")
@@ -513,6 +514,19 @@ def launch(fan: Fanout, request: dict[str, Any], job: str | None, slurm: str | N
         raise CtlError("no host accepted the capture: " + "; ".join(f"{n}: {e}" for n, e in failed.items()))
     return Launched(capture_id, job, targets, plan, found, failed, sent_s, quiet, _unanswered(statuses),
                     missing_ranks(infos, wanted))
+
+
+def fresh_statuses(fan: Fanout) -> dict[str, Reply]:
+    """Every host's status, for planning. When the round waited long for hosts that did not answer, those
+    that did are asked once more (milliseconds), so that the plan extrapolates each rank over milliseconds
+    rather than over a dead host's whole timeout (with a step rate that may have changed meanwhile); a host
+    that answered only the first time keeps its first answer, anchored at its own receipt time."""
+    t0 = time.monotonic()
+    statuses = fan.request("status")  # the hosts that did not answer are explained after the capture is sent
+    answered = [n for n, r in statuses.items() if r.ok]
+    if answered and len(answered) < len(statuses) and time.monotonic() - t0 > REFRESH_AFTER_S:
+        statuses.update({n: r for n, r in fan.request("status", hosts=answered).items() if r.ok})
+    return statuses
 
 
 def _capture(fan: Fanout, cmd: Command, args: argparse.Namespace, out: TextIO) -> int:

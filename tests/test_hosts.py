@@ -27,10 +27,13 @@ from ondemand_prof.host import ctl as ctl_main
 from ondemand_prof.host import fanout
 from ondemand_prof.host.alignment import late_refusal, mark_misaligned, misalignment
 from ondemand_prof.host.client import CtlError
+from ondemand_prof.host.commands import DAEMON_COMMANDS
 from ondemand_prof.host.fanout import Reply
 from ondemand_prof.host.hosts import HostSpecError, expand_nodelist, parse_hosts, read_hostfile, slurm_nodelist
 from ondemand_prof.host.keys import KeyFileError, authorized_keys, keygen, load_pair
 from ondemand_prof.host.multihost import merge_status, pick_job, rank_infos, stalled_refusal
+from ondemand_prof.host.records import RecordStore
+from ondemand_prof.host.service import Service
 from ondemand_prof.host.summaries import MAX_SUMMARY_BYTES, merge_summaries, part_summaries, read_summary
 
 DAEMONS = 16
@@ -138,6 +141,20 @@ def test_stalled_ranks_get_no_window_and_say_since_when() -> None:
     assert text is not None and "rank(s) 1 (on b)" in text and f"since {since}" in text, text
     assert "last step 1074" in text and "ondemandctl stacks --job j on b" in text
     assert stalled_refusal(statuses, job, {"a": infos["a"]}) is None  # rank 0 alone is not stalled
+
+
+def test_a_daemon_that_was_paused_reads_its_queue_before_it_expires_ranks(tmp_path: Path) -> None:
+    """A host paused right after a status round (SIGSTOP, a VM pause) must not drop its ranks as silent when
+    it resumes: their heartbeats wait in its own queue; the capture that waited with them would find no rank."""
+    svc = Service(RecordStore(tmp_path), DAEMON_COMMANDS, host="h", runtime_dir=tmp_path, state_dir=tmp_path,
+                  pid_check=lambda pid, thorough: True)
+    svc.registry.register(b"r0", {"job": "j", "rank": 0, "world_size": 1, "host": "h", "pid": 1, "step": 5}, 0.0,
+                          time.time(), lambda pid, thorough: True)
+    svc.housekeeping(0.0)
+    svc.housekeeping(6.0)  # the daemon did not run for 6 s
+    assert [i.rank for i in svc.registry.by_route.values()] == [0]
+    svc.housekeeping(6.2)  # it ran, and still nothing from the rank: gone
+    assert not svc.registry.by_route
 
 
 def test_late_and_misaligned_captures_are_named() -> None:

@@ -658,8 +658,9 @@ def follow(fan: Fanout, found: dict[str, dict[str, Any]], failed: dict[str, str]
             elif reply.kind == "error":
                 quiet.pop(name, None)
                 known = name in found
-                failed[name] = reply.error if known or not _no_capture(reply) else \
-                    f"the capture did not reach it ({reply.error})"
+                failed[name] = reply.error if known or not _no_capture(reply) else (
+                    f"its daemon has no record of this capture (lost on the way, or refused: its log says which; "
+                    f"{reply.error})")
                 if known:
                     _fail_host(found[name], f"host {name}: {reply.error}")
             else:

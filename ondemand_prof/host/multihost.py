@@ -143,7 +143,8 @@ def explain(fan: Fanout, replies: dict[str, Reply]) -> None:
     a daemon that requires keys we did not pass, nothing listening, no route, a daemon that does not respond."""
     from .diagnose import explain as probe_all
 
-    silent = [fan.peers[n].target for n, r in replies.items() if r.kind == "timeout"]
+    by_name = {t.name: t for t in fan.targets}
+    silent = [by_name[n] for n, r in replies.items() if r.kind == "timeout"]
     for name, (kind, message) in probe_all(silent, fan.keyed).items():
         replies[name].kind, replies[name].error = kind, message
 
@@ -583,7 +584,8 @@ def give_up(fan: Fanout, capture_id: str, quiet: dict[str, str], found: dict[str
         fan.request("cancel", {"capture_id": capture_id}, hosts=unconfirmed, wait_s=CANCEL_WAIT_S)
     from .diagnose import explain as probe_all
 
-    verdicts = probe_all([fan.peers[n].target for n in quiet], fan.keyed)
+    by_name = {t.name: t for t in fan.targets}
+    verdicts = probe_all([by_name[n] for n in quiet], fan.keyed)
     for name in quiet:
         why = verdicts.get(name, ("", quiet[name]))[1]
         quiet[name] = why + ("; gave up on it (a cancel was sent)" if name not in found else

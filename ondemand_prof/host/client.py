@@ -22,6 +22,7 @@ EXIT_USAGE = 2
 EXIT_PARTIAL = 3
 EXIT_NO_DAEMON = 4
 EXIT_TIMEOUT = 5
+EXIT_MISALIGNED = 6  # every rank finished, but not all recorded the same steps (host/alignment.py)
 
 
 class CtlError(Exception):

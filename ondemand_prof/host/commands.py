@@ -20,6 +20,7 @@ from ..core.protocol import FINAL_STATES, encode
 from ..core.ranks import RankSpecError, parse_ranks, spans
 from ..core.requests import RequestError, WindowDefaults, parse_request, resolve
 from .client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, dumps
+from .alignment import late_refusal, refuse_parts
 from .records import CaptureRecord, new_capture_id
 from .registry import match_id, plan_window, select_ranks, stall_text, stalls
 from .service import MAX_WATCH_S, BadRequest, Service
@@ -254,6 +255,12 @@ class Capture(Command):
         plan["note"] = "; ".join(filter(None, [first.note, plan.get("note", "")]))
         record = CaptureRecord.new(capture_id, job, request.as_dict(), plan, first.options.as_dict(),
                                    [{"rank": t.rank, "host": t.host, "pid": t.pid} for t in targets], wall)
+        late = late_refusal(plan) if msg.get("across_hosts") is True else None
+        if late:  # shared with other hosts' ranks: on the same steps everywhere or not here (host/alignment.py)
+            refuse_parts(record, late, wall)
+            service.store.add(record)
+            log.warning("ondemand-profd: capture %s: %s", capture_id, late)
+            return {**record.data, "version": record.version}
         service.store.add(record)
         bodies: dict[int, bytes] = {}  # each distinct window encoded once, now that the plan's note is known
         for _, window in distinct:

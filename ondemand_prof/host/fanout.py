@@ -34,6 +34,7 @@ class Reply:
     data: Any = None
     error: str = ""
     seconds: float = 0.0
+    received_at: float = 0.0  # wall time this reply arrived: what it says is anchored here, not at the round's end
 
     @property
     def ok(self) -> bool:
@@ -75,6 +76,7 @@ class Fanout:
     def __init__(self, targets: list[Target], key_dir: Path | None, timeout_s: float = 5.0) -> None:
         self.targets = targets
         self.timeout_s = timeout_s
+        self.keyed = key_dir is not None  # host/diagnose.py tells a keyless client it needs keys
         self._ids = itertools.count(1)
         creds = None
         if key_dir is not None:
@@ -169,13 +171,13 @@ class Fanout:
                 reply = {"type": "error", "id": peer.pending[0], "error": f"bad reply: {exc}"}
             if reply.get("id") != peer.pending[0]:
                 continue  # a late answer to an earlier request that timed out
-            took = time.monotonic() - peer.pending[1]
+            took, wall = time.monotonic() - peer.pending[1], time.time()
             peer.pending = None
             waiting.discard(name)
             if reply["type"] == "error":
-                out[name] = Reply("error", error=reply["error"], seconds=took)
+                out[name] = Reply("error", error=reply["error"], seconds=took, received_at=wall)
             else:
-                out[name] = Reply("ok", data=reply.get("data"), seconds=took)
+                out[name] = Reply("ok", data=reply.get("data"), seconds=took, received_at=wall)
 
     def _on_monitor(self, peer: _Peer, waiting: set[str], out: dict[str, Reply]) -> None:
         assert peer.monitor is not None

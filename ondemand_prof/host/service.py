@@ -49,6 +49,7 @@ class Service:
         self.watches: list[tuple[bytes, Any, str, float]] = []  # (route, request id, capture id, deadline)
         self._watch_due: set[str] = set()
         self._next_pid_check = 0.0
+        self._last_housekeeping: float | None = None
         self.commands = commands
         self.triage = TriageBook(self)  # stacks, memory, flight-recorder requests waiting for their ranks
         self.rank_handlers: dict[str, Callable[[bytes, dict[str, Any]], bytes | None]] = {
@@ -212,7 +213,11 @@ class Service:
 
     def housekeeping(self, now: float) -> None:
         wall = time.time()
-        if now >= self._next_pid_check:  # every rank is looked at twice a second, not at every tick
+        # After a pause of our own (SIGSTOP, a VM or GC pause) the ranks' heartbeats wait in our queue: judge
+        # their silence only once those are read, or every rank of this host "leaves" and captures fail
+        paused = self._last_housekeeping is not None and now - self._last_housekeeping > HEARTBEAT_S
+        self._last_housekeeping = now
+        if now >= self._next_pid_check and not paused:  # every rank is looked at twice a second, not every tick
             self._next_pid_check = now + PID_CHECK_S
             for info, reason in self.registry.expire(now, self.pid_check):
                 log.warning("ondemand-profd: rank %d of job %s left: %s", info.rank, info.job, reason)

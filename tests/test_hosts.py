@@ -138,8 +138,9 @@ def test_stalled_ranks_get_no_window_and_say_since_when() -> None:
     job, infos = rank_infos(statuses, None)
     text = stalled_refusal(statuses, job, infos)
     since = time.strftime("%H:%M:%S", time.localtime(now - 42))
-    assert text is not None and "rank(s) 1 (on b)" in text and f"since {since}" in text, text
-    assert "last step 1074" in text and "ondemandctl stacks --job j on b" in text
+    assert text is not None and "job j is STALLED: rank(s) 1 on b have not finished a step for 42 s" in text, text
+    assert f"(since {since}, at step 1074)" in text and "ondemandctl stacks --job j" in text
+    assert text.endswith("No window can start until they step again")
     assert stalled_refusal(statuses, job, {"a": infos["a"]}) is None  # rank 0 alone is not stalled
 
 

@@ -19,8 +19,8 @@ from ..core.options import add_window_flags, window_overrides
 from ..core.protocol import FINAL_STATES, encode
 from ..core.ranks import RankSpecError, parse_ranks, spans
 from ..core.requests import RequestError, WindowDefaults, parse_request, resolve
-from .client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, dumps
-from .alignment import late_refusal, refuse_parts
+from .alignment import MISALIGNED, late_refusal, mark_misaligned, refuse_parts
+from .client import EXIT_FAILED, EXIT_MISALIGNED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, dumps
 from .records import CaptureRecord, new_capture_id
 from .registry import match_id, plan_window, select_ranks, stall_text, stalls
 from .service import MAX_WATCH_S, BadRequest, Service
@@ -299,6 +299,7 @@ class Capture(Command):
                 out.write(f"not waiting; follow it with: ondemandctl show {record['capture_id']}\n")
             return EXIT_OK
         record, finished = self._follow(client, record, args, out)
+        mark_misaligned(record)
         if args.json and not args.report:
             out.write(dumps(record) + "\n")
         elif not args.json:
@@ -422,6 +423,8 @@ def result_text(record: dict[str, Any], finished: bool, waited: bool = True) -> 
                          + (_on_disk(path) if p["host"] == here else "") + "\n")
         elif p["state"] in ("failed", "rejected"):
             lines.append(f"  rank {p['rank']:<4} {p['state']}: {p.get('error')}\n")
+    if record.get("misaligned"):
+        lines.append(f"  MISALIGNED: {record['misaligned']['text']}\n")
     return "".join(lines)
 
 
@@ -439,8 +442,8 @@ def _on_disk(path: str) -> str:
 
 
 def exit_for(record: dict[str, Any]) -> int:
-    return {"done": EXIT_OK, "partial": EXIT_PARTIAL}.get(record["status"], EXIT_FAILED if
-                                                           record["status"] != "running" else EXIT_TIMEOUT)
+    return {"done": EXIT_OK, "partial": EXIT_PARTIAL, MISALIGNED: EXIT_MISALIGNED}.get(
+        record["status"], EXIT_FAILED if record["status"] != "running" else EXIT_TIMEOUT)
 
 
 class List(Command):
@@ -499,7 +502,9 @@ class Show(OneCapture):
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         record = service.find(msg["capture_id"])
-        return {**record.data, "version": record.version}
+        shown = {**record.data, "version": record.version}
+        mark_misaligned(shown)  # what is shown says so; the stored record keeps what happened
+        return shown
 
     def console(self, data: Any, args: argparse.Namespace) -> str:
         text = (f"capture {data['capture_id']}  job {data['job']}  created {data['created_at']}\n"

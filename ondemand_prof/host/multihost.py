@@ -29,7 +29,7 @@ from .client import (EXIT_FAILED, EXIT_MISALIGNED, EXIT_NO_DAEMON, EXIT_OK, EXIT
                      CtlError, dumps)
 from .commands import Capture, Command, Show, Status, _table, _window, progress_text, render_report
 from .records import new_capture_id
-from .registry import DELIVERY_S, MAX_DELIVERY_S, RankInfo, plan_window
+from .registry import DELIVERY_S, MAX_DELIVERY_S, RankInfo, plan_window, stall_text, stalls
 from .summaries import merge_summaries
 
 if TYPE_CHECKING:  # the fan-out, key and host-list modules load only when a command goes across hosts
@@ -217,7 +217,7 @@ def merge_status(statuses: list[str]) -> str:
     """One status from the hosts' (unreachable: a host that never answered counts as not done)."""
     if "running" in statuses:
         return "running"
-    if all(s == "done" for s in statuses):
+    if all(s in ("done", MISALIGNED) for s in statuses):  # every rank wrote; whether alike is checked after
         return "done"
     if all(s == "cancelled" for s in statuses):
         return "cancelled"
@@ -386,8 +386,14 @@ def _rank_info(r: dict[str, Any], job: str, anchor: float) -> RankInfo:
                     windows=r.get("windows") or [])
 
 
-def choose_targets(infos: dict[str, list[RankInfo]], wanted: list[int]) -> dict[str, list[RankInfo]]:
-    """The ranks `wanted` names (-1: all), per host; CtlError names ranks no host has."""
+def choose_targets(infos: dict[str, list[RankInfo]], wanted: list[int] | None,
+                   by_default: set[tuple[str, int]] | None = None) -> dict[str, list[RankInfo]]:
+    """The ranks `wanted` names (-1: all), per host; or, naming none (None), those `by_default` holds: what a
+    touched trigger file captures on each host (--profile-ondemand-ranks). CtlError names ranks no host has."""
+    if wanted is None:
+        chosen = {name: [i for i in ranks if by_default is None or (name, i.rank) in by_default]
+                  for name, ranks in infos.items()}
+        return {name: ranks for name, ranks in chosen.items() if ranks}
     everywhere = {i.rank for ranks in infos.values() for i in ranks}
     if -1 not in wanted:
         missing = sorted(set(wanted) - everywhere)
@@ -398,9 +404,10 @@ def choose_targets(infos: dict[str, list[RankInfo]], wanted: list[int]) -> dict[
     return {name: ranks for name, ranks in chosen.items() if ranks}
 
 
-def missing_ranks(infos: dict[str, list[RankInfo]], wanted: list[int]) -> list[int]:
-    """With all ranks wanted (-1): the job's ranks (by its world size) that no daemon that answered has."""
-    if -1 not in wanted:
+def missing_ranks(infos: dict[str, list[RankInfo]], wanted: list[int] | None) -> list[int]:
+    """With all ranks wanted (-1, or the default): the job's ranks (by its world size) that no daemon that
+    answered has."""
+    if wanted is not None and -1 not in wanted:
         return []
     world = max((i.world_size for ranks in infos.values() for i in ranks), default=0)
     return sorted(set(range(world)) - {i.rank for ranks in infos.values() for i in ranks})
@@ -410,21 +417,11 @@ def stalled_refusal(statuses: dict[str, Reply], job: str, targets: dict[str, lis
     """Why no window can be planned: target ranks that have not finished a step for a while (their daemon
     says `stalled_s`); a window on a stalled job would never start. None when none is stalled."""
     wanted = {(name, i.rank) for name, infos in targets.items() for i in infos}
-    stalled = []  # (rank, daemon, last step, since: wall time on our clock)
-    for name, reply in statuses.items():
-        for r in reply.data["jobs"].get(job, []) if reply.ok else []:
-            seconds = r.get("stalled_s")
-            if (name, r["rank"]) in wanted and finite_number(seconds, 0.0, 1e9) and seconds:
-                stalled.append((r["rank"], name, r["step"], (reply.received_at or time.time()) - seconds))
-    if not stalled:
-        return None
-    since = min(s[3] for s in stalled)
-    hosts = sorted({s[1] for s in stalled})
-    steps = sorted({s[2] for s in stalled})
-    return (f"job {job} is stalled: rank(s) {spans(s[0] for s in stalled)} (on {', '.join(hosts)}) have not finished "
-            f"a step since {time.strftime('%H:%M:%S', time.localtime(since))} ({time.time() - since:.0f} s; last "
-            f"step {steps[0]}" + (f"-{steps[-1]}" if len(steps) > 1 else "") + "), so no window would start. See "
-            f"where they wait: ondemandctl stacks --job {job} on {hosts[0]} (and flight-recorder for collectives)")
+    rows = [{"rank": r["rank"], "step": r["step"], "daemon": name, "stalled_s": r.get("stalled_s")}
+            for name, reply in statuses.items() if reply.ok for r in reply.data["jobs"].get(job, [])
+            if (name, r["rank"]) in wanted and finite_number(r.get("stalled_s"), 0.0, 1e9)]
+    stall = stalls(rows, time.time())
+    return None if stall is None else f"{stall_text(job, stall)}. No window can start until they step again"
 
 
 def plan_across(targets: dict[str, list[RankInfo]], request: dict[str, Any], round_trip_s: float,
@@ -481,8 +478,10 @@ def launch(fan: Fanout, request: dict[str, Any], job: str | None, slurm: str | N
     statuses = fresh_statuses(fan)
     round_trip = max((r.seconds for r in statuses.values() if r.ok), default=0.0)
     job, infos = rank_infos(statuses, job, slurm)
-    wanted = request.pop("ranks")
-    targets = choose_targets(infos, wanted)
+    wanted = request.pop("ranks", None)
+    by_default = {(name, r["rank"]) for name, reply in statuses.items() if reply.ok
+                  for r in reply.data["jobs"].get(job, []) if r.get("captured_by_default", True)}
+    targets = choose_targets(infos, wanted, by_default)
     if not targets:
         raise CtlError("no target ranks on the hosts that answered")
     stalled = stalled_refusal(statuses, job, targets)

@@ -397,7 +397,8 @@ def stalls(ranks: Sequence[dict[str, Any]], wall: float) -> dict[str, Any] | Non
         return None
     longest = max(r["stalled_s"] for r in stalled)
     return {"ranks": [r["rank"] for r in stalled], "steps": {str(r["rank"]): r["step"] for r in stalled},
-            "stalled_s": longest, "since": wall - longest, "all": len(stalled) == len(ranks)}
+            "stalled_s": longest, "since": wall - longest, "all": len(stalled) == len(ranks),
+            "hosts": sorted({r["daemon"] for r in stalled if r.get("daemon")})}  # across hosts: whose daemon
 
 
 def stall_text(job: str, stall: dict[str, Any]) -> str:
@@ -405,7 +406,8 @@ def stall_text(job: str, stall: dict[str, Any]) -> str:
     steps = sorted(set(stall["steps"].values()))
     at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
     since = time.strftime("%H:%M:%S", time.localtime(stall["since"]))
-    return (f"job {job} is STALLED: rank(s) {spans(stall['ranks'])} have not finished a step for "
+    on = f" on {', '.join(stall['hosts'])}" if stall.get("hosts") else ""
+    return (f"job {job} is STALLED: rank(s) {spans(stall['ranks'])}{on} have not finished a step for "
             f"{stall['stalled_s']:.0f} s (since {since}, at {at}); see where they wait: ondemandctl stacks --job "
             f"{job} (and flight-recorder)")
 

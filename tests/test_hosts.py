@@ -103,7 +103,7 @@ def test_the_job_is_found_by_its_slurm_id_its_step_or_a_prefix() -> None:
         pick_job(["4242.0", "4242.1"], None, "4242")
     with pytest.raises(CtlError, match="3 jobs are live"):
         pick_job(live, None, "999")  # none of them is that SLURM job: as without --slurm
-    with pytest.raises(CtlError, match="matches 2 live jobs"):
+    with pytest.raises(CtlError, match="'port' begins 2 live jobs"):
         pick_job(["port1", "port2"], "port", None)
     with pytest.raises(CtlError, match="no live job 'x'"):
         pick_job(live, "x", None)

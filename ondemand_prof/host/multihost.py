@@ -29,7 +29,7 @@ from .client import (EXIT_FAILED, EXIT_MISALIGNED, EXIT_NO_DAEMON, EXIT_OK, EXIT
                      CtlError, dumps)
 from .commands import Capture, Command, Show, Status, _table, _window, progress_text, render_report
 from .records import new_capture_id
-from .registry import DELIVERY_S, MAX_DELIVERY_S, RankInfo, plan_window, stall_text, stalls
+from .registry import DELIVERY_S, MAX_DELIVERY_S, RankInfo, match_id, plan_window, stall_text, stalls
 from .summaries import merge_summaries
 
 if TYPE_CHECKING:  # the fan-out, key and host-list modules load only when a command goes across hosts
@@ -337,15 +337,11 @@ def pick_job(live: Iterable[str], job: str | None, slurm: str | None = None) -> 
     CtlError says why not."""
     names = sorted(set(live))
     if job is not None:
-        if job in names:
-            return job
-        matches = [j for j in names if j.startswith(job)]
-        if len(matches) == 1:
-            return matches[0]
-        if matches:
-            raise CtlError(f"--job {job!r} matches {len(matches)} live jobs ({', '.join(matches)}): give more of it",
-                           EXIT_USAGE)
-        raise CtlError(f"no live job {job!r} on the hosts that answered; live jobs: {', '.join(names) or 'none'}")
+        try:
+            return match_id(job, names, "live job")
+        except ValueError as exc:
+            raise CtlError(f"--job: {exc} (on the hosts that answered)",
+                           EXIT_USAGE if any(n.startswith(job) for n in names) else EXIT_FAILED) from None
     if not names:
         raise CtlError("no ranks are registered with any of the daemons that answered")
     if slurm is not None:

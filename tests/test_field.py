@@ -106,7 +106,7 @@ def test_the_default_relative_save_path_captures_through_the_daemon(env: dict[st
     rep = ctl(env["run"], "report", capture_id[:17], "--summary")
     assert rep.returncode == 0 and re.search(r"^\s+1\s+2\s+[\d.]+", rep.stdout, re.M), rep.stdout + rep.stderr
     gone = ctl(env["run"], "report", "no-such-capture")
-    assert gone.returncode == 1 and "is not a file or directory, and not a capture the daemon knows" in gone.stderr
+    assert gone.returncode == 1 and "is not a file or directory here, and not a capture the daemon knows" in gone.stderr
     for p in procs:
         p.terminate()
 

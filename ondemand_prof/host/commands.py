@@ -588,8 +588,9 @@ class Report(Command):
         if args.top < 1:
             raise CtlError(f"--top {args.top}: expected 1 or more", 2)
         paths: list[Path] = []
-        for given in args.paths:  # a path that exists is a path; anything else is a capture id the daemon knows
-            paths.extend([Path(given)] if os.path.lexists(given) else capture_folders(given, args))
+        for given in args.paths:  # a path that exists, or names a folder, is a path; else a capture id
+            is_path = os.path.lexists(given) or os.sep in given or given.startswith((".", "~"))
+            paths.extend([Path(given)] if is_path else capture_folders(given, args))
         data = report_paths(paths, args, out)
         return EXIT_OK if data["ranks_read"] else EXIT_FAILED
 
@@ -603,8 +604,8 @@ def capture_folders(capture_id: str, args: argparse.Namespace) -> list[Path]:
         with Client(args.runtime_dir or default_runtime_dir(), args.connect_timeout) as client:
             record = client.request("show", capture_id=capture_id)
     except CtlError as exc:
-        raise CtlError(f"{capture_id!r} is not a file or directory, and not a capture the daemon knows: {exc}",
-                       exc.code) from None
+        raise CtlError(f"{capture_id!r} is not a file or directory here, and not a capture the daemon knows: "
+                       f"{exc}") from None
     folders = sorted({str(Path(p["path"]).parent) for p in record["parts"].values()
                       if p["state"] == "done" and p.get("path")})
     if not folders:

@@ -212,7 +212,8 @@ class Capture(Command):
         first = windows[targets[0].rank]
         plan["note"] = "; ".join(filter(None, [first.note, plan.get("note", "")]))
         record = CaptureRecord.new(capture_id, job, request.as_dict(), plan, first.options.as_dict(),
-                                   [{"rank": t.rank, "host": t.host, "pid": t.pid} for t in targets], wall)
+                                   [{"rank": t.rank, "host": t.host, "pid": t.pid, "uid": t.uid} for t in targets],
+                                   wall)
         service.store.add(record)
         bodies: dict[int, bytes] = {}  # each distinct window encoded once, now that the plan's note is known
         for _, window in distinct:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from ..core.ids import safe_id
 from ..core.protocol import HEARTBEAT_S, RANK_TIMEOUT_S
 from ..core.safejson import bounded_int, finite_number
 from ..core.ranks import RankSpecError, parse_ranks, spans
@@ -103,7 +104,8 @@ class RankInfo:
     defaults: WindowDefaults | None = None  # what the rank's configuration fills into a request
     windows: list[dict[str, Any]] | None = None  # running and queued windows, from the last heartbeat
     uid: int | None = None  # the connecting process's uid, from the kernel (SO_PEERCRED); None: not known
-    native_dump: dict[str, Any] | None = None  # {"signal", "file"}: faulthandler's stack dump (host/triage.py)
+    native_dump: dict[str, Any] | None = None  # {"file"}: faulthandler's stack dump, checked by host/triage.py
+    process: Any = None  # core.files.ProcessIdentity at registration (host/triage.py): pid reuse is told apart
 
     def estimated_step(self, wall: float) -> int:
         """The step this rank is probably running at wall time `wall` (extrapolated from its last heartbeat).
@@ -307,7 +309,7 @@ def _windows(value: Any) -> list[dict[str, Any]] | None:
         start, end = w.get("start"), w.get("end")
         if not bounded_int(start, -1, MAX_STEP_VALUE) or not (end is None or bounded_int(end, -1, MAX_STEP_VALUE)):
             continue
-        out.append({"capture_id": str(w.get("capture_id", ""))[:128], "start": start, "end": end,
+        out.append({"capture_id": safe_id(w.get("capture_id", "")), "start": start, "end": end,
                     "source": str(w.get("source", ""))[:32], "state": str(w.get("state", ""))[:32]})
     return out
 

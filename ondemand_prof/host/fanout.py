@@ -29,6 +29,7 @@ AUTH_FAILED = int(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 HANDSHAKE_FAILED = AUTH_FAILED | int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL) | \
     int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 SPARE_FDS = 64  # descriptors kept for the rest of the process (files, the report)
+HANDSHAKE_TRIES = 4  # handshakes that end without a verdict before a host is reported as refusing us
 
 
 @dataclass
@@ -55,6 +56,7 @@ class _Peer:
         self.target = target
         self.routing_id = routing_id
         self.refused = ""
+        self.failed_handshakes = 0
         self.pending: tuple[int, float, float] | None = None  # (request id, sent at, deadline)
 
 
@@ -204,6 +206,12 @@ class Fanout:
                                     str(endpoint))
             if peer is None or not int(event["event"]) & HANDSHAKE_FAILED:
                 continue
+            if int(event["event"]) != AUTH_FAILED:
+                # the connection ended mid-handshake: a wrong server key, or a daemon too busy to finish in its
+                # time; libzmq reconnects, and only a host that fails every time is given up on
+                peer.failed_handshakes += 1
+                if peer.failed_handshakes < HANDSHAKE_TRIES:
+                    continue
             name = peer.target.name
             peer.refused = (f"{name} refused this client's key (add its public key, client.key, to the daemon's "
                             "authorized/ directory)" if int(event["event"]) == AUTH_FAILED else

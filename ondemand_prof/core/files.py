@@ -211,3 +211,17 @@ def signal_process(ident: ProcessIdentity, signum: int) -> str | None:
     finally:
         if pidfd is not None:
             os.close(pidfd)
+
+
+def presence_note(path: str) -> str:
+    """What ondemandctl adds after a reported directory on this host: nothing when it is there, that it is
+    missing, or that this user cannot look (a group member may not read another member's save path)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "  (MISSING on disk)"
+    except PermissionError:
+        return f"  (not visible to uid {os.getuid()}: permission denied)"
+    except OSError as exc:
+        return f"  (cannot be checked: {exc.strerror})"
+    return "" if stat.S_ISDIR(st.st_mode) else "  (MISSING on disk: not a directory)"

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from ..core.files import presence_note
 from ..core.options import add_window_flags, window_overrides
 from ..core.protocol import FINAL_STATES, encode
 from ..core.ranks import RankSpecError, parse_ranks, spans
@@ -332,10 +333,9 @@ def result_text(record: dict[str, Any], finished: bool, waited: bool = True) -> 
     for p in parts:
         if p["state"] == "done":
             path = p.get("path") or "?"
-            missing = p["host"] == here and not os.path.isdir(path)
             steps = p.get("steps")
             lines.append(f"  rank {p['rank']:<4} {path}" + (f"  steps {steps[0]}..{steps[-1]}" if steps else "")
-                         + ("  (MISSING on disk)" if missing else "") + "\n")
+                         + (presence_note(path) if p["host"] == here else "") + "\n")
         elif p["state"] in ("failed", "rejected"):
             lines.append(f"  rank {p['rank']:<4} {p['state']}: {p.get('error')}\n")
     return "".join(lines)

@@ -280,7 +280,14 @@ def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, 
         first = max(furthest + (start or 1), earliest)
         late, past = [], []
     plan: dict[str, Any] = {"current_steps": current, "lead_steps": lead, "late_ranks": late, "past_ranks": past}
-    blocking = [(t.rank, w) for t in targets for w in t.windows or [] if w["end"] is None or w["end"] > first]
+    # only windows that share a step with [first, first + steps) are in the way: one planned far ahead (a capture
+    # with --start 100000) leaves the steps before it free
+    blocking = _overlapping(targets, first, steps)
+    while blocking and start_step is None and all(w["end"] is not None for _, w in blocking):
+        more = [x for x in _overlapping(targets, max(w["end"] for _, w in blocking), steps) if x not in blocking]
+        if not more:
+            break
+        blocking += more  # moved after these, the window meets the next ones
     if blocking and start_step is None:
         open_ended = [(r, w) for r, w in blocking if w["end"] is None]
         if open_ended:
@@ -296,6 +303,12 @@ def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, 
             first = after
     plan.update(start_step=first, end_step=first + steps)
     return plan
+
+
+def _overlapping(targets: list[RankInfo], first: int, steps: int) -> list[tuple[int, dict[str, Any]]]:
+    """(rank, window) of the targets' windows that share a step with [first, first + steps)."""
+    return [(t.rank, w) for t in targets for w in t.windows or []
+            if (w["end"] is None or w["end"] > first) and w["start"] < first + steps]
 
 
 def _windows(value: Any) -> list[dict[str, Any]] | None:

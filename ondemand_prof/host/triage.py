@@ -100,7 +100,7 @@ class AutoBudget:
         self.per_job, self.per_uid = per_job, per_uid
         self.jobs: dict[str, list[float]] = {}
         self.uids: dict[Any, list[float]] = {}
-        self._logged: dict[Any, tuple[float, int]] = {}  # uid -> (last logged, refused since)
+        self._logged: dict[Any, tuple[float, int]] = {}  # (uid, kind) -> (last logged, refused since)
 
     def take(self, info: "RankInfo", now: float) -> str:
         """'' and the capture is counted, or why it is over budget."""
@@ -116,15 +116,17 @@ class AutoBudget:
             self.jobs = {k: v for k, v in self.jobs.items() if v and now - v[-1] < 3600.0}
         return ""
 
-    def refused(self, info: "RankInfo", why: str) -> None:
+    def refused(self, info: "RankInfo", kind: str, why: str) -> None:
+        """Log a refusal: once a minute per uid and kind (bad, budget, store), then how many were not logged."""
         now = time.monotonic()
-        last, count = self._logged.get(info.uid, (-REFUSAL_LOG_S, 0))
+        key = (info.uid, kind)
+        last, count = self._logged.get(key, (-REFUSAL_LOG_S, 0))
         if now - last >= REFUSAL_LOG_S:
             more = f" ({count} more refused since, not logged)" if count else ""
             log.warning("ondemand-profd: rank %d of job %s (uid %s): %s%s", info.rank, info.job, info.uid, why, more)
-            self._logged[info.uid] = (now, 0)
+            self._logged[key] = (now, 0)
         else:
-            self._logged[info.uid] = (last, count + 1)
+            self._logged[key] = (last, count + 1)
 
 
 def auto_reason(value: Any) -> dict[str, Any] | None:
@@ -207,12 +209,12 @@ class TriageBook:
                     f"-r{info.rank}-{info.pid}"):
                 raise ValueError(f"capture id {window.capture_id!r} is not auto-...-r{info.rank}-{info.pid}")
         except ValueError as exc:
-            self.budget.refused(info, f"bad automatic window: {exc}")
+            self.budget.refused(info, "bad", f"bad automatic window: {exc}")
             return None
         wall, now = time.time(), time.monotonic()
         held = self.budget.take(info, now)
         if held:
-            self.budget.refused(info, f"automatic capture {window.capture_id} not recorded: {held}")
+            self.budget.refused(info, "budget", f"automatic capture {window.capture_id} not recorded: {held}")
             return None
         ranks = self.service.registry.jobs().get(info.job, [])
         ref = reference_rank(info, ranks)
@@ -229,7 +231,7 @@ class TriageBook:
         try:
             self.service.store.add(record, owner=info.uid if info.uid is not None else -1)
         except RecordRefused as exc:
-            self.budget.refused(info, f"automatic capture {window.capture_id} not recorded: {exc}")
+            self.budget.refused(info, "store", f"automatic capture {window.capture_id} not recorded: {exc}")
             return None
         if ref is not None:
             self.service.send(ref.route, encode("capture", window={**window.to_wire(), "requested": {

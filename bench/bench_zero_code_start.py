@@ -1,5 +1,6 @@
 """What ONDEMAND_PROF_AUTO=1 costs a Python process that never imports torch: `python -c pass` with the variable
-unset and set, interleaved, many times; medians of wall time. With --before FILE, also the same with FILE (an
+unset and set, interleaved, many times; medians of the child's CPU time (user + system: wall time on a shared
+machine mostly measures the run queue). With --before FILE, also the same with FILE (an
 older ondemand_prof_auto.py) found first on PYTHONPATH, so a change of the start-up hook is compared in one run.
 
     .venv/bin/python bench/bench_zero_code_start.py [--runs 60] [--before /tmp/old/ondemand_prof_auto.py]
@@ -9,19 +10,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 
 def one(env: dict[str, str]) -> float:
-    t0 = time.perf_counter()
+    """CPU time (user + system) of one `python -c pass`: on a shared machine wall time mostly measures the queue."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
-    return time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
@@ -49,7 +52,8 @@ def main() -> None:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     unset = statistics.median(times["variable unset"])
-    print(f"python -c pass, {args.runs} runs each, interleaved (median wall time; 2-core machine, shared)")
+    print(f"python -c pass, {args.runs} runs each, interleaved (median CPU time of the child; 2-core machine, "
+          f"load {os.getloadavg()[0]:.1f})")
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"| {name:<40} | {med * 1000:6.1f} ms | {(med - unset) * 1000:+6.1f} ms |")

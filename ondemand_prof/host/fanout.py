@@ -29,7 +29,6 @@ AUTH_FAILED = int(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 HANDSHAKE_FAILED = AUTH_FAILED | int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL) | \
     int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 SPARE_FDS = 64  # descriptors kept for the rest of the process (files, the report)
-HANDSHAKE_TRIES = 4  # handshakes that end without a verdict before a host is reported as refusing us
 
 
 @dataclass
@@ -156,9 +155,13 @@ class Fanout:
             for n in [n for n in waiting if now >= self.peers[n].pending[2]]:  # type: ignore[index]
                 peer = self.peers[n]
                 assert peer.pending is not None
-                out[n] = Reply("timeout", error=f"{n} did not answer within {peer.pending[2] - peer.pending[1]:g} "
-                                                f"s (is ondemand-profd running there with --listen on "
-                                                f"port {peer.target.port}?)", seconds=now - peer.pending[1])
+                within = peer.pending[2] - peer.pending[1]
+                why = (f"{n}: the CurveZMQ handshake failed {peer.failed_handshakes} time(s) and no answer came "
+                       f"within {within:g} s (is server.key, or servers/{peer.target.host}.key, that daemon's public "
+                       "key? or is it overloaded?)" if peer.failed_handshakes else
+                       f"{n} did not answer within {within:g} s (is ondemand-profd running there with --listen on "
+                       f"port {peer.target.port}?)")
+                out[n] = Reply("timeout", error=why, seconds=now - peer.pending[1])
                 peer.pending = None
                 waiting.discard(n)
             if not waiting:
@@ -208,15 +211,12 @@ class Fanout:
                 continue
             if int(event["event"]) != AUTH_FAILED:
                 # the connection ended mid-handshake: a wrong server key, or a daemon too busy to finish in its
-                # time; libzmq reconnects, and only a host that fails every time is given up on
+                # time; libzmq reconnects until the deadline, whose message then says so (_gather)
                 peer.failed_handshakes += 1
-                if peer.failed_handshakes < HANDSHAKE_TRIES:
-                    continue
+                continue
             name = peer.target.name
             peer.refused = (f"{name} refused this client's key (add its public key, client.key, to the daemon's "
-                            "authorized/ directory)" if int(event["event"]) == AUTH_FAILED else
-                            f"{name}: the CurveZMQ handshake failed (is server.key, or servers/{peer.target.host}.key, "
-                            "that daemon's public key?)")
+                            "authorized/ directory)")
             if name in waiting:
                 waiting.discard(name)
                 peer.pending = None

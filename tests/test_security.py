@@ -1151,3 +1151,87 @@ def test_tcp_connections_without_a_key_cannot_take_the_unix_sockets_descriptors(
     assert "closing TCP connections over the limits" in err, err[-3000:]
     assert "not accepting new connections" not in err  # the unix socket was never closed to local ranks
     assert fds < 512, fds
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Round 2, the smaller items
+
+
+def test_triage_files_are_written_by_the_one_atomic_writer(tmp_path: Path) -> None:
+    """write_private used a predictable temporary name opened with O_TRUNC: a link planted there was followed."""
+    from ondemand_prof.rank.triage import write_private
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    target = tmp_path / "out" / "x.pickle"
+    target.parent.mkdir()
+    (target.parent / f".{target.name}.{os.getpid()}.tmp").symlink_to(victim)  # the old temporary name
+    write_private(target, b"data")
+    assert victim.read_text() == "precious" and target.read_bytes() == b"data"
+    assert target.stat().st_mode & 0o777 == 0o600
+
+
+def test_keygen_never_changes_a_directory_it_does_not_own(tmp_path: Path, other_user: dict[str, Any]) -> None:
+    squat = Path(tempfile.mkdtemp(prefix="odpkeys", dir="/tmp"))
+    try:
+        os.chown(squat, other_user["uid"], other_user["gid"])
+        squat.chmod(0o777)
+        res = subprocess.run([str(ROOT / "bin" / "ondemandctl"), "keygen", str(squat)], env=base_env(),
+                             capture_output=True, text=True)
+        assert res.returncode == 1 and f"belongs to uid {other_user['uid']}" in res.stderr, res.stderr
+        assert squat.stat().st_mode & 0o777 == 0o777 and list(squat.iterdir()) == []  # not chmodded, nothing written
+        link = tmp_path / "link"
+        link.symlink_to(squat)
+        res = subprocess.run([str(ROOT / "bin" / "ondemandctl"), "keygen", str(link)], env=base_env(),
+                             capture_output=True, text=True)
+        assert res.returncode == 1 and "symlinks are refused" in res.stderr, res.stderr
+    finally:
+        shutil.rmtree(squat, ignore_errors=True)
+
+
+PRESENCE = r"""
+import sys
+from ondemand_prof.core.files import presence_note
+drop()
+print(repr(presence_note(sys.argv[1])) + "|" + repr(presence_note(sys.argv[2])))
+"""
+
+
+def test_a_trace_a_member_cannot_read_is_not_called_missing(tmp_path: Path, other_user: dict[str, Any]) -> None:
+    hidden = Path(tempfile.mkdtemp(prefix="odphid", dir="/tmp"))  # root's, 0700
+    try:
+        (hidden / "trace").mkdir()
+        proc = as_user(other_user, PRESENCE, str(hidden / "trace"), "/tmp/odp-no-such-dir")
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        unreadable, missing = out.strip().split("|")
+        assert "not visible to uid" in unreadable and "MISSING" not in unreadable, out
+        assert "MISSING on disk" in missing, out
+    finally:
+        shutil.rmtree(hidden, ignore_errors=True)
+
+
+def test_a_capture_far_ahead_does_not_make_later_captures_wait_for_it() -> None:
+    """One capture with --start 100000 made every later relative capture plan after it (busy for days)."""
+    from ondemand_prof.host.registry import RankInfo, plan_window
+
+    far = {"capture_id": "far", "start": 100_010, "end": 100_012, "source": "daemon", "state": "queued"}
+    near = {"capture_id": "near", "start": 12, "end": 20, "source": "file", "state": "queued"}
+    rank = RankInfo(route=b"r", job="j", rank=0, world_size=1, host="h", pid=1, step=10, windows=[far])
+    plan = plan_window([rank], 0.0, start=None, start_step=None, steps=2)
+    assert (plan["start_step"], plan["end_step"]) == (12, 14) and "after" not in plan
+    rank.windows = [near, far]
+    plan = plan_window([rank], 0.0, start=None, start_step=None, steps=2)
+    assert plan["start_step"] == 20 and plan["after"]["capture_ids"] == ["near"]
+    plan = plan_window([rank], 0.0, start=100_000, start_step=None, steps=2)  # [100010, 100012): after the far one
+    assert plan["start_step"] == 100_012
+
+
+def test_export_sched_is_a_known_variable(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ondemand_prof.core.options import config_from_env
+
+    monkeypatch.setenv("ONDEMAND_PROF_EXPORT_SCHED", "nice")  # read by rank/trace_save.py, was warned as unknown
+    monkeypatch.setenv("ONDEMAND_PROF_LEVLE", "level1")
+    with caplog.at_level("WARNING"):
+        config_from_env()
+    assert "ONDEMAND_PROF_LEVLE" in caplog.text and "EXPORT_SCHED" not in caplog.text, caplog.text

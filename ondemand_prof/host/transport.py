@@ -25,7 +25,7 @@ from ..core.protocol import PROTOCOL_VERSION, RANK_MESSAGES, ProtocolError, deco
     socket_path
 from ..core.safedir import UnsafeDirectory, ensure_private_dir
 from .commands import CLI_MESSAGES, DAEMON_COMMANDS
-from .listener import BACKLOG, HANDSHAKE_S, TCP_PER_PEER, Listener, group_gid, peer_of, raise_nofile_limit, \
+from .listener import HANDSHAKE_S, TCP_PER_PEER, Listener, group_gid, peer_of, raise_nofile_limit, \
     remove_if_same
 from .records import RecordStore
 from .sdnotify import notify, watchdog_interval
@@ -343,9 +343,8 @@ class Daemon:
 
 class TcpListener:
     """The TCP side: a second ROUTER socket (CURVE_SERVER is set per socket, before bind) and, with keys, the
-    ZAP handler on the daemon's own loop. Without keys only a loopback address is served. The listening socket
-    is ours, lent to libzmq (as the unix one: host/listener.py), and the descriptor gate holds each peer to
-    `per_peer` connections."""
+    ZAP handler on the daemon's own loop. Without keys only a loopback address is served. The descriptor gate
+    (host/listener.py) holds each peer to `per_peer` connections and all of them to a share of the descriptors."""
 
     def __init__(self, ctx: zmq.Context, listen: str, keys: Path | None, per_peer: int = TCP_PER_PEER) -> None:
         from .keys import SERVER, ZAP_DOMAIN, ZAP_ENDPOINT, KeyFileError, ZapHandler, load_pair
@@ -357,7 +356,6 @@ class TcpListener:
         self.per_peer = per_peer
         self.zap: Any = None  # keys.ZapHandler
         self._zap_sock: zmq.Socket | None = None
-        self._listening: socket.socket | None = None
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1024 * 1024)
@@ -376,13 +374,9 @@ class TcpListener:
             else:
                 log.warning("ondemand-profd: TCP on %s without keys: any local user can reach this daemon over TCP "
                             "(give --keys DIR to require CurveZMQ keys)", host)
-            self._listening = tcp_socket(host, port)
-            self.port = self._listening.getsockname()[1]
-            self.sock.setsockopt(zmq.USE_FD, os.dup(self._listening.fileno()))
-            try:
-                self.sock.bind(f"tcp://{host}:{self.port}")
-            finally:
-                self.sock.setsockopt(zmq.USE_FD, -1)
+            # libzmq's TCP listener survives EMFILE (unlike its ipc one), so it binds this socket itself; the
+            # descriptor gate holds what it accepts to the per-peer limit and the TCP budget
+            self.sock.bind(f"tcp://{host}:{port}")
         except (KeyFileError, OSError) as exc:
             self.close()
             raise DaemonError(f"--listen {listen}: {exc}") from None
@@ -390,6 +384,7 @@ class TcpListener:
             self.close()
             raise DaemonError(f"--listen {listen}: cannot bind: {exc}") from None
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.port = int(self.endpoint.rsplit(":", 1)[1])
         log.info("ondemand-profd: serving ondemandctl on %s (%s)", self.endpoint,
                  "CurveZMQ, keys from " + str(keys) if keys else "no authentication")
 
@@ -421,27 +416,6 @@ class TcpListener:
         for s in self.sockets():
             s.close(linger=0)
         self._zap_sock = None
-        if self._listening is not None:
-            self._listening.close()
-            self._listening = None
-
-
-def tcp_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket of ours on HOST:PORT ([v6] allowed); OSError says why not."""
-    bare = host.strip("[]")
-    infos = socket.getaddrinfo(None if bare in ("*", "") else bare, port, type=socket.SOCK_STREAM,
-                               flags=socket.AI_PASSIVE)
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(BACKLOG)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

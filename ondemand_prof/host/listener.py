@@ -1,9 +1,9 @@
-"""The daemon's listening sockets, owned by us rather than by libzmq, and the file-descriptor gate.
+"""The daemon's listening unix socket, owned by us rather than by libzmq, and the file-descriptor gate.
 
-Why we own them: libzmq (4.3.x) aborts the whole process when accept() on an ipc:// listener fails with EMFILE
+Why: libzmq (4.3.x) aborts the whole process when accept() on an ipc:// listener fails with EMFILE
 (src/ipc_listener.cpp:297), so more clients than descriptors used to kill the daemon, and TCP connections (which
-libzmq accepts without limit) could use up the descriptors the unix socket needs. We create and bind the sockets
-ourselves and lend libzmq duplicates (ZMQ_USE_FD).
+libzmq accepts without limit; its TCP listener does survive EMFILE) could use up the descriptors the unix socket
+needs. We create and bind the unix socket ourselves and lend libzmq a duplicate (ZMQ_USE_FD).
 
 The gate is a thread of its own (DescriptorGate) that reads libzmq's connection events as they happen, so a burst
 of connections is seen while the daemon's loop is busy with messages:

@@ -118,7 +118,6 @@ class Daemon:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # larger frames drop the connection before reaching us
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)  # a local client that never speaks ZMTP is dropped
         self._listener = Listener(path, group_gid=group_gid(self.group))
         self._sock = sock
         self._bound = True

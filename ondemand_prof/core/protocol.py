@@ -163,8 +163,8 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def _path_field(value: Any) -> bool:
-    return isinstance(value, str) and (value == "" or value.startswith("/")) and len(value) <= 4096 and \
-        not _CONTROL.search(value)
+    """A path a rank reports about itself (shown, and checked again where it is used): no control characters."""
+    return isinstance(value, str) and len(value) <= 4096 and not _CONTROL.search(value)
 
 
 # optional top-level fields of rank messages (register's, mostly) and the shape each must have: they are
@@ -172,8 +172,8 @@ def _path_field(value: Any) -> bool:
 TEXT_FIELDS: dict[str, tuple[Any, str]] = {
     "host": (lambda v: isinstance(v, str) and _HOST.fullmatch(v) is not None,
              "a host name (letters, digits, '.', '_', '-'; at most 253)"),
-    "save_root": (_path_field, "an absolute path without control characters"),
-    "trigger_dir": (_path_field, "an absolute path without control characters"),
+    "save_root": (_path_field, "a path without control characters"),
+    "trigger_dir": (_path_field, "a path without control characters"),
     "version": (lambda v: isinstance(v, str) and _TOKEN.fullmatch(v) is not None, "a version string"),
     "state": (lambda v: isinstance(v, str) and _TOKEN.fullmatch(v) is not None and 0 < len(v) <= 32,
               "a state name"),

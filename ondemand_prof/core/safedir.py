@@ -177,13 +177,13 @@ def make_dirs(path: Path, mode: int = 0o750) -> Path:
 def private_save_root(name: str = "profile") -> Path:
     """Where traces go when the configured save path is not safe: ~/.local/share/ondemand_prof/<name> (or under
     $XDG_DATA_HOME) when that is sound, else a fresh directory with an unpredictable name in the temp dir."""
-    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "ondemand_prof"
     try:
+        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "ondemand_prof"
         ensure_private_dir(base)
         if save_path_problem(base) is None:
             return make_dirs(base / name, 0o700)
-    except OSError as exc:
-        log.info("ondemand_prof: not using %s for traces: %s", base, exc)
+    except (OSError, RuntimeError, KeyError) as exc:  # RuntimeError: no home directory to be found
+        log.info("ondemand_prof: no private save path under the data home: %s", exc)
     return Path(tempfile.mkdtemp(prefix=f"ondemand_prof-{os.getuid()}-{name}-"))
 
 

@@ -11,38 +11,41 @@ Lightning's or Accelerate's launcher, a DataLoader worker) neither counts steps 
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import os
 import sys
-from typing import Any
 
 ENV = "ONDEMAND_PROF_AUTO"
 
 
-def wanted(environ: Any = None) -> bool:
+def wanted(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
     value = (os.environ if environ is None else environ).get(ENV, "").strip().lower()
     return value not in ("", "0", "false", "no", "off")
 
 
-class _TorchWatcher(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when `torch` is about to be imported, wraps its loader so that install_hook
-    runs right after torch's own module code."""
+class _TorchWatcher:
+    """A meta path finder (any object with find_spec will do: importlib.abc's base class alone cost every
+    process 15 ms at start-up) that finds nothing itself: when `torch` is about to be imported, wraps its
+    loader so that install_hook runs right after torch's own module code."""
 
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+    def find_spec(self, name: str, path: object = None, target: object = None) -> object:
         if name != "torch":
             return None
         try:
             sys.meta_path.remove(self)  # once: the real finders locate torch
         except ValueError:
             return None
-        spec = importlib.util.find_spec(name)
+        spec = None
+        for finder in sys.meta_path:  # what importlib does, without importing importlib.util
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
         real_exec = loader.exec_module
 
-        def exec_module(module: Any) -> None:
+        def exec_module(module: object) -> None:
             real_exec(module)
             install_hook()
 
@@ -50,7 +53,7 @@ class _TorchWatcher(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+def _on_optimizer_step(optimizer: object, args: object, kwargs: object) -> None:
     """torch's global optimizer post-step hook: hand the step to zerocode (imported at the first step)."""
     try:
         from ondemand_prof.integrations import zerocode

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from .configbase import ConfigMethods, WindowMethods
+from .ids import MAX_ID, safe_id, valid_id
 from .ranks import RankSpecError, parse_ranks, selects
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ EXPORT_TYPES = ("text", "db")
 ENV_PREFIX = "ONDEMAND_PROF_"
 # environment variables of ours that are not profiler options (the daemon's, the CLI's, the tests')
 OTHER_ENV = {"ONDEMAND_PROF_STATE_DIR", "ONDEMAND_PROF_LOG", "ONDEMAND_PROF_FORK_SAVE", "ONDEMAND_PROF_AUTO",
-             "ONDEMAND_PROF_AUTO_NO_STEP_S"}
+             "ONDEMAND_PROF_AUTO_NO_STEP_S", "ONDEMAND_PROF_EXPORT_SCHED"}
 # signals a training job relies on for its own life; we refuse to take them over
 RESERVED_SIGNALS = {"SIGINT", "SIGTERM", "SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT",
                     "SIGCHLD", "SIGPIPE"}
@@ -112,6 +113,15 @@ def parse_str(value: Any, label: str, strict: bool = False) -> str:
     return str(value)
 
 
+def parse_job_id(value: Any, label: str, strict: bool = False) -> str:
+    """A job id: what the daemon and `ondemandctl --job` take (core/ids.py's rule), or "" for the default."""
+    text = parse_str(value, label, strict)
+    if text and not valid_id(text):
+        raise _err(label, value, f"1-{MAX_ID} letters, digits, '_', '.', '-', '+', '@' or ':', not starting with "
+                                 "'.' or '-'")
+    return text
+
+
 def parse_signal(value: Any, label: str = "--profile-signal", strict: bool = False) -> str:
     """A signal name ('SIGUSR2', 'usr2', '12'); '' is off. Reserved signals are refused."""
     text = parse_str(value, label, strict).strip().upper()
@@ -148,8 +158,8 @@ def parse_mode(value: Any, label: str, strict: bool = False) -> int:
 
 # what each parser returns, as the generated ProfileConfig annotates it (core/config.py)
 for _parse, _type in ((parse_bool, "bool"), (parse_int, "int"), (parse_float, "float"),
-                      (parse_rank_list, "tuple[int, ...]"), (parse_str, "str"), (parse_signal, "str"),
-                      (parse_mode, "int")):
+                      (parse_rank_list, "tuple[int, ...]"), (parse_str, "str"), (parse_job_id, "str"),
+                      (parse_signal, "str"), (parse_mode, "int")):
     _parse.type_name = _type  # type: ignore[attr-defined]
 
 
@@ -248,7 +258,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("warmup_steps", "profile_warmup_steps", parse_int, 1,
            "Warmup steps before a window (recorded, discarded).", ours=True, bounds=(0, 100)),
     Option("gzip", "profile_gzip", _B, False, "Write the trace gzipped (.json.gz).", ours=True),
-    Option("job_id", "profile_job_id", parse_str, "", "Job name in metadata and the default trigger dir.",
+    Option("job_id", "profile_job_id", parse_job_id, "", "Job name in metadata and the default trigger dir.",
            ours=True, default_doc="from `SLURM_JOB_ID` (`JOBID.STEPID` with `SLURM_STEP_ID`), `TORCHELASTIC_RUN_ID` "
            "(torchrun, `accelerate launch`), `MASTER_PORT` (Lightning's and Accelerate's own launchers, `mp.spawn` "
            "scripts), else the launcher's pid; once torch.distributed is up, rank 0's id for every rank"),
@@ -560,14 +570,14 @@ def default_job_id(environ: Mapping[str, str] | None = None) -> str:
     environ = os.environ if environ is None else environ
     explicit = environ.get("ONDEMAND_PROF_JOB_ID")
     if explicit:
-        return explicit
+        return safe_id(explicit)  # (a bad one is refused where the configuration is read; this is a fallback)
     slurm = environ.get("SLURM_JOB_ID")
     if slurm:
         step = environ.get("SLURM_STEP_ID")
         return f"{slurm}.{step}" if step else slurm  # SLURM's own name for a step: JOBID.STEPID
     run_id = environ.get("TORCHELASTIC_RUN_ID")
     if run_id and run_id != "none":
-        return run_id
+        return safe_id(run_id)  # torchrun's --rdzv-id is free text
     port = environ.get("MASTER_PORT")
     if port:
         return "port" + port

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
+from .ids import check_id
 from .options import MAX_STEP, OPTIONS, ConfigError, Option, WindowOptions, window_options
 from .ranks import RankSpecError, parse_ranks, selects
 from .window import Window, _step
@@ -177,12 +178,16 @@ def absolute_start(request: CaptureRequest, anchor_step: int) -> int:
     return anchor_step + request.start
 
 
+MAX_WIRE_STEPS = 1_000_000  # a planned window's length (the options' own caps are lower: bounded here too)
+
+
 def window_from_wire(data: Mapping[str, Any]) -> Window:
     """A window planned elsewhere (the daemon): checked for shape and bounds, not planned again.
     ValueError says what is wrong."""
     start, end = data.get("start_step"), data.get("end_step")
-    if not _step(start) or not _step(end):
-        raise ValueError(f"bad window steps [{start!r}, {end!r})")
+    if not _step(start) or not _step(end) or end <= start or end - start > MAX_WIRE_STEPS:
+        raise ValueError(f"bad window steps [{str(start)[:30]}, {str(end)[:30]})")
+    capture_id = check_id(data.get("capture_id"), "capture id")  # a folder under the save root, a record's file
     try:
         options = check_options(data.get("options") or {}, complete=True)
     except RequestError as exc:
@@ -192,4 +197,4 @@ def window_from_wire(data: Mapping[str, Any]) -> Window:
     if not isinstance(requested, Mapping) or not isinstance(note, str):
         raise ValueError("bad window: 'requested' must be an object and 'note' a string")
     return Window(start, end, WindowOptions(**options), source=str(data.get("source") or "daemon")[:32],
-                  capture_id=str(data.get("capture_id") or "")[:128], requested=dict(requested), note=note[:512])
+                  capture_id=capture_id, requested=dict(requested), note=note[:512])

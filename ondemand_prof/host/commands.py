@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from ..core.files import presence_note
 from ..core.options import add_window_flags, window_overrides
 from ..core.protocol import FINAL_STATES, encode
 from ..core.ranks import RankSpecError, parse_ranks, spans
@@ -254,7 +255,8 @@ class Capture(Command):
         first = windows[targets[0].rank]
         plan["note"] = "; ".join(filter(None, [first.note, plan.get("note", "")]))
         record = CaptureRecord.new(capture_id, job, request.as_dict(), plan, first.options.as_dict(),
-                                   [{"rank": t.rank, "host": t.host, "pid": t.pid} for t in targets], wall)
+                                   [{"rank": t.rank, "host": t.host, "pid": t.pid, "uid": t.uid} for t in targets],
+                                   wall)
         late = late_refusal(plan) if msg.get("across_hosts") is True else None
         if late:  # shared with other hosts' ranks: on the same steps everywhere or not here (host/alignment.py)
             refuse_parts(record, late, wall)
@@ -420,25 +422,12 @@ def result_text(record: dict[str, Any], finished: bool, waited: bool = True) -> 
             path = p.get("trace") or p.get("path") or "?"  # torch_npu writes a directory, not one trace file
             steps = p.get("steps")
             lines.append(f"  rank {p['rank']:<4} {path}" + (f"  steps {steps[0]}..{steps[-1]}" if steps else "")
-                         + (_on_disk(path) if p["host"] == here else "") + "\n")
+                         + (presence_note(path) if p["host"] == here else "") + "\n")
         elif p["state"] in ("failed", "rejected"):
             lines.append(f"  rank {p['rank']:<4} {p['state']}: {p.get('error')}\n")
     if record.get("misaligned"):
         lines.append(f"  MISALIGNED: {record['misaligned']['text']}\n")
     return "".join(lines)
-
-
-def _on_disk(path: str) -> str:
-    """'' when the path is there; else what a person reading it should know."""
-    try:
-        os.stat(path)
-    except FileNotFoundError:
-        return "  (MISSING on disk)"
-    except PermissionError:
-        return "  (on disk, not readable by you)"
-    except OSError as exc:
-        return f"  ({exc.strerror})"
-    return ""
 
 
 def exit_for(record: dict[str, Any]) -> int:

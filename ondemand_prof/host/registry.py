@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from ..core.ids import safe_id
 from ..core.protocol import HEARTBEAT_S, RANK_TIMEOUT_S
 from ..core.safejson import bounded_int, finite_number
 from ..core.ranks import RankSpecError, parse_ranks, spans
@@ -118,7 +119,8 @@ class RankInfo:
     defaults: WindowDefaults | None = None  # what the rank's configuration fills into a request
     windows: list[dict[str, Any]] | None = None  # running and queued windows, from the last heartbeat
     uid: int | None = None  # the connecting process's uid, from the kernel (SO_PEERCRED); None: not known
-    native_dump: dict[str, Any] | None = None  # {"signal", "file"}: faulthandler's stack dump (host/triage.py)
+    native_dump: dict[str, Any] | None = None  # {"file"}: faulthandler's stack dump, checked by host/triage.py
+    process: Any = None  # core.files.ProcessIdentity at registration (host/triage.py): pid reuse is told apart
     heard_at: float | None = None  # wall time of the rank's last heartbeat (or registration), when known
 
     def stalled_s(self, wall: float) -> float | None:
@@ -371,7 +373,14 @@ def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, 
         first = max(furthest + (start or 1), earliest)
         late, past = [], []
     plan: dict[str, Any] = {"current_steps": current, "lead_steps": lead, "late_ranks": late, "past_ranks": past}
-    blocking = [(t.rank, w) for t in targets for w in t.windows or [] if w["end"] is None or w["end"] > first]
+    # only windows that share a step with [first, first + steps) are in the way: one planned far ahead (a capture
+    # with --start 100000) leaves the steps before it free
+    blocking = _overlapping(targets, first, steps)
+    while blocking and start_step is None and all(w["end"] is not None for _, w in blocking):
+        more = [x for x in _overlapping(targets, max(w["end"] for _, w in blocking), steps) if x not in blocking]
+        if not more:
+            break
+        blocking += more  # moved after these, the window meets the next ones
     if blocking and start_step is None:
         open_ended = [(r, w) for r, w in blocking if w["end"] is None]
         if open_ended:
@@ -412,6 +421,12 @@ def stall_text(job: str, stall: dict[str, Any]) -> str:
             f"{job} (and flight-recorder)")
 
 
+def _overlapping(targets: list[RankInfo], first: int, steps: int) -> list[tuple[int, dict[str, Any]]]:
+    """(rank, window) of the targets' windows that share a step with [first, first + steps)."""
+    return [(t.rank, w) for t in targets for w in t.windows or []
+            if (w["end"] is None or w["end"] > first) and w["start"] < first + steps]
+
+
 def _windows(value: Any) -> list[dict[str, Any]] | None:
     """The windows a heartbeat lists, checked for shape; anything malformed is dropped."""
     if not isinstance(value, list):
@@ -423,7 +438,7 @@ def _windows(value: Any) -> list[dict[str, Any]] | None:
         start, end = w.get("start"), w.get("end")
         if not bounded_int(start, -1, MAX_STEP_VALUE) or not (end is None or bounded_int(end, -1, MAX_STEP_VALUE)):
             continue
-        out.append({"capture_id": str(w.get("capture_id", ""))[:128], "start": start, "end": end,
+        out.append({"capture_id": safe_id(w.get("capture_id", "")), "start": start, "end": end,
                     "source": str(w.get("source", ""))[:32], "state": str(w.get("state", ""))[:32]})
     return out
 

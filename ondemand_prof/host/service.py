@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping
 from .. import __version__
 from ..core.files import iso_time, pid_alive
 from ..core.protocol import FINAL_STATES, HEARTBEAT_S, RANK_TIMEOUT_S, encode, reply_error, reply_ok
-from .records import CaptureRecord, RecordStore
+from ..core.ids import valid_id
+from .records import CaptureRecord, RecordRefused, RecordStore
 from .registry import DeliveryBook, RankConflict, RankInfo, Registry
 from .triage import TriageBook
 
@@ -66,7 +67,7 @@ class Service:
                 return self.rank_handlers[kind](route, msg)
             data = self.commands[kind].execute(self, route, msg)
             return None if data is None else reply_ok(msg.get("id"), data)
-        except BadRequest as exc:
+        except (BadRequest, RecordRefused) as exc:
             return reply_error(msg.get("id"), str(exc))
         except Exception as exc:  # noqa: BLE001 - one bad request never takes the daemon down
             log.exception("ondemand-profd: error handling %s", kind)
@@ -104,11 +105,12 @@ class Service:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         info.uid = peer.uid if peer is not None else None
+        self.triage.registered(info)  # the process's identity (pid reuse), its native dump checked
         log.info("ondemand-profd: rank %d/%d of job %s registered (host %s, pid %d, step %d)", info.rank,
                  info.world_size, info.job, info.host, info.pid, info.step)
         recent = msg.get("recent")
         for item in recent[:64] if isinstance(recent, list) else []:  # what happened while we could not hear it
-            if isinstance(item, dict) and isinstance(item.get("capture_id"), str):
+            if isinstance(item, dict) and valid_id(item.get("capture_id")):
                 self._apply_event(info, item["capture_id"], str(item.get("event")), item.get("info") or {})
         return encode("registered", daemon_pid=os.getpid(), heartbeat_s=HEARTBEAT_S)
 
@@ -158,7 +160,7 @@ class Service:
                             info.rank, info.job, event, problem)
                 event, data = "failed", {"error": f"reported output refused: {problem}"}
                 break
-        if record.update(info.rank, event, data, time.time()):
+        if record.update(info.rank, event, data, time.time(), pid=info.pid):  # only from the process it was sent to
             self.changed(record)
 
     def _learn_delivery(self, info: RankInfo, record: CaptureRecord, data: dict[str, Any]) -> None:

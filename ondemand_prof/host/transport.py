@@ -25,7 +25,8 @@ from ..core.protocol import PROTOCOL_VERSION, RANK_MESSAGES, ProtocolError, deco
     socket_path
 from ..core.safedir import UnsafeDirectory, ensure_private_dir
 from .commands import CLI_MESSAGES, DAEMON_COMMANDS
-from .listener import Listener, group_gid, peer_of, raise_nofile_limit, remove_if_same
+from .listener import HANDSHAKE_S, TCP_PER_PEER, Listener, group_gid, peer_of, raise_nofile_limit, \
+    remove_if_same
 from .records import RecordStore
 from .sdnotify import notify, watchdog_interval
 from .service import Service
@@ -80,9 +81,10 @@ def write_pid_file(path: Path) -> tuple[int, int]:
 
 class Daemon:
     def __init__(self, runtime_dir: Path, state_dir: Path, *, group: str | None = None, listen: str | None = None,
-                 keys: Path | None = None) -> None:
+                 keys: Path | None = None, tcp_per_peer: int = TCP_PER_PEER) -> None:
         self.runtime_dir = runtime_dir
         self.listen = listen
+        self.tcp_per_peer = tcp_per_peer
         self.keys = keys
         self.tcp: TcpListener | None = None
         self.state_dir = state_dir
@@ -119,11 +121,12 @@ class Daemon:
         self._listener = Listener(path, group_gid=group_gid(self.group))
         self._sock = sock
         self._bound = True
-        self._listener.attach(sock)
+        if self.listen:
+            self.tcp = TcpListener(self._ctx, self.listen, self.keys, per_peer=self.tcp_per_peer)
+        self._listener.attach(sock, self.tcp)  # the descriptor gate watches both sockets' connections
         self._pid_identity = write_pid_file(self.runtime_dir / "profd.pid")
         log.info("ondemand-profd %s listening on %s (state in %s)", __version__, url, self.state_dir)
-        if self.listen:
-            self.tcp = TcpListener(self._ctx, self.listen, self.keys)
+        if self.tcp is not None:
             staged = self.runtime_dir / f".{TCP_FILE}.{os.getpid()}"
             staged.write_text(self.tcp.endpoint + "\n")
             os.replace(staged, self.runtime_dir / TCP_FILE)  # readers never see it half-written
@@ -171,11 +174,11 @@ class Daemon:
     def close(self) -> None:
         if self.service is not None:
             self.service.store.flush()
+        if self._listener is not None:
+            self._listener.close()  # the gate thread first: it watches the sockets closed below
         if self.tcp is not None:
             self.tcp.close()
             self.tcp = None
-        if self._listener is not None and self._sock is not None:
-            self._listener.close()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -185,7 +188,6 @@ class Daemon:
         if self._bound:  # never remove the socket or pid file of another daemon: checked by device and inode
             self._bound = False
             if self._listener is not None:
-                self._listener.close()
                 self._listener.remove()
             if self._pid_identity is not None:
                 remove_if_same(self.runtime_dir / "profd.pid", self._pid_identity)
@@ -208,8 +210,6 @@ class Daemon:
         poller.register(sock, zmq.POLLIN)
         listener = self._listener
         assert listener is not None
-        if listener.monitor is not None:
-            poller.register(listener.monitor, zmq.POLLIN)
         tcp = self.tcp
         if tcp is not None:
             for extra in tcp.sockets():
@@ -225,7 +225,7 @@ class Daemon:
             ready = poller.poll(int(timeout * 1000))
             if ready:
                 woke = time.monotonic()
-                listener.check()
+                self._guarded(listener.check)  # the gate thread closes it; the loop opens it again
                 if tcp is not None and (len(ready) > 1 or ready[0][0] is not sock):
                     self._serve_tcp()
                 for n in range(10_000):  # drain, but let housekeeping run under a flood
@@ -236,8 +236,6 @@ class Daemon:
                         frame = recv(_NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    if n & 255 == 255:
-                        listener.check()  # a burst of new connections: close the gate before descriptors run out
                     if getopt(_RCVMORE):  # a multi-frame message from a peer: not ours; drop the rest
                         while getopt(_RCVMORE):
                             recv(_NOBLOCK)
@@ -344,21 +342,23 @@ class Daemon:
 
 class TcpListener:
     """The TCP side: a second ROUTER socket (CURVE_SERVER is set per socket, before bind) and, with keys, the
-    ZAP handler on the daemon's own loop. Without keys only a loopback address is served."""
+    ZAP handler on the daemon's own loop. Without keys only a loopback address is served. The descriptor gate
+    (host/listener.py) holds each peer to `per_peer` connections and all of them to a share of the descriptors."""
 
-    def __init__(self, ctx: zmq.Context, listen: str, keys: Path | None) -> None:
+    def __init__(self, ctx: zmq.Context, listen: str, keys: Path | None, per_peer: int = TCP_PER_PEER) -> None:
         from .keys import SERVER, ZAP_DOMAIN, ZAP_ENDPOINT, KeyFileError, ZapHandler, load_pair
 
         host, port = parse_listen(listen)
         if keys is None and not is_loopback(host):
             raise DaemonError(f"--listen {listen} reaches beyond this host: give --keys DIR (CurveZMQ keys; create "
                               "them with: ondemandctl keygen DIR), or listen on 127.0.0.1")
+        self.per_peer = per_peer
         self.zap: Any = None  # keys.ZapHandler
         self._zap_sock: zmq.Socket | None = None
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1024 * 1024)
-        self.sock.setsockopt(zmq.HANDSHAKE_IVL, 10_000)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))  # unauthenticated: closed fast
         try:
             if keys is not None:
                 pair = load_pair(keys, SERVER)
@@ -373,6 +373,8 @@ class TcpListener:
             else:
                 log.warning("ondemand-profd: TCP on %s without keys: any local user can reach this daemon over TCP "
                             "(give --keys DIR to require CurveZMQ keys)", host)
+            # libzmq's TCP listener survives EMFILE (unlike its ipc one), so it binds this socket itself; the
+            # descriptor gate holds what it accepts to the per-peer limit and the TCP budget
             self.sock.bind(f"tcp://{host}:{port}")
         except (KeyFileError, OSError) as exc:
             self.close()
@@ -381,6 +383,7 @@ class TcpListener:
             self.close()
             raise DaemonError(f"--listen {listen}: cannot bind: {exc}") from None
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.port = int(self.endpoint.rsplit(":", 1)[1])
         log.info("ondemand-profd: serving ondemandctl on %s (%s)", self.endpoint,
                  "CurveZMQ, keys from " + str(keys) if keys else "no authentication")
 
@@ -433,8 +436,8 @@ def is_loopback(host: str) -> bool:
 
 
 def run(runtime_dir: Path, state_dir: Path, *, group: str | None = None, listen: str | None = None,
-        keys: Path | None = None) -> int:
-    daemon = Daemon(runtime_dir, state_dir, group=group, listen=listen, keys=keys)
+        keys: Path | None = None, tcp_per_peer: int = TCP_PER_PEER) -> int:
+    daemon = Daemon(runtime_dir, state_dir, group=group, listen=listen, keys=keys, tcp_per_peer=tcp_per_peer)
     try:
         daemon.open()
     except (DaemonError, ProtocolError, OSError, zmq.ZMQError) as exc:

@@ -29,7 +29,8 @@ from ..core.options import ConfigError, ProfileConfig, WindowOptions, config_fro
 from ..core.window import Window
 from .backends import Backend, Identity, Session, select_backend
 from .layout import CaptureLayout, trace_path
-from .output import ExportJob, Exporter, disk_problem, writable_problem
+from ..core.safedir import make_dirs, safe_save_root
+from .output import ExportJob, Exporter, dir_mode, disk_problem, writable_problem
 from .scheduler import IDLE, Active, Listener, Scheduler, tell
 
 log = logging.getLogger("ondemand_prof")
@@ -78,6 +79,7 @@ class OnDemandProfiler:
             problem = writable_problem(self._save_root)
             if problem:
                 raise ConfigError(f"invalid --profile-save-path {config.save_path!r}: {problem}")
+            self._secure_save_root()
         self.layout.remove_stale_staging()
         if self.config.enabled:
             self._queue_static()
@@ -94,6 +96,15 @@ class OnDemandProfiler:
 
             self.signal_trigger = SignalTrigger(self, self.config.signal)
             self.signal_trigger.install()
+
+    def _secure_save_root(self) -> None:
+        """Traces go only where nobody else controls the way to them (README "Security model")."""
+        root, why = safe_save_root(self._save_root, dir_mode(self.config.file_mode))
+        if why:
+            log.warning("%s", why)
+            self.config = self.config.replace(save_path=str(root))
+            self._save_root = root
+            self.layout = CaptureLayout(root, self.layout.host, self.layout.pid)
 
     def _queue_static(self) -> None:
         config = self.config
@@ -241,7 +252,7 @@ class OnDemandProfiler:
         ident = self.identity()
         backend = self.backend()
         out = self.layout.plan(window.capture_id, ident.rank, _dt.datetime.now())
-        out.folder.mkdir(parents=True, exist_ok=True)
+        make_dirs(out.folder, dir_mode(self.config.file_mode))  # whatever the umask
         return backend.open(window, ident, out.staging), {"out": out, "began_at": iso_time()}
 
     def collect(self, active: Active) -> Any:

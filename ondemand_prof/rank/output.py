@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..core.files import iso_time, write_json_atomic
+from ..core.safedir import save_path_problem
 from .backends import Export, Identity
 from .layout import METADATA_FILE, RankOutput
 from ..core.window import Window
@@ -62,7 +63,7 @@ def writable_problem(save_path: str | os.PathLike[str]) -> str | None:
 
 
 def disk_problem(save_root: Path, min_free_mb: int) -> str | None:
-    problem = writable_problem(save_root)
+    problem = writable_problem(save_root) or save_path_problem(save_root)  # chain owned by us or root
     if problem:
         return problem
     free_mb = shutil.disk_usage(existing_ancestor(save_root)).free // (1024 * 1024)

@@ -865,7 +865,10 @@ def test_a_silent_rank_whose_process_is_gone_is_forgotten(group_daemon: dict[str
     rank.run(f"open({str(dump)!r}, 'w').close()")
     assert _register(rank, "silent", helper, native_dump={"signal": native_dump_signal(),
                                                            "file": str(dump)})["type"] == "registered"
-    wait_for(lambda: "silent" not in ctl(env["run"], "status").stdout, 30, "the rank to go silent")
+    # its heartbeats stop: no longer live (status lists it as SILENT, its process alive, until it exits)
+    wait_for(lambda: "silent" not in json.loads(ctl(env["run"], "status", "--json").stdout)["jobs"], 30,
+             "the rank to go silent")
+    assert "SILENT: rank 0" in ctl(env["run"], "status").stdout
     rank.run("h.kill(); h.wait()")
     victim = _reuse_pid(helper)
     if victim is None:

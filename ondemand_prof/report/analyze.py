@@ -179,6 +179,10 @@ class RankAnalyzer:
         """A kernel, memcpy or collective on the device; `correlation` joins it to its launch (-1: unknown)."""
         self.dev.add(ts, dur, self._name_id(kernel_group(name)), correlation, comm=comm)
 
+    def set_library(self, name: str, library: str) -> None:
+        """Count device events named `name` as `library`'s communication (torch_npu's COMMUNICATION_OP names)."""
+        self.library_of.setdefault(self._name_id(kernel_group(name)), library)
+
     def launch_event(self, ts: float, correlation: int) -> None:
         """A CPU-side call that launched device work, at `ts`."""
         if correlation >= 0:

@@ -87,10 +87,11 @@ def test_multi_rank_report_through_the_cli(tmp_path: Path) -> None:
         assert [s["step"] for s in r["steps"]] == [4, 5, 6, 7]
         expected = cpu_split_by_hand(load_trace(cap)["traceEvents"])
         for s in r["steps"]:  # against a plain recomputation from the trace's JSON
-            busy, comm = expected[s["step"]]
-            assert s["comm_ms"] == pytest.approx(comm / 1000, abs=1e-6), s
-            assert s["compute_ms"] == pytest.approx((busy - comm) / 1000, abs=1e-6), s
-            assert s["idle_ms"] == pytest.approx(s["dur_ms"] - busy / 1000, abs=1e-6), s
+            compute, exposed, overlap = expected[s["step"]]
+            assert (s["compute_ms"], s["comm_ms"], s["overlap_ms"]) == pytest.approx(
+                (compute / 1000, exposed / 1000, overlap / 1000), abs=1e-6), s
+            assert s["idle_ms"] == pytest.approx(s["dur_ms"] - (compute + exposed + overlap) / 1000, abs=1e-6), s
+        assert [lib["library"] for lib in r["comm_libraries"]] == ["gloo", "c10d"]  # gloo's threads, then c10d
         assert r["comm_pct"] > 0 and r["memory"]["devices"][0]["peak_allocated"] > 0
         assert r["memory"]["devices"][0]["device"] == "CPU"
     # one capture directory alone
@@ -101,29 +102,38 @@ def test_multi_rank_report_through_the_cli(tmp_path: Path) -> None:
     assert [r["rank"] for g in folder["captures"] for r in g["ranks"]] == [0, 1]
 
 
-def cpu_split_by_hand(events: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
-    """step -> (busy, collective) microseconds, from the JSON alone: the union of the cpu_op/user_annotation
-    events that start inside the step on its thread (clipped to the step), and of those that are collectives."""
+COLLECTIVE_PREFIXES = ("gloo:", "c10d::", "record_param_comms", "nccl:")
+
+
+def cpu_split_by_hand(events: list[dict[str, Any]]) -> dict[int, tuple[float, float, float]]:
+    """step -> (compute, exposed communication, overlap) microseconds, from the JSON alone, segment by segment:
+    a collective (gloo:*, c10d::*, record_param_comms) open on ANY thread; the step's thread inside a cpu_op that
+    starts in the step and is not inside one of its own collectives."""
     steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
     out = {}
     for st in steps:
         lo, hi = float(st["ts"]), float(st["ts"]) + float(st["dur"])
-        inside = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
-                  and (e.get("pid"), e.get("tid")) == (st.get("pid"), st.get("tid")) and e is not st
-                  and lo <= float(e["ts"]) < hi]
-        spans = [(float(e["ts"]), min(hi, float(e["ts"]) + float(e["dur"])), str(e["name"])) for e in inside]
-        comm = [(a, b, n) for a, b, n in spans if n.startswith(("gloo:", "c10d::", "record_param_comms", "nccl:"))]
-        out[int(st["name"].split("#")[1])] = (union_length(spans), union_length(comm))
+
+        def spans(keep: Any) -> list[tuple[float, float]]:
+            return [(max(lo, float(e["ts"])), min(hi, float(e["ts"]) + float(e["dur"]))) for e in events
+                    if e.get("ph") == "X" and e is not st and keep(e)]
+        same = (st.get("pid"), st.get("tid"))
+        comm = spans(lambda e: str(e["name"]).startswith(COLLECTIVE_PREFIXES))
+        own_comm = spans(lambda e: (e.get("pid"), e.get("tid")) == same and lo <= float(e["ts"]) < hi
+                         and str(e["name"]).startswith(COLLECTIVE_PREFIXES))
+        ops = spans(lambda e: e.get("cat") == "cpu_op" and (e.get("pid"), e.get("tid")) == same
+                    and lo <= float(e["ts"]) < hi)
+        cuts = sorted({lo, hi, *(x for a, b in comm + ops if b > a for x in (a, b))})
+        compute = exposed = overlap = 0.0
+        for a, b in zip(cuts, cuts[1:]):
+            mid = (a + b) / 2
+            inside = lambda ivs: any(x <= mid < y for x, y in ivs)  # noqa: E731
+            works, talks = inside(ops) and not inside(own_comm), inside(comm)
+            compute += (b - a) * (works and not talks)
+            exposed += (b - a) * (talks and not works)
+            overlap += (b - a) * (works and talks)
+        out[int(st["name"].split("#")[1])] = (compute, exposed, overlap)
     return out
-
-
-def union_length(spans: list[tuple[float, float, str]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b, _ in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
 
 
 def test_reads_db_gzip_and_simplified_exports(tmp_path: Path) -> None:
@@ -275,7 +285,10 @@ def test_bad_input_gets_a_message_and_the_rest_is_reported(tmp_path: Path) -> No
     assert "truncated or corrupt" in by_rank[1]["warnings"][0] and len(by_rank[1]["steps"]) >= 1
     failures = {Path(f["path"]).name: f["error"] for g in data["captures"] for f in g["failed"]}
     assert failures["vm_1_20261129000000000_pt"] == "RuntimeError: profiler exploded"
-    assert "no \"traceEvents\" array" in failures["garbage.json"] or "truncated" in failures["garbage.json"]
+    (garbage,) = [e for e in data["sources"] if e["path"].endswith("garbage.json")]  # searched: not a trace
+    assert garbage["status"] == "skipped" and 'without a "traceEvents" array' in garbage["reason"]
+    (r,) = build_report([good / "garbage.json"])["captures"][0]["failed"]  # named: read, and why it fails
+    assert "no \"traceEvents\" array" in r["error"]
 
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -17,7 +17,8 @@ Definitions (the README's "Reports" section repeats them):
     the window;
   * per step, CPU only (gloo, CPU training): a collective runs = a collective operator or range is open on ANY
     thread of the trace (gloo runs its all_reduce on its own worker threads while the training thread goes on);
-    the step's thread works = it is inside an operator that is not (inside) a collective. compute = works and no
+    the step's thread works = it is inside an operator (cpu_op; a record_function label is not work: the thread
+    may wait inside one) that is not (inside) a collective. compute = works and no
     collective, communication = a collective and the thread does not work (exposed: it waits), overlap = both,
     idle = neither (Python, data loading, sleeping); the four add up to the step;
   * communication is what classify.COMM_LIBRARIES names; per library, the time some of its kernels (device) or
@@ -393,9 +394,10 @@ class RankAnalyzer:
                 if t.name[i] in step_ids:
                     continue
                 iv = (t.ts[i], min(hi, t.ts[i] + t.dur[i]))
-                busy.append(iv)
                 if t.name[i] in comm_ids:
                     own_comm.append(iv)
+                elif t.is_op[i]:  # a record_function label is not work: the thread may wait inside one
+                    busy.append(iv)
             work = _subtract(_merge(busy), _merge(own_comm))  # inside an operator, not (inside) a collective
             comm = _clip(comm_any, lo, hi)
             lw, lc = _length(work), _length(comm)
@@ -431,9 +433,12 @@ def analyze_trace_file(trace: Path, out: dict[str, Any], top: int) -> None:
     if isinstance(base, (int, float)) and base > 0:  # ts relative to a base: make them wall-clock comparable
         for step in out.get("steps") or []:
             step["start_us"] += base / 1000
-    info = reader.header.get("distributedInfo") or {}
+    info = reader.header.get("distributedInfo")
+    info = info if isinstance(info, dict) else {}
     if out.get("rank") is None and isinstance(info.get("rank"), int):
         out["rank"] = info["rank"]
+    if out.get("world_size") is None and isinstance(info.get("world_size"), int):
+        out["world_size"] = info["world_size"]
 
 
 def _number(value: Any) -> float:

@@ -51,7 +51,8 @@ TableRow = dict[str, Any]
 def read_ascend(path: Path, top: int) -> dict[str, Any]:
     """One rank's report from a *_ascend_pt directory or its ASCEND_PROFILER_OUTPUT."""
     root = path if path.name == ASCEND_DIR else path / ASCEND_DIR
-    out: dict[str, Any] = {"path": str(root.parent), "kind": "ascend", "rank": _rank(root.parent), "warnings": []}
+    out: dict[str, Any] = {"path": str(root.parent), "kind": "ascend", "rank": _rank(root.parent), "warnings": [],
+                           "world_size": _world_size(root.parent)}
     used: list[str] = []
     problems: list[str] = []
 
@@ -101,15 +102,34 @@ def _why(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _small_int(value: Any) -> int | None:
+    """A rank or world size written as a number or a numeric string ("rank_id": "2")."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+        return int(value) if 0 <= int(value) < 1 << 24 else None
+    return None
+
+
+def _world_size(top_dir: Path) -> int | None:
+    """torch_npu's profiler_metadata.json names the job's world size (distributed_args) when Megatron set it."""
+    args = _json_object(top_dir / "profiler_metadata.json").get("distributed_args")
+    return _small_int(args.get("world_size")) if isinstance(args, dict) else None
+
+
 def _rank(top_dir: Path) -> int | None:
-    info = top_dir / "profiler_info.json"
-    if info.exists():
-        try:
-            data = json.loads(info.read_text())
-            if isinstance(data, dict) and isinstance(data.get("rank_id"), int):
-                return data["rank_id"]
-        except ValueError:
-            pass
+    for info in (top_dir / "profiler_info.json", *sorted(top_dir.glob("profiler_info_*.json"))):
+        rank = _small_int(_json_object(info).get("rank_id")) if info.exists() else None
+        if rank is not None:
+            return rank
     for f in sorted(top_dir.glob("profiler_info_*.json")):
         suffix = f.stem.rsplit("_", 1)[1]
         if suffix.isdigit():

@@ -153,7 +153,7 @@ def test_rocm_trace() -> None:
 def test_cpu_only_trace_split_by_hand() -> None:
     """A CPU-only trace of a GPU job (no device activity recorded): its training thread spends most of the step in
     record_function labels (## backward ##: the autograd engine works elsewhere) without an operator open, which
-    is idle, not compute; its record_param_comms are the communication."""
+    is idle, not compute; its record_param_comms and nccl:all_to_all ranges are the communication."""
     events = events_of("hta_rank_non_gpu.json.gz")
     r = one_rank(REAL / "hta_rank_non_gpu.json.gz")
     (s,) = r["steps"]
@@ -162,7 +162,8 @@ def test_cpu_only_trace_split_by_hand() -> None:
     assert (s["compute_ms"], s["comm_ms"], s["overlap_ms"]) == pytest.approx(
         (compute / 1000, exposed / 1000, overlap / 1000), abs=1e-6)
     assert s["idle_ms"] > s["compute_ms"]  # the labels' time without an operator
-    assert r["basis"] == "cpu" and [lib["library"] for lib in r["comm_libraries"]] == ["c10d"]
+    # record_param_comms (c10d) around ProcessGroupNCCL's nccl:all_to_all ranges
+    assert r["basis"] == "cpu" and {lib["library"] for lib in r["comm_libraries"]} == {"c10d", "NCCL/RCCL"}
     assert_shares(r)
 
 

@@ -35,24 +35,33 @@ details.sources{background:#fff;border:1px solid #ddd;border-radius:6px;padding:
 """
 
 JS = """
-document.querySelectorAll('.tabs').forEach(function(tabs){
-  tabs.querySelectorAll('button').forEach(function(b){
-    b.addEventListener('click',function(){
-      var sec=tabs.parentElement;
-      sec.querySelectorAll(':scope > .view').forEach(function(v){v.classList.remove('active');});
-      tabs.querySelectorAll('button').forEach(function(x){x.classList.remove('active');});
-      document.getElementById(b.dataset.view).classList.add('active');b.classList.add('active');
-    });
-  });
+function showView(id){
+  var v=document.getElementById(id);
+  if(!v||!v.classList.contains('view'))return false;
+  var sec=v.parentElement;
+  sec.querySelectorAll(':scope > .view').forEach(function(x){x.classList.remove('active');});
+  sec.querySelectorAll(':scope > .tabs button').forEach(function(b){b.classList.toggle('active',b.dataset.view===id);});
+  v.classList.add('active');return true;
+}
+document.querySelectorAll('.tabs button').forEach(function(b){
+  b.addEventListener('click',function(){showView(b.dataset.view);});
 });
+function showRank(sel,value){
+  sel.value=value;
+  sel.closest('.view').querySelectorAll(':scope > .rank-view').forEach(function(v){
+    v.classList.toggle('active',v.dataset.rank===value);
+  });
+}
 document.querySelectorAll('select.rank-select').forEach(function(sel){
-  sel.addEventListener('change',function(){
-    var view=sel.closest('.view');
-    view.querySelectorAll(':scope > .rank-view').forEach(function(v){
-      v.classList.toggle('active',v.dataset.rank===sel.value);
-    });
-  });
+  sel.addEventListener('change',function(){showRank(sel,sel.value);});
 });
+// a link can open a view and a rank in it: report.html#view=c0-mem&rank=1 (not an element id: no jump)
+(function(){
+  var args={};location.hash.slice(1).split('&').forEach(function(kv){var p=kv.split('=');args[p[0]]=p[1];});
+  if(args.view&&showView(args.view)&&args.rank!==undefined){
+    var sel=document.getElementById(args.view).querySelector('select.rank-select');if(sel)showRank(sel,args.rank);
+  }
+})();
 document.querySelectorAll('table.sortable th').forEach(function(th,i){
   th.addEventListener('click',function(){
     var table=th.closest('table'),body=table.tBodies[0],rows=Array.prototype.slice.call(body.rows);

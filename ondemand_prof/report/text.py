@@ -240,7 +240,8 @@ def comm_counted(r: dict[str, Any]) -> str:
         return ("communication: none recognised (NCCL/RCCL, HCCL, gloo, c10d, DeepEP, NVSHMEM, SymmetricMemory, "
                 "MSCCL++ names; see the README)")
     return "communication counted: " + ", ".join(
-        f"{lib['library']} {lib['ms']:.2f} ms ({lib['count']} {lib['unit']})" for lib in libraries)
+        f"{lib['library']} {lib['ms']:.2f} ms ({lib['count']} {lib['unit'] if lib['count'] != 1 else lib['unit'][:-1]})"
+        for lib in libraries)
 
 
 def _memory_text(mem: dict[str, Any] | None) -> str:

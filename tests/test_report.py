@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -303,31 +304,57 @@ def test_bad_input_gets_a_message_and_the_rest_is_reported(tmp_path: Path) -> No
 
 
 def test_html_report_renders_in_a_headless_browser(tmp_path: Path) -> None:
+    """Three captures in one page: a real 1-rank run with memory, four fixture GPU ranks of which one is 30 % slower
+    (it stands out: marked), MindStudio Insight's two torch_npu ranks (0.5 % apart: not marked; a memory_record.csv
+    whose timestamps were rounded to one value). Rendered by Chromium, looked at in screenshots."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
         pytest.skip("no chromium here (.ci/run installs it)")
-    fixture_gpu_trace(tmp_path / "fixture_rank0.json", 0)
-    fixture_gpu_trace(tmp_path / "fixture_rank1.json", 1, slow=300.0)
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    for rank, slow in enumerate((0.0, 10.0, 5.0, 300.0)):
+        fixture_gpu_trace(gpu / f"fixture_rank{rank}.json", rank, slow=slow)
+    shutil.copytree(Path(__file__).resolve().parent / "fixtures" / "real" / "msinsight_server", tmp_path / "npu")
     save = tmp_path / "profile"
     assert_ok(run_ranks(["--steps", "8", "--profile", "--profile-step-start", "2", "--profile-step-end", "5",
                          "--profile-with-memory", "--profile-save-path", str(save), "--profile-min-free-mb", "0"]))
     page = tmp_path / "report.html"
-    res = ctl(tmp_path, "report", str(save), str(tmp_path / "fixture_rank0.json"), str(tmp_path / "fixture_rank1.json"),
-              "--html", str(page), "--summary")
+    res = ctl(tmp_path, "report", str(save), str(gpu), str(tmp_path / "npu"), "--html", str(page), "--summary")
     assert res.returncode == 0 and f"HTML report: {page}" in res.stdout
+    data = json.loads(ctl(tmp_path, "report", str(save), str(gpu), str(tmp_path / "npu"), "--json").stdout)
     text = page.read_text()
     assert "<script src" not in text and "<link" not in text and "http://" not in text  # self-contained
-    run = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-                          "--virtual-time-budget=3000", "--dump-dom", page.as_uri()], capture_output=True, text=True,
-                         timeout=120)
+
+    def render(*flags: str, url: str = page.as_uri()) -> subprocess.CompletedProcess:
+        return subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+                               "--v=0", "--virtual-time-budget=3000", *flags, url], capture_output=True, text=True,
+                              timeout=120)
+    run = render("--dump-dom")
     dom = run.stdout
     assert "</html>" in dom, run.stderr[-2000:]
-    console = [line for line in run.stderr.splitlines() if "CONSOLE" in line]
-    assert console == [], console
+    assert [line for line in run.stderr.splitlines() if "CONSOLE" in line] == []
     for marker in ('id="split-chart"', 'id="op-chart-', 'id="kernel-chart-', 'id="mem-chart-', 'id="timeline-',
-                   "Open the traces", "(slowest)"):
+                   "Open the traces", "samples share one timestamp", "communication counted: NCCL/RCCL"):
         assert marker in dom, marker
-    shot = tmp_path / "shot.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,1600",
-                    f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=120)
-    assert shot.stat().st_size > 20_000  # a page with charts, not a blank one
+    assert dom.count("(slowest)") == 1 and "3 (slowest)" in dom and "not marked: fewer than 3 ranks" in dom
+    # a rank selector per multi-rank view (GPU operators; torch_npu operators and memory), one rank shown in each
+    assert dom.count('class="rank-select"') == 3 and dom.count('<div class="rank-view active"') == 3
+    # every stacked-bar tooltip is a measured mean of the per-step rows
+    captions = re.findall(r"<title>rank (\d+) ([a-z ()]+): ([\d.]+) ms per step \(mean of (\d+) steps\)", dom)
+    assert len(captions) == 4 * (1 + 4 + 2)
+    by_rank = {(g_i, r["rank"]): r for g_i, g in enumerate(data["captures"]) for r in g["ranks"]}
+    keys = {"compute": "compute_ms", "communication (exposed)": "comm_ms", "overlap": "overlap_ms", "idle": "idle_ms"}
+    for rank, label, ms, n in captions:
+        candidates = [r for (_, rk), r in by_rank.items() if rk == int(rank)]
+        means = [sum(s[keys[label]] for s in r["steps"]) / len(r["steps"]) for r in candidates]
+        assert any(abs(float(ms) - m) < 0.006 and int(n) == len(r["steps"]) for m, r in zip(means, candidates))
+    # a link opens a view and a rank: torch_npu's memory, rank 1 (the rounded timestamps' note)
+    (npu,) = [k for k, g in enumerate(data["captures"]) if "torch_npu" in g["grouped_by"]]
+    linked = render("--dump-dom", url=f"{page.as_uri()}#view=c{npu}-mem&rank=1").stdout
+    assert f'<div class="view active" id="c{npu}-mem">' in linked
+    view = linked[linked.index(f'id="c{npu}-mem"'):]
+    assert '<div class="rank-view" data-rank="0">' in view and '<div class="rank-view active" data-rank="1">' in view
+    for i, url in enumerate((page.as_uri(), f"{page.as_uri()}#view=c{npu}-ops&rank=1")):
+        shot = tmp_path / f"shot{i}.png"
+        render("--window-size=1200,1600", f"--screenshot={shot}", url=url)
+        assert shot.stat().st_size > 20_000  # a page with charts, not a blank one

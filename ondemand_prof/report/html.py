@@ -227,6 +227,9 @@ def _split_chart(ranks: list[dict[str, Any]]) -> str:
     per-step rows (ms measured, not a share of another mean)."""
     timed = [(r, m) for r in ranks if (m := _mean_split(r))]
     if not timed:
+        if any(r.get("steps") for r in ranks):
+            return ('<p class="note">No step has a split to draw: its window is empty (no device kernel in the '
+                    'steps, or steps of zero length).</p>')
         return ""
     width, row_h, left, right = 760, 20, 70, 190
     scale = (width - left - right) / (max(m["window"] for _, m in timed) or 1.0)

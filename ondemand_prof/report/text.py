@@ -65,23 +65,22 @@ def short_names(names: list[str], n: int = 60) -> list[str]:
     in the middle, or in the folded parameters) show the part where they differ; if that is not enough, a number
     (`#2`) in the order of their full names."""
     out = [short_name(x, n) for x in names]
-    clashes: dict[str, list[int]] = defaultdict(list)
-    for i, text in enumerate(out):
-        clashes[text].append(i)
-    for idx in clashes.values():
+    for idx in _clashes(names, out):
+        for i in idx:
+            out[i] = _differing_part(names[i], [names[j] for j in idx if names[j] != names[i]], n)
+    for idx in _clashes(names, out):  # still alike (or alike another name's label): number them
         full = sorted({names[i] for i in idx})
-        if len(full) < 2:
-            continue  # the same name twice (two tables' rows), not a clash
         for i in idx:
-            out[i] = _differing_part(names[i], [f for f in full if f != names[i]], n)
-        seen: dict[str, list[str]] = defaultdict(list)
-        for i in idx:
-            seen[out[i]].append(names[i])
-        for i in idx:
-            same = sorted(set(seen[out[i]]))
-            if len(same) > 1:
-                out[i] = f"{out[i]} #{same.index(names[i]) + 1}"
+            out[i] = f"{out[i]} #{full.index(names[i]) + 1}"
     return out
+
+
+def _clashes(names: list[str], labels: list[str]) -> list[list[int]]:
+    """Index groups whose labels are equal while their full names are not."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, text in enumerate(labels):
+        groups[text].append(i)
+    return [idx for idx in groups.values() if len({names[i] for i in idx}) > 1]
 
 
 def _differing_part(name: str, others: list[str], n: int) -> str:

@@ -20,6 +20,7 @@ import argparse
 import gzip
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -105,15 +106,23 @@ def enlarge(base: Path, out: Path, target_mb: float) -> tuple[int, int]:
 
 
 def run(cmd: list[str], timeout: float) -> dict[str, Any]:
+    """The tool's own figures, or, when it fails or runs out of time, what it had used by then (the CPU time and
+    peak RSS of this process's waited-for children, which grew by this one)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"did not finish in {timeout:.0f} s"}
-    if p.returncode != 0:
-        last = (p.stderr.strip().splitlines() or ["?"])[-1]
-        return {"error": f"exit {p.returncode} after {time.monotonic() - t0:.0f} s: {last[:200]}"}
-    return json.loads(p.stdout.strip().splitlines()[-1])
+        p = None
+    if p is not None and p.returncode == 0:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    used = (f"{after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime:.0f} s of CPU, peak RSS "
+            f"{after.ru_maxrss / 1024:.0f} MB" + (" (or less)" if after.ru_maxrss == before.ru_maxrss else ""))
+    if p is None:
+        return {"error": f"did not finish in {timeout:.0f} s ({used})"}
+    last = (p.stderr.strip().splitlines() or ["?"])[-1]
+    return {"error": f"exit {p.returncode} after {time.monotonic() - t0:.0f} s ({used}): {last[:200]}"}
 
 
 def main() -> None:

@@ -46,6 +46,7 @@ class Service:
         self.started = time.monotonic()
         self.started_wall = time.time()
         self.outbox: list[tuple[bytes, bytes]] = []  # (route, frame) for the transport to send
+        self.refused: dict[str, int] = {}  # error replies by message type, for the metrics (host/metrics.py)
         self.watches: list[tuple[bytes, Any, str, float]] = []  # (route, request id, capture id, deadline)
         self._watch_due: set[str] = set()
         self._next_pid_check = 0.0
@@ -66,6 +67,7 @@ class Service:
             data = self.commands[kind].execute(self, route, msg)
             return None if data is None else reply_ok(msg.get("id"), data)
         except BadRequest as exc:
+            self.refused[kind] = self.refused.get(kind, 0) + 1
             return reply_error(msg.get("id"), str(exc))
         except Exception as exc:  # noqa: BLE001 - one bad request never takes the daemon down
             log.exception("ondemand-profd: error handling %s", kind)

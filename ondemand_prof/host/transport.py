@@ -80,7 +80,7 @@ def write_pid_file(path: Path) -> tuple[int, int]:
 
 class Daemon:
     def __init__(self, runtime_dir: Path, state_dir: Path, *, group: str | None = None, listen: str | None = None,
-                 keys: Path | None = None) -> None:
+                 keys: Path | None = None, metrics: str | None = None) -> None:
         self.runtime_dir = runtime_dir
         self.listen = listen
         self.keys = keys
@@ -96,11 +96,25 @@ class Daemon:
         self._sock: zmq.Socket | None = None
         self._listener: Listener | None = None
         self._pid_identity: tuple[int, int] | None = None
+        self.metrics_address = metrics
+        self.metrics: Any = None  # metrics.MetricsServer (--metrics HOST:PORT)
+        self.version = __version__
+        # counted for the metrics: plain integer adds, the heartbeats' only at each tick (from _beats)
+        self.heartbeats_total = 0
+        self.messages: dict[str, int] = {}
+        self.invalid_messages = 0
 
     # ------------------------------------------------------------------------------------------------------
     # Setup
 
     def open(self) -> None:
+        if self.metrics_address:  # before anything is created: a missing package or a bad address is one line
+            from .metrics import MetricsError, preflight
+
+            try:
+                preflight(self.metrics_address)
+            except MetricsError as exc:
+                raise DaemonError(str(exc)) from None
         self._prepare_runtime_dir()
         self.service = Service(RecordStore(self.state_dir), DAEMON_COMMANDS, host=self.host, runtime_dir=self.runtime_dir,
                                state_dir=self.state_dir)
@@ -127,6 +141,23 @@ class Daemon:
             staged = self.runtime_dir / f".{TCP_FILE}.{os.getpid()}"
             staged.write_text(self.tcp.endpoint + "\n")
             os.replace(staged, self.runtime_dir / TCP_FILE)  # readers never see it half-written
+        if self.metrics_address:
+            self._open_metrics()
+
+    def _open_metrics(self) -> None:
+        from .metrics import METRICS_FILE, MetricsError, MetricsServer
+
+        try:
+            self.metrics = MetricsServer(self.metrics_address, self)
+        except MetricsError as exc:
+            raise DaemonError(str(exc)) from None
+        staged = self.runtime_dir / f".{METRICS_FILE}.{os.getpid()}"
+        staged.write_text(self.metrics.address + "\n")
+        os.replace(staged, self.runtime_dir / METRICS_FILE)
+
+    @property
+    def listener(self) -> Listener | None:
+        return self._listener
 
     def _prepare_runtime_dir(self) -> None:
         d = self.runtime_dir
@@ -174,6 +205,9 @@ class Daemon:
         if self.tcp is not None:
             self.tcp.close()
             self.tcp = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self._listener is not None and self._sock is not None:
             self._listener.close()
         if self._sock is not None:
@@ -189,10 +223,11 @@ class Daemon:
                 self._listener.remove()
             if self._pid_identity is not None:
                 remove_if_same(self.runtime_dir / "profd.pid", self._pid_identity)
-            try:
-                (self.runtime_dir / TCP_FILE).unlink()
-            except OSError:
-                pass
+            for name in (TCP_FILE, "profd.metrics"):
+                try:
+                    (self.runtime_dir / name).unlink()
+                except OSError:
+                    pass
 
     # ------------------------------------------------------------------------------------------------------
     # Loop
@@ -241,6 +276,7 @@ class Daemon:
                     if getopt(_RCVMORE):  # a multi-frame message from a peer: not ours; drop the rest
                         while getopt(_RCVMORE):
                             recv(_NOBLOCK)
+                        self.invalid_messages += 1
                         self._send(route, reply_error(None, "expected a single-frame message"))
                         continue
                     try:
@@ -258,10 +294,13 @@ class Daemon:
                         time.sleep(pause)
             now = time.monotonic()
             if now >= next_tick:
+                self.heartbeats_total += self._beats
                 rate, self._beats = self._beats / max(TICK_S, now - next_tick + TICK_S), 0
                 next_tick = now + TICK_S
                 self._guarded(listener.check, True)
                 self._guarded(service.housekeeping, now)
+                if self.metrics is not None:
+                    self._guarded(self.metrics.tick, time.time())
                 if wd and now >= next_wd:
                     notify("WATCHDOG=1")
                     next_wd = now + wd
@@ -305,8 +344,10 @@ class Daemon:
             msg = decode(frame, schema)
         except ProtocolError as exc:
             log.warning("ondemand-profd: bad message (%d bytes): %s", len(frame), exc)
+            self.invalid_messages += 1
             self._send(route, reply_error(None, str(exc)))
             return
+        self.messages[msg["type"]] = self.messages.get(msg["type"], 0) + 1  # types: the schema's, bounded
         msg["_peer"] = peer_of(carrier) if carrier is not None else None  # the kernel's word, not the sender's
         out = service.handle(route, msg)
         if out is not None:
@@ -433,8 +474,8 @@ def is_loopback(host: str) -> bool:
 
 
 def run(runtime_dir: Path, state_dir: Path, *, group: str | None = None, listen: str | None = None,
-        keys: Path | None = None) -> int:
-    daemon = Daemon(runtime_dir, state_dir, group=group, listen=listen, keys=keys)
+        keys: Path | None = None, metrics: str | None = None) -> int:
+    daemon = Daemon(runtime_dir, state_dir, group=group, listen=listen, keys=keys, metrics=metrics)
     try:
         daemon.open()
     except (DaemonError, ProtocolError, OSError, zmq.ZMQError) as exc:

@@ -45,7 +45,7 @@ import zmq  # noqa: E402
 
 from ondemand_prof.rank.backends import Identity  # noqa: E402
 from ondemand_prof.core.options import ProfileConfig  # noqa: E402
-from ondemand_prof.host.client import Client  # noqa: E402
+from ondemand_prof.host.client import Client, CtlError  # noqa: E402
 from ondemand_prof.rank.daemon_link import DaemonLink  # noqa: E402
 from ondemand_prof.rank.triage import collect_stacks, fit_stacks  # noqa: E402
 
@@ -303,7 +303,14 @@ def big_phase(args: argparse.Namespace, run_dir: Path, client: Client, dproc: ps
         if "big" in phases:
             for i in range(args.cpu_runs):
                 ld = load()
+                spy = None
+                if os.environ.get("BENCH_PYSPY") and i == 0:  # where the main thread's time goes (sampled)
+                    spy = subprocess.Popen(["py-spy", "record", "--pid", str(dproc.pid), "--duration",
+                                            str(int(args.cpu_window)), "--format", "raw", "--nonblocking",
+                                            "--output", os.environ["BENCH_PYSPY"]], stdout=subprocess.DEVNULL)
                 share, probe, split = cpu_window(dproc, client, args.cpu_window)
+                if spy is not None:
+                    spy.wait(60)
                 rows.append((f"daemon CPU, {args.big} ranks at 1 Hz, window {i + 1} ({ld})",
                              f"{share * 100:.1f} % of a core ({split}); loop answers p50 "
                              f"{statistics.median(probe) * 1000:.1f} / max {max(probe) * 1000:.1f} ms"))
@@ -318,14 +325,21 @@ def big_phase(args: argparse.Namespace, run_dir: Path, client: Client, dproc: ps
                                  f"{share * 100:.1f} % of a core ({split}); loop answers p50 "
                                  f"{statistics.median(probe) * 1000:.1f} / max {max(probe) * 1000:.1f} ms; scrape "
                                  f"p50 {statistics.median(scraper.times) * 1000:.0f} ms, {scraper.size / 1024:.0f} KiB"))
-            acks = [capture_until(client, ("received", "scheduled", "recording", "writing", "done")) for _ in range(3)]
-            rows.append((f"capture -> acknowledged by all {args.big} ranks (best/worst of 3)",
-                         f"{min(acks) * 1000:.0f} / {max(acks) * 1000:.0f} ms"))
+            try:
+                acks = [capture_until(client, ("received", "scheduled", "recording", "writing", "done"))
+                        for _ in range(3)]
+                rows.append((f"capture -> acknowledged by all {args.big} ranks (best/worst of 3)",
+                             f"{min(acks) * 1000:.0f} / {max(acks) * 1000:.0f} ms"))
+            except CtlError as exc:  # e.g. STALLED: simulated ranks starved of CPU on a loaded machine
+                rows.append((f"capture -> acknowledged by all {args.big} ranks", f"FAILED: {str(exc)[:160]}"))
         if "stacks" in phases:
             rss = dproc.memory_info().rss / 2**20
             t0 = time.perf_counter()
-            extra, data = peak_extra_rss(dproc.pid, lambda: client.request(
-                "stacks", ranks=[-1], timeout_s=60, args={}, wait_s=90))
+            try:
+                extra, data = peak_extra_rss(dproc.pid, lambda: client.request(
+                    "stacks", ranks=[-1], timeout_s=60, args={}, wait_s=90))
+            except CtlError as exc:
+                extra, data = float("nan"), {"error": str(exc)}
             took = time.perf_counter() - t0
             answered = len(data.get("answered_python", []))
             groups = sum(len(t["stacks"]) for t in data.get("threads", []))

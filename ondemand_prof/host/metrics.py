@@ -307,7 +307,7 @@ class MetricsServer:
         self._wanted = threading.Event()
         self._fresh = threading.Condition()
         self._last_publish = 0.0
-        self._serial = 0
+        self.published = 0  # Snapshots the loop built
         self._cache: tuple[int, bytes, bytes | None] | None = None  # (serial, text, gzipped text)
         self._render_lock = threading.Lock()
         self.rendering: Snapshot | None = None
@@ -352,8 +352,8 @@ class MetricsServer:
         if not self._wanted.is_set() or wall - self._last_publish < PUBLISH_EVERY_S:
             return
         self._wanted.clear()
-        self._serial += 1
-        snap = build_snapshot(self.daemon, self.counts, wall, self._serial)
+        self.published += 1
+        snap = build_snapshot(self.daemon, self.counts, wall, self.published)
         self._last_publish = wall
         with self._fresh:
             self._snapshot = snap
@@ -390,8 +390,10 @@ class MetricsServer:
             return self._cache[2] if gzipped else self._cache[1]  # type: ignore[return-value]
 
     def _app(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
-        from prometheus_client import CONTENT_TYPE_LATEST
+        from prometheus_client import exposition
 
+        # the classic text format (0.0.4), which is what this endpoint writes (our names need no UTF-8 escaping)
+        content_type = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", exposition.CONTENT_TYPE_LATEST)
         if environ.get("PATH_INFO") not in ("/metrics", "/"):
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"not found: the metrics are at /metrics\n"]
@@ -400,7 +402,7 @@ class MetricsServer:
             return [b""]
         gzipped = "gzip" in environ.get("HTTP_ACCEPT_ENCODING", "")
         data = self.body(gzipped)
-        headers = [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(data)))]
+        headers = [("Content-Type", content_type), ("Content-Length", str(len(data)))]
         if gzipped:
             headers.append(("Content-Encoding", "gzip"))
         start_response("200 OK", headers)

@@ -212,3 +212,38 @@ def test_scraping_4096_synthetic_ranks_in_a_loop_costs_one_snapshot_a_second() -
         assert len(steps) == n and min(steps) >= 1  # every rank, from a snapshot taken after heartbeats
     finally:
         d.close()
+
+
+def test_stacks_answers_are_folded_as_they_arrive(tmp_path: Path) -> None:
+    """The daemon keeps one copy of each distinct stack while a `stacks` request waits for its ranks (4096
+    answers of up to 56 KiB each were held whole until the last came); the reply reads as before. The service is
+    driven directly; the answers are SYNTHETIC (frames of this test's own stack)."""
+    from ondemand_prof.host.commands import DAEMON_COMMANDS
+    from ondemand_prof.host.records import RecordStore
+    from ondemand_prof.host.service import Service
+    from ondemand_prof.host.triage import group_stacks
+    from ondemand_prof.rank.triage import collect_stacks
+
+    svc = Service(RecordStore(tmp_path), DAEMON_COMMANDS, host="h", runtime_dir=tmp_path, state_dir=tmp_path,
+                  pid_check=lambda pid, thorough: True)
+    n = 64
+    for r in range(n):
+        svc.handle(b"r%d" % r, {"type": "register", "job": "j", "rank": r, "world_size": n, "host": "h",
+                                "pid": 10 + r, "step": 1, "began": time.time()})
+    svc.handle(b"cli", {"type": "stacks", "id": 1, "ranks": [-1], "timeout_s": 30, "args": {}})
+    triage_id = json.loads(svc.outbox[0][1])["triage_id"]
+    svc.outbox.clear()
+    threads = [{**t, "collector": False} for t in collect_stacks()]  # here the main thread collects
+    answers = {}
+    for r in range(n):
+        odd = [{**t, "frames": t["frames"][:-1] + [["train.py", 97, "stuck", "dist.barrier()"]]} for t in threads]
+        answers[r] = {"ok": True, "method": "python", "threads": odd if r == 7 else threads, "trimmed": False}
+        svc.handle(b"r%d" % r, {"type": "triage_result", "triage_id": triage_id, "result": answers[r]})
+        pending = svc.triage.pending.get(triage_id)
+        assert pending is None or all("threads" not in res for res in pending.results.values())
+    reply = json.loads(svc.outbox[-1][1])["data"]  # answered when the last rank did
+    expected = group_stacks(answers)
+    assert reply["threads"] == json.loads(json.dumps(expected["threads"]))
+    main = next(t for t in reply["threads"] if t["thread"].endswith("(main)"))
+    assert [(s["rank_spans"], s["odd"]) for s in main["stacks"]] == [("0-6,8-63", False), ("7", True)]
+    assert reply["answered_python"] == list(range(n))

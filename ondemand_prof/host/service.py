@@ -47,6 +47,7 @@ class Service:
         self.started_wall = time.time()
         self.outbox: list[tuple[bytes, bytes]] = []  # (route, frame) for the transport to send
         self.refused: dict[str, int] = {}  # error replies by message type, for the metrics (host/metrics.py)
+        self.caught_up = float("inf")  # monotonic time the transport last found no message waiting (inf: always)
         self.watches: list[tuple[bytes, Any, str, float]] = []  # (route, request id, capture id, deadline)
         self._watch_due: set[str] = set()
         self._next_pid_check = 0.0
@@ -216,7 +217,10 @@ class Service:
         wall = time.time()
         if now >= self._next_pid_check:  # every rank is looked at twice a second, not at every tick
             self._next_pid_check = now + PID_CHECK_S
-            for info, reason in self.registry.expire(now, self.pid_check):
+            # silence is counted up to when the transport last had every message read (`caught_up`): a daemon
+            # seconds behind its queue (a starved CPU) otherwise expired ranks whose heartbeats were waiting in it,
+            # and their registrations again put it further behind
+            for info, reason in self.registry.expire(min(now, self.caught_up), self.pid_check):
                 log.warning("ondemand-profd: rank %d of job %s left: %s", info.rank, info.job, reason)
                 self.triage.forget_later(info, reason, now)  # a hung rank stays reachable for a native dump
                 self._fail_parts(info, f"rank {info.rank} is gone: {reason}", wall)

@@ -258,10 +258,13 @@ class Daemon:
         wd = watchdog_interval()
         next_wd = time.monotonic()
         notify("READY=1\nSTATUS=serving " + str(socket_path(self.runtime_dir)))
+        service.caught_up = time.monotonic()
         while not self._stop:
             timeout = max(0.0, next_tick - time.monotonic())
             ready = poller.poll(int(timeout * 1000))
-            if ready:
+            if not ready:
+                service.caught_up = time.monotonic()  # nothing waits
+            else:
                 woke = time.monotonic()
                 listener.check()
                 if tcp is not None and (len(ready) > 1 or ready[0][0] is not sock):
@@ -273,6 +276,7 @@ class Daemon:
                         route = recv(_NOBLOCK)
                         frame = recv(_NOBLOCK, copy=False)
                     except zmq.Again:
+                        service.caught_up = time.monotonic()  # every message sent before this is read
                         break
                     if n & 255 == 255:
                         listener.check()  # a burst of new connections: close the gate before descriptors run out

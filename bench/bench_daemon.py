@@ -284,16 +284,17 @@ def small_phase(args: argparse.Namespace, run_dir: Path, client: Client, dproc: 
     try:
         wait_registered(client, args.small)
         ld = load()
-        c0 = dproc.cpu_times()
+        c0, t0 = dproc.cpu_times(), thread_cpu(dproc.pid)
         lat = [capture_until(client, ("scheduled", "recording", "writing", "done")) for _ in range(args.captures)]
-        c1 = dproc.cpu_times()
+        c1, t1 = dproc.cpu_times(), thread_cpu(dproc.pid)
         rows.append((f"capture -> scheduled on all {args.small} ranks, p50 ({ld})",
                      f"{statistics.median(lat) * 1000:.1f} ms"))
         rows.append((f"capture -> scheduled on all {args.small} ranks, p99", f"{pct(lat, 99) * 1000:.1f} ms"))
         # what a loaded machine does not inflate much: the daemon's own CPU time per capture (its 64 ranks'
         # heartbeats included, about 1% of it)
         per = ((c1.user + c1.system) - (c0.user + c0.system)) / args.captures
-        rows.append(("daemon CPU per capture (request, 3 events a rank, answers)", f"{per * 1000:.1f} ms"))
+        split = ", ".join(f"{k} {(t1[k] - t0.get(k, 0.0)) / args.captures * 1000:.1f}" for k in sorted(t1))
+        rows.append(("daemon CPU per capture (request, 3 events a rank, answers)", f"{per * 1000:.1f} ms ({split})"))
     finally:
         stop_sim(workers, stop)
     time.sleep(RANK_GONE_S)

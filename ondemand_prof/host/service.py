@@ -284,16 +284,19 @@ def output_path_problem(path: Any, save_root: str, uid: int | None) -> str | Non
         return "not a path"
     if not save_root:
         return f"{path} cannot be checked: the rank registered no save root"
+    st: os.stat_result | None = None
     try:
         real, st = resolved(path)
     except OSError as exc:
-        return f"{path}: {exc.strerror}"
+        real, missing = os.path.realpath(path), exc.strerror
     try:
         root = resolved(save_root)[0]
     except OSError:
         root = os.path.realpath(save_root)
     if not real.startswith(root.rstrip("/") + "/"):
         return f"{path} is not under the rank's save root {save_root}"
+    if st is None:
+        return f"{path}: {missing}"
     if uid is not None and st.st_uid != uid:
         return f"{path} is owned by uid {st.st_uid}, not by the rank's uid {uid}"
     return None

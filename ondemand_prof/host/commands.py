@@ -805,7 +805,7 @@ class Stacks(_TriageCommand):
         from .triage import group_stacks
 
         data = super().finish(pending)
-        data.update(group_stacks(pending.results))
+        data.update(group_stacks(pending.results, pending.folder))
         for res in data["ranks"].values():  # grouped above; per rank only how it answered
             res.pop("threads", None)
             res.pop("text", None)

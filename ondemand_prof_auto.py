@@ -11,38 +11,41 @@ Lightning's or Accelerate's launcher, a DataLoader worker) neither counts steps 
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import os
 import sys
-from typing import Any
 
 ENV = "ONDEMAND_PROF_AUTO"
 
 
-def wanted(environ: Any = None) -> bool:
+def wanted(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
     value = (os.environ if environ is None else environ).get(ENV, "").strip().lower()
     return value not in ("", "0", "false", "no", "off")
 
 
-class _TorchWatcher(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when `torch` is about to be imported, wraps its loader so that install_hook
-    runs right after torch's own module code."""
+class _TorchWatcher:
+    """A meta path finder (any object with find_spec will do: importlib.abc's base class alone cost every
+    process 15 ms at start-up) that finds nothing itself: when `torch` is about to be imported, wraps its
+    loader so that install_hook runs right after torch's own module code."""
 
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+    def find_spec(self, name: str, path: object = None, target: object = None) -> object:
         if name != "torch":
             return None
         try:
             sys.meta_path.remove(self)  # once: the real finders locate torch
         except ValueError:
             return None
-        spec = importlib.util.find_spec(name)
+        spec = None
+        for finder in sys.meta_path:  # what importlib does, without importing importlib.util
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
         real_exec = loader.exec_module
 
-        def exec_module(module: Any) -> None:
+        def exec_module(module: object) -> None:
             real_exec(module)
             install_hook()
 
@@ -50,7 +53,7 @@ class _TorchWatcher(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+def _on_optimizer_step(optimizer: object, args: object, kwargs: object) -> None:
     """torch's global optimizer post-step hook: hand the step to zerocode (imported at the first step)."""
     try:
         from ondemand_prof.integrations import zerocode
@@ -60,6 +63,71 @@ def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         import logging
 
         logging.getLogger("ondemand_prof").exception("ondemand_prof: zero-code step failed")
+
+
+def _appeared(what: str) -> None:
+    """A training process showed itself (torch.distributed came up, or an optimizer was made): the profiler is
+    made now, so its start-up line says how to capture it before the first step, and it can say when no
+    optimizer step comes."""
+    try:
+        from ondemand_prof.integrations import zerocode
+
+        zerocode.auto_appeared(what)
+    except Exception:  # noqa: BLE001 - nothing of ours may reach the training loop
+        import logging
+
+        logging.getLogger("ondemand_prof").exception("ondemand_prof: zero-code start failed")
+
+
+def _after(owner: Any, name: str, what: str) -> None:
+    """Wrap owner.name so that _appeared(what) runs once after its first call; the original is put back then."""
+    original = getattr(owner, name, None)
+    if original is None:
+        return
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if getattr(owner, name, None) is wrapper:
+            setattr(owner, name, original)
+        _appeared(what)
+        return result
+
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(owner, name, wrapper)
+
+
+def _watch_forward_with_grad(torch: Any) -> None:
+    """A module's forward with gradients on: a training loop, even one that updates weights by hand (it makes no
+    optimizer). Watched for the first 1000 forwards only (an inference process pays no more than that); torch
+    iterates a snapshot of the global hooks, so the hook removes itself."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    seen = [0]
+
+    def hook(module: Any, args: Any) -> None:
+        seen[0] += 1
+        training = torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
+        if training or seen[0] >= 1000:
+            handle.remove()
+        if training:
+            _appeared("a module's forward with gradients")
+
+    handle = register_module_forward_pre_hook(hook)
+
+
+def _watch_for_training() -> None:
+    """The first optimizer made, torch.distributed initialised (under both names it is called by), or a forward
+    with gradients."""
+    import torch
+
+    _after(torch.optim.Optimizer, "__init__", "an optimizer")
+    _watch_forward_with_grad(torch)
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available():
+        from torch.distributed import distributed_c10d
+
+        for owner in (dist, distributed_c10d):
+            _after(owner, "init_process_group", "torch.distributed")
 
 
 _installed = False
@@ -76,6 +144,11 @@ def install_hook() -> None:
         _installed = True
     except Exception as exc:  # noqa: BLE001 - a torch without global hooks (older than 2.0): say so, carry on
         print(f"ondemand_prof: {ENV} is set but torch has no global optimizer hook: {exc}", file=sys.stderr)
+        return
+    try:
+        _watch_for_training()
+    except Exception as exc:  # noqa: BLE001 - the line then comes at the first optimizer step, as before
+        print(f"ondemand_prof: {ENV}: cannot watch for the training process to start: {exc}", file=sys.stderr)
 
 
 def install() -> None:

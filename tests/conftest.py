@@ -18,6 +18,23 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 STAND_INS = Path(__file__).resolve().parent / "stand_ins"
 
+# The quick tier (`bash scripts/test.sh --quick`, about a minute on 2 cores): the modules whose tests run in
+# this process (pure policy, parsers, reports on stored traces), with a few short subprocesses at most. The
+# full suite (no flag) is what CI runs.
+QUICK_MODULES = {"test_daemon_logic.py", "test_window_logic.py", "test_config.py", "test_scheduler.py",
+                 "test_report_synthetic.py", "test_report_real.py", "test_report_sources.py", "test_npu_backend.py",
+                 "test_fuzz.py"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "quick: the quick tier, in-process tests (scripts/test.sh --quick)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in QUICK_MODULES:
+            item.add_marker(pytest.mark.quick)
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -6,6 +6,8 @@ import argparse
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -139,6 +141,39 @@ def test_adding_an_option_is_one_table_entry(monkeypatch):
     assert o.window_overrides(ctl.parse_args(["--no-with-flops"]), table) == {"with_flops": False}
     kwargs = torch_profile_kwargs(window_cls(with_flops=True), cuda=False, table=table)
     assert kwargs["with_flops"] is True and kwargs["with_stack"] is False
+
+
+def test_profile_config_is_the_table_written_out_with_real_types() -> None:
+    """core/config.py is generated from OPTIONS (scripts/generate.py): a table changed without regenerating it
+    fails here; its fields carry the types the parsers return, so editors and type checkers see them."""
+    import typing
+
+    from ondemand_prof.core import options as o
+
+    path = Path(o.__file__).with_name("config.py")
+    assert path.read_text() == o.render_config_module(), "run: python scripts/generate.py"
+    hints = typing.get_type_hints(o.ProfileConfig)
+    assert [f for f in hints] == [opt.name for opt in o.OPTIONS]
+    assert (hints["ranks"], hints["step_start"], hints["auto_ratio"], hints["with_stack"], hints["level"]) == (
+        tuple[int, ...], int, float, bool, str)
+    assert o.ProfileConfig().file_mode == 0o640 and list(typing.get_type_hints(o.WindowOptions)) == [
+        opt.name for opt in o.window_options()]
+
+
+def test_the_docs_site_builds_strict_and_its_options_table_is_the_table(tmp_path: Path) -> None:
+    """docs/ is a MkDocs site: a broken link or a missing page fails the build (--strict); the configuration
+    reference in it is generated from OPTIONS and must be what the table says."""
+    from ondemand_prof.core import options as o
+
+    root = Path(o.__file__).resolve().parents[2]
+    assert (root / "docs" / "_generated" / "options.md").read_text() == o.render_config_reference(), \
+        "run: python scripts/generate.py"
+    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+                         cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ,
+                                                                                     "NO_MKDOCS_2_WARNING": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    page = (tmp_path / "site" / "configuration" / "index.html").read_text()
+    assert all(f"<code>{opt.flag}</code>" in page for opt in o.OPTIONS)  # every option, in the built page
 
 
 @pytest.mark.parametrize("data,message", [

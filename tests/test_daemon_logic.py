@@ -4,11 +4,12 @@ message schema."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from ondemand_prof.host.records import CaptureRecord
-from ondemand_prof.host.registry import RankInfo, Registry, plan_window
+from ondemand_prof.host.registry import RankConflict, RankInfo, Registry, plan_window, stall_text, stalls
 from ondemand_prof.core.protocol import ProtocolError, decode, encode
 from ondemand_prof.host.commands import CLI_MESSAGES
 
@@ -44,6 +45,37 @@ def test_heartbeat_progress_corrects_a_median_still_weighed_by_slow_first_steps(
     assert info.estimated_step(101.2) == 62  # not 52: the faster of the two rates
 
 
+def test_a_hung_rank_is_stalled_not_extrapolated() -> None:
+    """Rank 1 asleep before a collective: its agent still sends heartbeats (step 40, began at 100.0). Status
+    shows the step it reported, STALLED after max(10 s, 20 median steps), and planning does not count on it."""
+    reg = Registry()
+    msg = {"job": "j", "world_size": 2, "host": "h", "step": 40, "step_time": 0.05, "began": 100.0}
+    reg.register(b"r1", {**msg, "rank": 1, "pid": 11}, 0.0, 100.0, lambda pid, t: True)
+    info = reg.heartbeat(b"r1", msg, 60.0, 160.0)  # a minute later, still in step 40
+    assert info is not None
+    assert info.estimated_step(160.5) == 40  # was 40 + 60.5 / 0.05 = 1250 before
+    row = info.as_dict(60.5, 160.5)
+    assert (row["step"], row["stalled_s"], row["step_estimate"]) == (40, 60.5, 40)
+    assert info.stalled_s(109.0) is None  # 9 s: under the 10 s floor
+    slow = RankInfo(b"", "j", 0, 1, "h", 1, 7, step_time=2.0, step_began_at=100.0)
+    assert slow.stalled_s(139.0) is None and slow.stalled_s(141.0) == 41.0  # 20 steps of 2 s
+    starting = RankInfo(b"", "j", 0, 1, "h", 1, 0, step_began_at=100.0)  # no step finished yet: starting up
+    assert starting.stalled_s(400.0) is None
+    stall = stalls([row, {"rank": 0, "step": 41, "stalled_s": None}], 160.5)
+    assert stall is not None and stall["ranks"] == [1] and stall["steps"] == {"1": 40} and not stall["all"]
+    assert "job j is STALLED: rank(s) 1 have not finished a step for 60 s" in stall_text("j", stall)
+    assert "ondemandctl stacks --job j" in stall_text("j", stall)
+
+
+def test_a_long_step_is_not_extrapolated_past_the_last_heartbeat() -> None:
+    """A step that has run 3 s (median 0.1 s) is not 30 steps on: the rank said step 50 0.2 s ago, so now it is
+    at most the step after 50 plus what 0.2 s of steps adds."""
+    info = RankInfo(b"", "j", 0, 1, "h", 1, 50, step_time=0.1, step_began_at=100.0, heard_at=102.8)
+    assert info.estimated_step(103.0) == 53
+    info.heard_at = None  # a caller that does not know when it heard the rank: the old estimate
+    assert info.estimated_step(103.0) == 80
+
+
 def test_plan_goes_after_windows_already_on_the_ranks() -> None:
     busy = rank(1, 12)
     busy.windows = [{"capture_id": "file-abc", "start": 14, "end": 40, "source": "file", "state": "scheduled"}]
@@ -75,9 +107,14 @@ def test_registry_selects_live_ranks_and_names_missing_ones() -> None:
     assert reg.resolve_job(None) == "j"
     with pytest.raises(ValueError, match="no live job 'k'"):
         reg.resolve_job("k")
-    # a rank restarted in a new process replaces its old entry
-    reg.register(b"new", {**msg, "rank": 1, "pid": 999}, 0.0, 0.0, lambda pid, thorough: True)
-    assert [r.pid for r in reg.select("j", (1,))] == [999]
+    # a second live process claiming rank 1 is refused, the first keeps it, and the conflict is kept for status
+    with pytest.raises(RankConflict, match=r"rank 1 of job 'j' is held by pid 101 on h, which is alive; pid 999"):
+        reg.register(b"new", {**msg, "rank": 1, "pid": 999}, 0.0, 0.0, lambda pid, thorough: True)
+    assert [r.pid for r in reg.select("j", (1,))] == [101]
+    assert [(c["pid"], c["refused_pid"], c["attempts"]) for c in reg.conflicts_of("j", 1.0)] == [(101, 999, 1)]
+    # a rank restarted in a new process (the old one gone) replaces its old entry; the conflict is over
+    reg.register(b"new", {**msg, "rank": 1, "pid": 999}, 0.0, 0.0, lambda pid, thorough: pid != 101)
+    assert [r.pid for r in reg.select("j", (1,))] == [999] and reg.conflicts_of("j", 1.0) == []
     # heartbeats stop: gone after the timeout; a pid that exits: gone at the next check
     reg.heartbeat(b"r0", {"step": 5}, 3.0)
     reg.heartbeat(b"r5", {"step": 5}, 3.0)
@@ -125,7 +162,7 @@ def test_service_handlers_without_sockets(tmp_path) -> None:
     defaults = WindowDefaults.from_config(ProfileConfig(max_window_steps=5, with_stack=True)).to_wire()
     for r in (0, 1):
         reply = svc.handle(f"r{r}".encode(), {"type": "register", "job": "j", "rank": r, "world_size": 2, "host": "h",
-                                              "pid": 10 + r, "step": 100, "began": 1e9, "defaults": defaults})
+                                              "pid": 10 + r, "step": 100, "began": time.time(), "defaults": defaults})
         assert reply is not None and json.loads(reply)["type"] == "registered"
     reply = json.loads(svc.handle(b"cli", {"type": "capture", "id": 1, "request": {"steps": 50, "ranks": "0-1"}}))
     assert reply["type"] == "ok", reply

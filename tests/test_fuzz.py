@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +29,8 @@ from ondemand_prof.core.safejson import UnsafeJSON, loads, nesting_depth  # noqa
 from ondemand_prof.host.client import REPLIES  # noqa: E402
 from ondemand_prof.host.transport import SCHEMA  # noqa: E402
 from ondemand_prof.rank.triggers import read_trigger  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # conftest's helpers, for the daemon fuzz
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -159,3 +166,153 @@ def test_config_parser_accepts_or_names_the_bad_option(values: dict) -> None:
         value = getattr(config, name)
         assert isinstance(value, int) and not isinstance(value, bool)
     assert math.isfinite(config.trigger_poll_s)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Every field of every rank message, against a real daemon, then the CLI (issue 18)
+
+HOSTILE_TEXT = st.sampled_from(["\x1b[2J\x1b[H", "\x1b]0;owned\x07", "a\rb", "\u202egnp.exe", "\x00", "../../etc/x",
+                                "/etc/shadow", "x" * 5000, "", " ", "auto-1-r0-1", "\x9b31m", "\ud7ff\ufeff"])
+CONTROL_TEXT = st.text(alphabet=st.characters(max_codepoint=0x9F), min_size=1, max_size=20)  # mostly controls
+wire_values = st.one_of(json_values, HOSTILE_TEXT, CONTROL_TEXT,
+                        st.lists(st.one_of(HOSTILE_TEXT, st.integers(), json_values), max_size=4),
+                        st.dictionaries(st.sampled_from(["x", "path", "error", "capture_id", "start", "end"]),
+                                        st.one_of(HOSTILE_TEXT, json_values), max_size=3))
+EVENT_INFO_KEYS = ["path", "error", "late_by", "steps", "window", "status", "current_step", "note", "cancelled", "x"]
+RANK_FIELDS: dict[str, list[str]] = {
+    "register": ["job", "rank", "world_size", "host", "pid", "step", "local_rank", "save_root", "trigger_dir",
+                 "version", "recent", "defaults", "native_dump", "began", "step_time", "state", "windows"],
+    "hb": ["step", "began", "step_time", "state", "windows"],
+    "event": ["capture_id", "event", "info"],
+    "auto_capture": ["window"],
+    "triage_result": ["result"],
+}
+_CONTROL_OUT = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e]")
+
+
+def rank_messages() -> st.SearchStrategy[tuple[str, dict]]:
+    """One rank message: a well-formed base with some of its fields replaced by hostile values (event info and
+    windows field by field as well)."""
+    def build(kind: str) -> st.SearchStrategy[tuple[str, dict]]:
+        fields = st.dictionaries(st.sampled_from(RANK_FIELDS[kind]), wire_values, max_size=4)
+        info = st.dictionaries(st.sampled_from(EVENT_INFO_KEYS), st.one_of(HOSTILE_TEXT, CONTROL_TEXT, wire_values),
+                               max_size=4)
+        windows = st.lists(st.dictionaries(st.sampled_from(["capture_id", "start", "end", "source", "state"]),
+                                           wire_values, max_size=5), max_size=3)
+        return st.tuples(st.just(kind), fields, info, windows, st.sampled_from(PART_EVENTS))
+    return st.sampled_from(list(RANK_FIELDS)).flatmap(build)
+
+
+PART_EVENTS = ["received", "scheduled", "recording", "writing", "done", "failed", "rejected", "cancelled", "bogus"]
+
+
+@pytest.fixture(scope="module")
+def fuzz_daemon() -> Any:
+    import shutil
+    import zmq
+
+    from conftest import short_dir, start_daemon
+    from ondemand_prof.core.options import WindowOptions, make_config_class
+    from ondemand_prof.core.requests import WindowDefaults
+
+    run, state = short_dir("odpfz"), short_dir("odpfzs")
+    proc = start_daemon(run, state, "--log-level", "ERROR")
+    ctx = zmq.Context()
+    rank = ctx.socket(zmq.DEALER)
+    rank.setsockopt(zmq.LINGER, 0)
+    rank.connect(f"ipc://{run}/profd.sock")
+    config = make_config_class()()
+    base = {"v": 1, "type": "register", "job": "fz", "rank": 0, "world_size": 2, "host": "h", "pid": os.getpid(),
+            "step": 5, "save_root": str(state), "defaults": WindowDefaults.from_config(config).to_wire()}
+    env = {"run": run, "proc": proc, "rank": rank, "base": base, "ctx": ctx, "capture": None,
+           "options": WindowOptions.from_config(config)}
+    yield env
+    ctx.destroy(linger=0)
+    proc.terminate()
+    _, err = proc.communicate(timeout=30)
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.rmtree(state, ignore_errors=True)
+    assert "Traceback" not in err, err[-3000:]
+
+
+def _cli(run: Path, *args: str) -> tuple[int, str]:
+    """ondemandctl in this process (its output through its own choke point); what it printed, stdout and stderr."""
+    import contextlib
+    import io
+
+    from ondemand_prof.host import ctl
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = ctl.main([*args, "--runtime-dir", str(run)])
+    return code, out.getvalue() + err.getvalue()
+
+
+def _drain(rank: Any, wait_ms: int = 0) -> list[dict]:
+    got = []
+    while rank.poll(wait_ms):
+        got.append(json.loads(rank.recv()))
+        wait_ms = 0
+    return got
+
+
+def _fresh_capture(env: dict) -> str:
+    """Registered as the base rank, with a running capture whose part is ours to move."""
+    rank = env["rank"]
+    rank.send(json.dumps(env["base"]).encode())
+    _drain(rank, 2000)
+    code, text = _cli(env["run"], "capture", "--job", "fz", "--ranks", "0", "--steps", "1", "--no-wait", "--json")
+    assert code == 0, text
+    cid = json.loads(text)["capture_id"]
+    _drain(rank, 2000)
+    return cid
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                    HealthCheck.function_scoped_fixture])
+@given(rank_messages())
+def test_every_rank_message_field_against_the_daemon_and_the_cli(fuzz_daemon: dict, case: tuple) -> None:
+    import threading
+
+    env = fuzz_daemon
+    rank, run = env["rank"], env["run"]
+    kind, fields, info, windows, event = case
+    cid = env["capture"]
+    if cid is None or json.loads(_cli(run, "show", cid, "--json")[1])["status"] != "running":
+        cid = env["capture"] = _fresh_capture(env)  # parts only move forward: a final one is done being fuzzed
+    msg: dict = {"register": dict(env["base"]), "hb": {"v": 1, "type": "hb", "step": 6, "windows": windows},
+                 "event": {"v": 1, "type": "event", "capture_id": cid, "event": event, "info": info},
+                 "auto_capture": {"v": 1, "type": "auto_capture", "window": {
+                     "capture_id": f"auto-fz-{time.monotonic_ns()}-r0-{os.getpid()}", "start_step": 50,
+                     "end_step": 52, "options": env["options"].as_dict(), "requested": {"auto": info}}},
+                 "triage_result": {"v": 1, "type": "triage_result", "triage_id": "x", "result": info}}[kind]
+    if kind == "register":
+        msg["windows"] = windows
+        msg["recent"] = [{"capture_id": cid, "event": event, "info": info}]
+    msg.update(fields)
+    stacks: dict = {}
+    if kind == "triage_result":  # a pending stacks request that this rank's (fuzzed) answer completes
+        thread = threading.Thread(target=lambda: stacks.update(zip(("code", "text"), _cli(
+            run, "stacks", "--job", "fz", "--ranks", "0", "--timeout", "1"))))
+        thread.start()
+        ask = next((m for m in _drain(rank, 3000) if m.get("type") == "triage"), None)
+        if ask is not None:
+            msg["triage_id"] = ask["triage_id"]
+        rank.send(json.dumps(msg).encode())
+        thread.join(30)
+        assert not thread.is_alive()
+    else:
+        rank.send(json.dumps(msg).encode())
+    rank.send(json.dumps({"v": 1, "type": "hb", "step": 7}).encode())
+    _drain(rank, 50)
+    assert env["proc"].poll() is None, "the daemon died"
+    outputs = [_cli(run, "status"), _cli(run, "list"), _cli(run, "show", cid), _cli(run, "status", "--json")]
+    if stacks:
+        outputs.append((stacks["code"], stacks["text"]))
+    for code, text in outputs:
+        assert code in (0, 1, 3, 5), text  # an answer, or a clear error; never a traceback (2: usage, 4: no daemon)
+        assert "Traceback" not in text and "malformed" not in text, text[-2000:]
+        assert not _CONTROL_OUT.search(text), repr(text[-500:])  # every control character escaped
+    if kind == "register":  # back to the well-formed rank for the next example
+        rank.send(json.dumps(env["base"]).encode())
+        _drain(rank, 200)

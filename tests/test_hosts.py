@@ -1,7 +1,10 @@
 """Many hosts, simulated on loopback: 16 real ondemand-profd processes (each its own runtime and state
 directory and TCP port on 127.0.0.1, all with CurveZMQ keys), the 4 ranks of one real gloo job split among
 the first four of them (one rank each; the other 12 daemons have no ranks of the job), and the real
-ondemandctl fanning out over TCP. Plus the pure parts: host lists, SLURM nodelists, key files."""
+ondemandctl fanning out over TCP, under faults: a dead host in the list, a daemon stopped (SIGSTOP) right
+after the status round or mid-capture, a daemon killed and restarted. Plus the pure parts: host lists, SLURM
+nodelists and job steps, key files, the alignment checks. The same faults in real network namespaces, with a
+link taken down: tests/test_netns.py."""
 
 from __future__ import annotations
 
@@ -12,15 +15,25 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from conftest import ROOT, base_env, free_port, short_dir, trace_steps, wait_for
+from conftest import ROOT, base_env, captures, free_port, short_dir, trace_steps, wait_for
+from ondemand_prof.host import ctl as ctl_main
+from ondemand_prof.host import fanout
+from ondemand_prof.host.alignment import late_refusal, mark_misaligned, misalignment
+from ondemand_prof.host.client import CtlError
+from ondemand_prof.host.commands import DAEMON_COMMANDS
+from ondemand_prof.host.fanout import Reply
 from ondemand_prof.host.hosts import HostSpecError, expand_nodelist, parse_hosts, read_hostfile, slurm_nodelist
 from ondemand_prof.host.keys import KeyFileError, authorized_keys, keygen, load_pair
-from ondemand_prof.host.multihost import merge_status
+from ondemand_prof.host.multihost import merge_status, pick_job, rank_infos, stalled_refusal
+from ondemand_prof.host.records import RecordStore
+from ondemand_prof.host.service import Service
 from ondemand_prof.host.summaries import MAX_SUMMARY_BYTES, merge_summaries, part_summaries, read_summary
 
 DAEMONS = 16
@@ -77,6 +90,91 @@ def test_slurm_nodelist_from_the_job_environment_or_squeue() -> None:
         slurm_nodelist("456", env, run=never, which=lambda _: None)
     with pytest.raises(HostSpecError, match="job id"):
         slurm_nodelist("12; rm -rf /", env, run=never, which=lambda _: None)
+
+
+def test_the_job_is_found_by_its_slurm_id_its_step_or_a_prefix() -> None:
+    live = ["4242.0", "e595abed-da99-4f2e-9d1b-2a0c7c1c7f00", "port29500"]
+    assert pick_job(live, None, "4242") == "4242.0"  # --slurm 4242 finds its step while other jobs are live
+    assert pick_job(["4242", "port1"], None, "4242") == "4242"
+    assert pick_job(["42.0", "4242.0"], None, "42") == "42.0"  # 4242.0 is not a step of job 42
+    assert pick_job(live, "e595abed", None) == live[1]  # a torchrun UUID by its first characters
+    assert pick_job(live, "4242.0", "4242") == "4242.0"
+    with pytest.raises(CtlError, match=r"SLURM job 4242 has 2 live steps \(4242.0, 4242.1\)"):
+        pick_job(["4242.0", "4242.1"], None, "4242")
+    with pytest.raises(CtlError, match="3 jobs are live"):
+        pick_job(live, None, "999")  # none of them is that SLURM job: as without --slurm
+    with pytest.raises(CtlError, match="'port' begins 2 live jobs"):
+        pick_job(["port1", "port2"], "port", None)
+    with pytest.raises(CtlError, match="no live job 'x'"):
+        pick_job(live, "x", None)
+
+
+def _status_reply(received_at: float, ranks: list[dict[str, Any]], job: str = "j") -> Reply:
+    """A synthetic status reply, shaped as a daemon's (host/commands.py Status)."""
+    return Reply("ok", data={"jobs": {job: ranks}}, seconds=0.001, received_at=received_at)
+
+
+def _rank(rank: int, step: int, **kw: Any) -> dict[str, Any]:
+    return {"rank": rank, "world_size": 2, "host": f"n{rank}", "pid": 100 + rank, "step": step,
+            "step_time_s": 0.02, "windows": [], **kw}
+
+
+def test_each_hosts_steps_are_anchored_at_its_own_answer() -> None:
+    """Host a answered at once; host b's answer came 5 s later (the round ended after a dead host's timeout).
+    Planned 5 s after a's answer, a's rank has gone on 250 steps; b's has not moved."""
+    t0 = time.time() - 5
+    statuses = {"a": _status_reply(t0, [_rank(0, 1000, step_estimate=1010)]),
+                "b": _status_reply(t0 + 5, [_rank(1, 1250, step_estimate=1260)], )}
+    job, infos = rank_infos(statuses, None)
+    a, b = infos["a"][0], infos["b"][0]
+    assert job == "j" and (a.step, b.step) == (1010, 1260)  # the daemons' estimates, not the last reports
+    assert abs(a.estimated_step(t0 + 5) - 1260) <= 1 and b.estimated_step(t0 + 5) == 1260
+
+
+def test_stalled_ranks_get_no_window_and_say_since_when() -> None:
+    now = time.time()
+    statuses = {"a": _status_reply(now, [_rank(0, 1074, stalled_s=None)]),
+                "b": _status_reply(now, [_rank(1, 1074, stalled_s=42.0)])}
+    job, infos = rank_infos(statuses, None)
+    text = stalled_refusal(statuses, job, infos)
+    since = time.strftime("%H:%M:%S", time.localtime(now - 42))
+    assert text is not None and "job j is STALLED: rank(s) 1 on b have not finished a step for 42 s" in text, text
+    assert f"(since {since}, at step 1074)" in text and "ondemandctl stacks --job j" in text
+    assert text.endswith("No window can start until they step again")
+    assert stalled_refusal(statuses, job, {"a": infos["a"]}) is None  # rank 0 alone is not stalled
+
+
+def test_a_daemon_that_was_paused_reads_its_queue_before_it_expires_ranks(tmp_path: Path) -> None:
+    """A host paused right after a status round (SIGSTOP, a VM pause) must not drop its ranks as silent when
+    it resumes: their heartbeats wait in its own queue; the capture that waited with them would find no rank."""
+    svc = Service(RecordStore(tmp_path), DAEMON_COMMANDS, host="h", runtime_dir=tmp_path, state_dir=tmp_path,
+                  pid_check=lambda pid, thorough: True)
+    svc.registry.register(b"r0", {"job": "j", "rank": 0, "world_size": 1, "host": "h", "pid": 1, "step": 5}, 0.0,
+                          time.time(), lambda pid, thorough: True)
+    svc.housekeeping(0.0)
+    svc.housekeeping(6.0)  # the daemon did not run for 6 s
+    assert [i.rank for i in svc.registry.by_route.values()] == [0]
+    svc.housekeeping(6.2)  # it ran, and still nothing from the rank: gone
+    assert not svc.registry.by_route
+
+
+def test_late_and_misaligned_captures_are_named() -> None:
+    plan = {"start_step": 300, "current_steps": {0: 290, 1: 640}, "past_ranks": [1]}
+    text = late_refusal(plan)
+    assert text is not None and "rank(s) 1 were already past step 300 (at step 640)" in text
+    assert late_refusal({**plan, "past_ranks": []}) is None
+    # a synthetic record, as the issue found it: one id, two ranks, different steps
+    part = {"state": "done", "path": "/p"}
+    record = {"status": "done", "parts": {"0": {**part, "rank": 0, "steps": list(range(302, 322))},
+                                          "1": {**part, "rank": 1, "steps": list(range(622, 642))},
+                                          "2": {**part, "rank": 2, "steps": list(range(302, 322))},
+                                          "3": {**part, "rank": 3, "steps": [302], "cancelled": True}}}
+    found = misalignment(record)
+    assert found is not None and found["text"] == ("ranks recorded different steps: rank(s) 0,2 recorded steps "
+                                                   "302..321; rank(s) 1 recorded steps 622..641"), found
+    assert mark_misaligned(record) and record["status"] == "misaligned"
+    record["parts"]["1"]["steps"] = list(range(302, 322))
+    assert misalignment(record) is None  # the cancelled part stopped early on purpose: not misaligned
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -186,12 +284,15 @@ class Cluster:
         self.daemons: list[dict[str, Any]] = []
         self.ranks: list[subprocess.Popen] = []
 
-    def start_daemon(self, i: int, port: int = 0) -> dict[str, Any]:
-        d = {"run": short_dir(f"odh{i}-"), "state": short_dir(f"odhs{i}-"), "log": self.root / f"profd{i}.log"}
+    def start_daemon(self, i: int, port: int = 0, again: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Daemon i; `again`: a stopped one, restarted on its directories (and, given `port`, its port)."""
+        d = {"run": short_dir(f"odh{i}-"), "state": short_dir(f"odhs{i}-"), "log": self.root / f"profd{i}.log"} \
+            if again is None else {k: again[k] for k in ("run", "state", "log")}
+        (d["run"] / "profd.tcp").unlink(missing_ok=True)
         d["proc"] = subprocess.Popen(
             [str(ROOT / "bin" / "ondemand-profd"), "--runtime-dir", str(d["run"]), "--state-dir", str(d["state"]),
              "--listen", f"tcp://127.0.0.1:{port}", "--keys", str(self.keys)],
-            env=base_env(), stdout=subprocess.DEVNULL, stderr=open(d["log"], "w"))
+            env=base_env(), stdout=subprocess.DEVNULL, stderr=open(d["log"], "a"))
         wait_for(lambda: (d["run"] / "profd.tcp").exists() or d["proc"].poll() is not None, 60, "a daemon")
         assert d["proc"].poll() is None, d["log"].read_text()
         d["port"] = int((d["run"] / "profd.tcp").read_text().strip().rsplit(":", 1)[1])
@@ -343,18 +444,45 @@ def test_unauthorised_client_is_refused_and_logged(cluster: Cluster, tmp_path: P
     assert res.returncode == 4 and "refused this client's key" in res.stderr
     log = cluster.daemons[0]["log"]
     wait_for(lambda: "refused a client from 127.0.0.1" in log.read_text(), 10, "the refusal in the daemon's log")
-    # and without keys at all, a daemon that has keys does not answer
+    # and without keys at all, a daemon that has keys does not answer: the CLI says what is missing
     plain = subprocess.run([str(ROOT / "bin" / "ondemandctl"), "--hosts", one, "status", "--connect-timeout", "1"],
                            env=base_env(), capture_output=True, text=True, timeout=60)
-    assert plain.returncode == 4 and one in plain.stderr
+    assert plain.returncode == 4, plain.stderr
+    assert f"the daemon at {one} requires CurveZMQ keys: pass --keys DIR" in plain.stderr, plain.stderr
 
 
 def test_host_that_does_not_answer_is_named_and_the_rest_proceed(cluster: Cluster) -> None:
-    dead = f"127.0.0.1:{free_port()}"
-    res = cluster.ctl("status", "--json", "--connect-timeout", "1", hosts=cluster.hosts + "," + dead)
+    dead, port = f"127.0.0.1:{free_port()}", free_port()
+    res = cluster.ctl("status", "--json", "--connect-timeout", "1", hosts=f"{cluster.hosts},{dead},no-such-host.invalid")
     assert res.returncode == 3
     hosts = json.loads(res.stdout)["hosts"]
-    assert hosts[dead]["kind"] == "timeout" and sum(h["ok"] for h in hosts.values()) == DAEMONS
+    assert sum(h["ok"] for h in hosts.values()) == DAEMONS
+    assert hosts[dead]["kind"] == "timeout" and "nothing listens on port" in hosts[dead]["error"], hosts[dead]
+    assert hosts["no-such-host.invalid"] == {"ok": False, "kind": "unresolved",
+                                             "error": hosts["no-such-host.invalid"]["error"]}
+    text = cluster.ctl("status", "--connect-timeout", "1", hosts=f"no-such-host.invalid:{port}")
+    assert text.returncode == 4 and "cannot resolve host no-such-host.invalid" in text.stderr, text.stderr
+
+
+def test_a_dead_host_in_the_list_makes_no_rank_late(cluster: Cluster) -> None:
+    """The status round waits the dead host's whole --connect-timeout (5 s, 250 steps here); each live host's
+    steps are anchored at its own answer, so the window still lands ahead of every live rank."""
+    dead = f"127.0.0.1:{free_port()}"
+    res = cluster.ctl("capture", "--steps", "3", "--wait", "--json", "--timeout", "120",
+                      hosts=f"{dead},{cluster.hosts}")
+    assert res.returncode == 0, res.stdout + res.stderr  # every rank of the job answered: the capture is whole
+    record = json.loads(res.stdout)
+    start, end = record["window"]
+    assert {int(k): (p["state"], p.get("late_by") or 0) for k, p in record["parts"].items()} == \
+        {r: ("done", 0) for r in range(RANKS)}, record["parts"]
+    for part in record["parts"].values():
+        meta = json.loads((Path(part["path"]) / "metadata.json").read_text())
+        assert trace_steps({**meta, "dir": Path(part["path"])}) == list(range(start, end)), part["rank"]
+    assert "nothing listens on port" in record["unanswered"][dead] and record["missing_ranks"] == []
+    text = cluster.ctl("capture", "--steps", "2", "--wait", "--timeout", "120", "--connect-timeout", "1",
+                       hosts=f"{dead},{cluster.hosts}")
+    assert text.returncode == 0 and f"host {dead} did not answer the status round: {dead}: nothing listens" in \
+        text.stdout, text.stdout
 
 
 def test_capture_without_waiting_then_cancel_across_hosts(cluster: Cluster) -> None:
@@ -374,7 +502,108 @@ def test_capture_without_waiting_then_cancel_across_hosts(cluster: Cluster) -> N
     assert again.returncode == 1 and "already cancelled" in again.stderr
 
 
-def test_daemon_stopped_mid_capture_is_reported_failed_while_the_others_finish(cluster: Cluster) -> None:
+# ----------------------------------------------------------------------------------------------------------
+# A host that stalls (SIGSTOP: a pause, a partition) or whose daemon is killed, during a capture
+
+def _stop_after_status(monkeypatch: pytest.MonkeyPatch, proc: subprocess.Popen) -> None:
+    """The fault, injected where it hurts: the victim daemon stops right after it answered the status round
+    (the CLI's own fan-out, in this process, does everything else as ondemandctl does)."""
+    real = fanout.Fanout.request
+
+    def request(self: Any, msg_type: str, *args: Any, **kw: Any) -> Any:
+        replies = real(self, msg_type, *args, **kw)
+        if msg_type == "status" and proc.poll() is None and not getattr(proc, "stopped", False):
+            proc.send_signal(signal.SIGSTOP)
+            proc.stopped = True  # type: ignore[attr-defined]
+        return replies
+
+    monkeypatch.setattr(fanout.Fanout, "request", request)
+
+
+def _resume(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)
+    proc.stopped = False  # type: ignore[attr-defined]
+
+
+def _ctl_here(cluster: Cluster, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = ctl_main.main(["--hosts", cluster.hosts, "--keys", str(cluster.keys), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_host_that_stalls_after_the_status_round_refuses_the_late_window(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its daemon gets the capture 4 s (200 steps) after the start was planned: it refuses it, says why in its
+    record, and its rank records nothing, instead of recording other steps than the rest under the same id."""
+    victim = cluster.daemons[RANKS - 1]
+    _stop_after_status(monkeypatch, victim["proc"])
+    timer = threading.Timer(4.0, _resume, [victim["proc"]])
+    timer.start()
+    try:
+        code, out, err = _ctl_here(cluster, capsys, "capture", "--steps", "3", "--wait", "--json", "--timeout",
+                                   "120", "--connect-timeout", "2")
+    finally:
+        timer.join()
+        _resume(victim["proc"])
+    assert code == 3, out + err
+    record = json.loads(out)
+    start, end = record["window"]
+    states = {int(k): p["state"] for k, p in record["parts"].items()}
+    assert states == {0: "done", 1: "done", 2: "done", 3: "rejected"}, record["parts"]
+    refusal = record["parts"]["3"]["error"]
+    assert "reached this host after its start: rank(s) 3 were already past step" in refusal, refusal
+    name = f"127.0.0.1:{victim['port']}"
+    assert record["hosts"][name]["status"] == "failed" and record["status"] == "partial"  # it answered: not unreachable
+    on_disk = {m["rank"]: m for m in captures(cluster.save) if m["capture_id"] == record["capture_id"]}
+    assert sorted(on_disk) == [0, 1, 2]  # nothing recorded late on the stalled host
+    for m in on_disk.values():
+        assert trace_steps(m) == list(range(start, end)), m["rank"]
+    # the refusal is in the victim's own record: show says it, there and across hosts
+    shown = cluster.ctl("show", record["capture_id"], hosts=name)
+    assert shown.returncode == 1 and "rejected" in shown.stdout and "after its start" in shown.stdout, shown.stdout
+    assert "refused: this window is shared" in victim["log"].read_text()
+    both = cluster.ctl("show", record["capture_id"])
+    assert both.returncode == 3 and "rank 3" in both.stdout and "after its start" in both.stdout, both.stdout
+
+
+def test_a_host_given_up_on_is_sent_a_cancel(cluster: Cluster, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Not waiting, the CLI gives up on a host that did not confirm the capture at once: it sends it a cancel,
+    which the daemon finds right after the capture when it comes back."""
+    victim = cluster.daemons[RANKS - 1]
+    name = f"127.0.0.1:{victim['port']}"
+    _stop_after_status(monkeypatch, victim["proc"])
+    try:  # far ahead (3000 steps, 60 s): the window is not late when the daemon resumes; only the cancel stops it
+        code, out, err = _ctl_here(cluster, capsys, "capture", "--steps", "3", "--start", "3000", "--no-wait",
+                                   "--connect-timeout", "1")
+    finally:
+        _resume(victim["proc"])
+    assert code == 3, out + err
+    capture_id = out.split()[1].rstrip(":")
+    assert f"host {name} UNREACHABLE: {name} accepts connections on port {victim['port']} but its daemon does not " \
+           "respond (stopped, or overloaded?); gave up on it (a cancel was sent)" in out, out
+
+    def settled() -> dict[str, Any] | None:
+        res = cluster.ctl("show", capture_id, "--json", hosts=name)
+        data = json.loads(res.stdout) if res.returncode in (0, 1, 3) and res.stdout else None
+        return data if data and data["status"] != "running" else None
+
+    shown = wait_for(settled, 60, "the victim's record to settle", pause=0.5)
+    assert shown["status"] == "cancelled" and shown["parts"]["3"]["state"] == "cancelled", shown
+    rest = cluster.ctl("cancel", capture_id, "--json")  # the other hosts' windows, 3000 steps ahead
+    sent = sorted(r for h in json.loads(rest.stdout)["hosts"].values() if h["ok"] for r in h["data"]["ranks"])
+    assert rest.returncode == 3 and sent == [0, 1, 2], rest.stdout  # 3: the victim's is already cancelled
+    # the next tests plan after any window a rank still lists (heartbeats, once a second): wait for none
+    wait_for(lambda: not any(r["windows"] for h in json.loads(cluster.ctl("status", "--json").stdout)["hosts"].values()
+                             for rs in h["data"]["jobs"].values() for r in rs), 30, "no rank listing a window",
+             pause=0.5)
+
+
+def test_a_daemon_killed_mid_capture_and_restarted_is_waited_for(cluster: Cluster) -> None:
+    """The CLI keeps asking a host that stopped answering: its rank goes on recording, re-registers with the
+    restarted daemon and replays what it did, and the capture ends done on every rank."""
     victim = cluster.daemons[RANKS - 1]
     records = victim["state"] / "captures"
     before = set(records.glob("*.json"))
@@ -382,14 +611,80 @@ def test_daemon_stopped_mid_capture_is_reported_failed_while_the_others_finish(c
                              "capture", "--steps", "150", "--wait", "--json", "--timeout", "120",
                              "--connect-timeout", "2"], env=base_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: any('"recording"' in p.read_text() for p in set(records.glob("*.json")) - before), 60,
-             "the capture recording on the victim's rank")
-    victim["proc"].send_signal(signal.SIGKILL)
-    out, err = proc.communicate(timeout=180)
-    assert proc.returncode == 3, out + err
+    try:
+        wait_for(lambda: any('"recording"' in p.read_text() for p in set(records.glob("*.json")) - before), 60,
+                 "the capture recording on the victim's rank")
+        victim["proc"].send_signal(signal.SIGKILL)
+        victim["proc"].wait()
+        time.sleep(3)  # at least one round of watches goes unanswered
+        assert proc.poll() is None  # still asking
+        cluster.daemons[RANKS - 1] = victim = {**cluster.start_daemon(RANKS - 1, victim["port"], victim),
+                                               "port": victim["port"]}
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + err
+    record = json.loads(out)
+    assert {int(k): p["state"] for k, p in record["parts"].items()} == {r: "done" for r in range(RANKS)}
+    start, end = record["window"]
+    for part in record["parts"].values():
+        meta = json.loads((Path(part["path"]) / "metadata.json").read_text())
+        assert trace_steps({**meta, "dir": Path(part["path"])}) == list(range(start, end)), part["rank"]
+
+
+def test_a_silent_host_is_unreachable_not_failed_and_show_tells_the_truth_later(cluster: Cluster) -> None:
+    """Stopped mid-capture until after --timeout: its host is unreachable and its rank's part too (with its
+    last known state), not failed; the rank goes on and writes, and show says so once the daemon is back."""
+    victim = cluster.daemons[RANKS - 1]
+    name = f"127.0.0.1:{victim['port']}"
+    records = victim["state"] / "captures"
+    before = set(records.glob("*.json"))
+    proc = subprocess.Popen([str(ROOT / "bin" / "ondemandctl"), "--hosts", cluster.hosts, "--keys", str(cluster.keys),
+                             "capture", "--steps", "3", "--wait", "--json", "--timeout", "10",
+                             "--connect-timeout", "1"], env=base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: any('"scheduled"' in p.read_text() for p in set(records.glob("*.json")) - before), 60,
+                 "the capture scheduled on the victim's rank")
+        victim["proc"].send_signal(signal.SIGSTOP)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        _resume(victim["proc"])
+        if proc.poll() is None:
+            proc.kill()
     record = json.loads(out)
     states = {int(k): p["state"] for k, p in record["parts"].items()}
-    assert states == {0: "done", 1: "done", 2: "done", 3: "failed"}, json.dumps(record["parts"], indent=1)
-    name = f"127.0.0.1:{victim['port']}"
-    assert record["hosts"][name]["status"] == "unreachable" and "stopped answering" in record["hosts"][name]["error"]
-    assert name in record["parts"]["3"]["error"] or record["parts"]["3"]["daemon"] == name
+    assert states[3] == "unreachable" and record["parts"]["3"]["last_state"] in ("scheduled", "recording", "writing")
+    # the others finish (exit 3: partial), or on a loaded machine may still be writing at --timeout (exit 5)
+    assert all(states[r] in ("scheduled", "recording", "writing", "done") for r in range(3)), states
+    assert proc.returncode == (3 if all(states[r] == "done" for r in range(3)) else 5), out + err
+    assert record["hosts"][name]["status"] == "unreachable" and "does not respond" in record["hosts"][name]["error"]
+
+    def done() -> dict[str, Any] | None:
+        res = cluster.ctl("show", record["capture_id"], "--json")
+        data = json.loads(res.stdout) if res.stdout else None
+        return data if res.returncode == 0 and data["status"] == "done" else None
+
+    shown = wait_for(done, 60, "the capture, done on every rank once the daemon answers again", pause=0.5)
+    assert shown["parts"]["3"]["state"] == "done" and shown["hosts"][name]["status"] == "done"
+
+
+def test_show_marks_a_capture_whose_ranks_recorded_different_steps(cluster: Cluster, tmp_path: Path) -> None:
+    """A synthetic record (what the issue saw: one id, rank 0 at steps 302-321, rank 1 at 622-641) loaded by a
+    real daemon: show across hosts says misaligned and exits 6."""
+    spare = cluster.daemons[DAEMONS - 1]  # a daemon with no ranks; restarted to load the record
+    spare["proc"].kill()
+    spare["proc"].wait()
+    parts = {str(r): {"rank": r, "host": "h", "pid": 100 + r, "state": "done", "path": f"/nowhere/{r}",
+                      "steps": list(range(first, first + 20)), "history": [{"state": "done"}]}
+             for r, first in ((0, 302), (1, 622))}
+    record = {"capture_id": "20261201-000000-abcdef", "job": "j", "created_at": "2026-12-01T00:00:00.000+00:00",
+              "request": {"steps": 20}, "window": [302, 322], "plan": {}, "options": {}, "status": "done",
+              "parts": parts}
+    (spare["state"] / "captures" / f"{record['capture_id']}.json").write_text(json.dumps(record))
+    cluster.daemons[DAEMONS - 1] = {**cluster.start_daemon(DAEMONS - 1, spare["port"], spare), "port": spare["port"]}
+    res = cluster.ctl("show", "abcdef", hosts=f"127.0.0.1:{spare['port']}")
+    assert res.returncode == 6, res.stdout + res.stderr
+    assert "MISALIGNED: ranks recorded different steps: rank(s) 0 recorded steps 302..321; rank(s) 1 recorded " \
+           "steps 622..641" in res.stdout, res.stdout

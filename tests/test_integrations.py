@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 import sys
 import tempfile
 from pathlib import Path
@@ -111,7 +112,7 @@ def test_profiler_made_before_the_process_group_settles_into_one_job(env: dict[s
     errs = [finish(p)[1] for p in procs]
     for rank, err in enumerate(errs):
         # the start-up line, on stderr without any logging set up, and again once the job settled
-        assert f"now rank {rank} of 2, job {job}: capture with 'ondemandctl capture --job {job}" in err, err
+        assert f"now rank {rank} of 2, job {job}: capture with `ondemandctl capture --job {job}" in err, err
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -258,6 +259,30 @@ def test_zero_code_under_torchrun_profiles_the_ranks_not_the_launcher(env: dict[
     assert len(live_ranks(env["run"])) == 2  # not the launcher
 
 
+def test_zero_code_shows_itself_in_a_loop_that_updates_weights_by_hand(env: dict[str, Any], tmp_path: Path) -> None:
+    """No optimizer, no process group, ONDEMAND_PROF_AUTO=1: the first forward with gradients makes the profiler,
+    so the start-up line comes and the daemon lists the process; with no optimizer step it says what it counts."""
+    daemon(env)
+    stop = tmp_path / "stop"
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "zerocode_by_hand.py"), str(stop)], cwd=tmp_path,
+                            env=base_env(ONDEMAND_PROF_AUTO="1", ONDEMAND_PROF_AUTO_NO_STEP_S="1.5",
+                                         ONDEMAND_PROF_RUNTIME_DIR=str(env["run"])),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env["procs"].append(proc)
+    try:
+        [rank] = wait_for(lambda: live_ranks(env["run"]), 60, "the hand-updating process to register")
+        assert rank["pid"] == proc.pid and rank["step"] == 0  # no step counted: nothing calls optimizer.step()
+        time.sleep(2.0)  # past the 1.5 s without an optimizer step
+    finally:
+        stop.touch()
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    lines = [line for line in err.splitlines() if "ondemand_prof: " in line]
+    assert any(f"rank 0 of 1, job " in line and "capture with `ondemandctl capture --job" in line for line in lines), err
+    assert any("rank 0: no optimizer.step() in 1.5 s; zero-code counts optimizer.step(): call prof.step() in loops "
+               "that update weights by hand" in line for line in lines), err
+
+
 def test_zero_code_hook_does_nothing_without_the_variable(tmp_path: Path, installed: Path) -> None:
     code = ("import sys; import ondemand_prof_auto; print(any(type(f).__name__ == '_TorchWatcher' "
             "for f in sys.meta_path), 'torch' in sys.modules, 'ondemand_prof' in sys.modules)")
@@ -328,6 +353,8 @@ def test_start_up_and_written_lines_on_stderr_unless_quiet(tmp_path: Path, quiet
         return
     trigger = Path(tempfile.gettempdir()) / f"ondemand_prof-{os.getuid()}" / cap["job_id"] / "capture"
     assert ours == [
-        f"ondemand_prof: rank 0 of 1, job {cap['job_id']}: capture with 'touch {trigger}' (no ondemand-profd "
-        f"answered at ipc://{NO_DAEMON_DIR}/profd.sock; start one for ondemandctl); traces go to {save}",
-        f"ondemand_prof: rank 0 wrote {cap['dir']} (steps 2-3, ok)"], res.stderr
+        f"ondemand_prof: rank 0 of 1, job {cap['job_id']}: capture with `touch {trigger}` (all ranks of the job "
+        f"that watch it; no ondemand-profd answered at ipc://{NO_DAEMON_DIR}/profd.sock: start one for "
+        f"ondemandctl); traces go to {save}",
+        f"ondemand_prof: rank 0 wrote {cap['folder'] / Path(cap['trace_file']).name} (steps 2-3, ok; metadata and "
+        f"summaries in {cap['dir']})"], res.stderr

@@ -11,7 +11,9 @@ import os
 import pwd
 import shutil
 import subprocess
+import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -652,3 +654,587 @@ def test_rewrites_with_stalls_open_no_unrequested_window(tmp_path: Path, watch: 
     held = [line for line in log_lines if "more trigger(s) rejected or failed, not logged" in line or
             "more rejected or failed since, not logged" in line]
     assert 1 <= len(rejected) <= 5 * (1 + int(took // 60)) and held, log_lines[-20:]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Round 2 (issue 18): a member of a --group root daemon, and anyone who reaches its TCP port
+
+
+USER_RANK = r"""
+import json, os, select, shutil, subprocess, sys, time, zmq
+drop()  # what the commands below use is imported before (the interpreter may be readable by root only)
+ctx = zmq.Context(); s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0)
+s.connect("ipc://" + sys.argv[1] + "/profd.sock")
+beat, next_beat = False, 0.0
+env = {"os": os, "json": json, "time": time, "subprocess": subprocess, "shutil": shutil}
+def out(**kw):
+    print(json.dumps(kw), flush=True)
+pending = b""
+def commands():
+    global pending
+    if not select.select([0], [], [], 0.05)[0]:
+        return []
+    chunk = os.read(0, 1 << 20)
+    if not chunk:
+        sys.exit(0)
+    pending += chunk
+    *lines, pending = pending.split(b"\n")
+    return [json.loads(line) for line in lines if line.strip()]
+while True:
+    for cmd in commands():
+        if "send" in cmd:
+            s.send(json.dumps({"v": 1, **cmd["send"]}).encode())
+        if "beat" in cmd:
+            beat = cmd["beat"]
+        if "run" in cmd:
+            try:
+                exec(cmd["run"], env)
+                out(ran=cmd.get("tag"), value=env.get("value"))
+            except Exception as exc:
+                out(ran=cmd.get("tag"), error=f"{type(exc).__name__}: {exc}")
+    while s.poll(0):
+        out(got=json.loads(s.recv()))
+    if beat and time.monotonic() >= next_beat:
+        s.send(json.dumps({"v": 1, "type": "hb", "step": 5}).encode())
+        next_beat = time.monotonic() + 0.5
+"""
+
+
+class UserRank:
+    """A process of another user talking to the daemon as a rank would, one JSON command a line."""
+
+    def __init__(self, user: dict[str, Any], run: Path) -> None:
+        prelude = (f"import os\ndef drop():\n    os.setgroups([{user['gid']}]); os.setgid({user['gid']}); "
+                   f"os.setuid({user['uid']})\n")
+        self.proc = subprocess.Popen([sys.executable, "-c", prelude + USER_RANK, str(run)], cwd="/tmp",
+                                     env=base_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.seen: list[dict[str, Any]] = []
+        self._partial = b""
+
+    def send(self, **msg: Any) -> None:
+        self._cmd({"send": msg})
+
+    def beat(self, on: bool) -> None:
+        self._cmd({"beat": on})
+
+    def run(self, code: str) -> Any:
+        tag = f"t{len(self.seen)}-{time.monotonic()}"
+        self._cmd({"run": code, "tag": tag})
+        line = self.expect(lambda m: m.get("ran") == tag)
+        assert "error" not in line, line
+        return line.get("value")
+
+    def _cmd(self, cmd: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, pred: Any, timeout: float = 20) -> dict[str, Any]:
+        import select
+
+        deadline = time.monotonic() + timeout
+        for line in self.seen:
+            if pred(line):
+                self.seen.remove(line)
+                return line
+        fd = self.proc.stdout.fileno()  # read raw: a buffered readline would hide a second line from select
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.1)[0]:
+                chunk = os.read(fd, 1 << 20)
+                assert chunk, f"the user's process ended; seen {self.seen[-5:]}"
+                *lines, self._partial = (self._partial + chunk).split(b"\n")
+                self.seen += [json.loads(x) for x in lines if x.strip()]
+                for line in self.seen:
+                    if pred(line):
+                        self.seen.remove(line)
+                        return line
+        raise AssertionError(f"timed out; seen {self.seen[-5:]}")
+
+    def reply(self, timeout: float = 20) -> dict[str, Any]:
+        return self.expect(lambda m: "got" in m, timeout)["got"]
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
+
+
+def _register(rank: UserRank, job: str, pid: int, **extra: Any) -> dict[str, Any]:
+    from ondemand_prof.core.options import make_config_class
+    from ondemand_prof.core.requests import WindowDefaults
+
+    defaults = WindowDefaults.from_config(make_config_class()()).to_wire()
+    rank.send(type="register", job=job, rank=0, world_size=1, host=socket.gethostname(), pid=pid, step=5,
+              defaults=defaults, **extra)
+    return rank.reply()
+
+
+@pytest.fixture
+def group_daemon(other_user: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A root daemon shared with the throwaway user's group (the documented team setup)."""
+    run, state, shared = short_dir("odpg2"), short_dir("odpg2s"), short_dir("odpg2u")
+    os.chown(shared, other_user["uid"], other_user["gid"])  # the member's own directory (tmp_path is root's, 0700)
+    proc = start_daemon(run, state, "--group", other_user["group"])
+    ranks: list[UserRank] = []
+    yield {"run": run, "state": state, "proc": proc, "ranks": ranks, "user": other_user, "shared": shared}
+    for r in ranks:
+        r.close()
+    _, err = stop(proc)
+    for d in (run, state, shared):
+        shutil.rmtree(d, ignore_errors=True)
+    assert "Traceback" not in err, err[-3000:]
+
+
+def _user_rank(env: dict[str, Any]) -> UserRank:
+    rank = UserRank(env["user"], env["run"])
+    env["ranks"].append(rank)
+    return rank
+
+
+def _reuse_pid(pid: int) -> subprocess.Popen | None:
+    """A root process holding `pid` (free again): the kernel's next pid is set with ns_last_pid, as CRIU does."""
+    for _ in range(50):
+        try:
+            Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        except OSError:
+            return None
+        proc = subprocess.Popen(["sleep", "120"])
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    return None
+
+
+def test_the_native_dump_signal_is_the_daemons_and_never_reaches_a_reused_pid(
+        group_daemon: dict[str, Any], tmp_path: Path) -> None:
+    """Issue 18, 1: a member registers a helper pid with native_dump {"signal": 9}, goes silent, lets the helper
+    exit and the pid be reused by a root process; `ondemandctl stacks` must signal nobody."""
+    env = group_daemon
+    rank = _user_rank(env)
+    status = env["shared"]
+    # the helper: a process of the member's, with the dump file where a rank keeps it
+    helper = rank.run("h = subprocess.Popen(['sleep', '300'], stdout=subprocess.DEVNULL); value = h.pid")
+    dump = status / f"native-stacks-{helper}.txt"
+    rank.run(f"open({str(dump)!r}, 'w').close()")
+    reply = _register(rank, "sig9", helper, native_dump={"signal": 9, "file": str(dump)})
+    assert reply["type"] == "registered", reply
+    res = ctl(env["run"], "stacks", "--job", "sig9", "--timeout", "1.5")
+    assert "registered no native dump signal" in res.stdout + res.stderr, res.stdout + res.stderr
+    assert rank.run(f"os.kill({helper}, 0); value = 'alive'") == "alive"  # signal 9 was never sent
+
+    # the daemon's own signal, then the pid reused by root while the rank is still registered and beating
+    from ondemand_prof.core.protocol import native_dump_signal
+
+    rank2 = _user_rank(env)
+    helper2 = rank2.run("h = subprocess.Popen(['sleep', '300'], stdout=subprocess.DEVNULL); value = h.pid")
+    dump2 = status / f"native-stacks-{helper2}.txt"
+    rank2.run(f"open({str(dump2)!r}, 'w').close()")
+    assert _register(rank2, "reuse", helper2, native_dump={"signal": native_dump_signal(),
+                                                            "file": str(dump2)})["type"] == "registered"
+    rank2.beat(True)
+    rank2.run("h.kill(); h.wait()")  # the helper exits; its pid is free
+    victim = _reuse_pid(helper2)
+    if victim is None:
+        pytest.skip("could not place a process at a chosen pid (ns_last_pid)")
+    try:
+        res = ctl(env["run"], "stacks", "--job", "reuse", "--timeout", "1.5")
+        out = res.stdout + res.stderr
+        time.sleep(0.3)
+        assert victim.poll() is None, f"the daemon signalled root's process holding the reused pid: {out}"
+        assert "NATIVE DUMP" not in out
+        # either the daemon saw the helper go, or it refused to signal the new holder of its pid
+        assert "no longer the process that registered" in out or "not registered" in out or \
+            "exited" in out, out
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_a_silent_rank_whose_process_is_gone_is_forgotten(group_daemon: dict[str, Any], tmp_path: Path) -> None:
+    """A rank whose heartbeats stopped is kept reachable for a native dump only while its process is the one
+    that registered: once it exits (its pid reused by root here), stacks has nobody to signal."""
+    from ondemand_prof.core.protocol import native_dump_signal
+
+    env = group_daemon
+    rank = _user_rank(env)
+    helper = rank.run("h = subprocess.Popen(['sleep', '300'], stdout=subprocess.DEVNULL); value = h.pid")
+    dump = env["shared"] / f"native-stacks-{helper}.txt"
+    rank.run(f"open({str(dump)!r}, 'w').close()")
+    assert _register(rank, "silent", helper, native_dump={"signal": native_dump_signal(),
+                                                           "file": str(dump)})["type"] == "registered"
+    # its heartbeats stop: no longer live (status lists it as SILENT, its process alive, until it exits)
+    wait_for(lambda: "silent" not in json.loads(ctl(env["run"], "status", "--json").stdout)["jobs"], 30,
+             "the rank to go silent")
+    assert "SILENT: rank 0" in ctl(env["run"], "status").stdout
+    rank.run("h.kill(); h.wait()")
+    victim = _reuse_pid(helper)
+    if victim is None:
+        pytest.skip("could not place a process at a chosen pid (ns_last_pid)")
+    try:
+        res = ctl(env["run"], "stacks", "--job", "silent", "--timeout", "1")
+        assert res.returncode != 0 and "no live job 'silent'" in res.stderr, res.stdout + res.stderr
+        time.sleep(0.3)
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_wire_ids_cannot_name_paths_or_replace_or_flood_out_records(
+        group_daemon: dict[str, Any], tmp_path: Path) -> None:
+    """Issue 18, 2: auto_capture's capture id is a file name in root's state directory."""
+    env = group_daemon
+    victim_dir = tmp_path / "victim"
+    victim_dir.mkdir()
+    # root's own records first (a job of root's: its captures are what the member must not touch)
+    root_rank = train(tmp_path, "rootjob", env={"ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])}, steps=5000)
+    try:
+        wait_for(lambda: "rootjob" in ctl(env["run"], "status").stdout, 60, "root's rank")
+        mine = [json.loads(ctl(env["run"], "capture", "--job", "rootjob", "--steps", "1", "--start", "100000",
+                               "--no-wait", "--json").stdout)["capture_id"] for _ in range(2)]
+        rank = _user_rank(env)
+        pid = rank.run("value = os.getpid()")
+        assert _register(rank, "member", pid)["type"] == "registered"
+        rank.beat(True)
+        from ondemand_prof.core.options import WindowOptions, make_config_class
+        from ondemand_prof.core.window import Window
+
+        window = Window(10, 12, WindowOptions.from_config(make_config_class()()), source="auto",
+                        requested={"auto": {"why": "slow"}}).to_wire()
+        depth = "../" * 12
+        for bad in (f"{depth}{victim_dir}/settings".replace("//", "/"), mine[0], "auto-x-r0-1", ".hidden",
+                    "a/b", "x" * 200):
+            rank.send(type="auto_capture", window={**window, "capture_id": bad})
+        # 1,100 well-formed ones: the daemon's budget records a few, and nobody's records are pushed out
+        for i in range(1100):
+            rank.send(type="auto_capture", window={**window, "capture_id": f"auto-20260101-{i:06d}-r0-{pid}"})
+        rank.send(type="hb", step=6)
+        wait_for(lambda: len(json.loads(ctl(env["run"], "list", "--json", "--limit", "1000").stdout)["captures"])
+                 >= 2, 30, "the list")
+        time.sleep(1.0)
+        caps = json.loads(ctl(env["run"], "list", "--json", "--limit", "1000").stdout)["captures"]
+    finally:
+        stop(root_rank)
+    ids = {c["capture_id"]: c for c in caps}
+    assert not list(victim_dir.iterdir()), "a capture id named a file outside the state directory"
+    assert all(m in ids and ids[m]["job"] == "rootjob" for m in mine), ids.keys()  # neither replaced nor evicted
+    autos = [c for c in caps if c["job"] == "member"]
+    from ondemand_prof.host.triage import AUTO_PER_JOB_HOUR
+
+    assert 0 < len(autos) <= AUTO_PER_JOB_HOUR, len(autos)
+    assert all(c["capture_id"].endswith(f"-r0-{pid}") for c in autos)
+    files = list((env["state"] / "captures").glob("*.json"))
+    assert len(files) == len(caps) and all(f.resolve().parent == (env["state"] / "captures").resolve()
+                                           for f in files)
+    log = stop(env["proc"])[1]
+    # said, and once a minute per kind, not 1,100 times
+    assert log.count("bad automatic window: capture id") == 1, log[-3000:]
+    assert log.count("not recorded: the daemon's budget of") == 1, log[-3000:]
+
+
+def test_the_record_store_stays_within_its_cap_and_only_evicts_the_flooders_records(tmp_path: Path) -> None:
+    from ondemand_prof.host.records import KEEP_PER_UID, KEEP_RECORDS, CaptureRecord, RecordRefused, RecordStore
+
+    store = RecordStore(tmp_path)
+    plan = {"start_step": 1, "end_step": 2}
+
+    def record(cid: str, wall: float, done: bool = True) -> CaptureRecord:
+        r = CaptureRecord.new(cid, "j", {}, plan, {}, [{"rank": 0, "host": "h", "pid": 1}], wall)
+        if done:
+            r.update(0, "done", {"path": "/x"}, wall)
+        return r
+
+    for i in range(KEEP_RECORDS - 10):  # another user's (or ondemandctl's) records, nearly filling the store
+        store.add(record(f"other-{i:05d}", 1000.0 + i))
+    with pytest.raises(RecordRefused, match="already exists"):
+        store.add(record("other-00000", 5000.0))
+    for i in range(5000):  # a flood from uid 1234's ranks
+        try:
+            store.add(record(f"auto-{i:05d}-r0-1", 10_000.0 + i, done=i % 2 == 0), owner=1234)
+        except RecordRefused:
+            pass
+        assert len(store.records) <= KEEP_RECORDS
+    assert sum(1 for k in store.records if k.startswith("other-")) == KEEP_RECORDS - 10
+    assert sum(1 for r in store.records.values() if r.data.get("owner_uid") == 1234) <= KEEP_PER_UID
+    assert len(list((tmp_path / "captures").glob("*.json"))) == len(store.records)
+    # read back from disk: the same, and a malformed or misnamed file is skipped, not served
+    (tmp_path / "captures" / "auto-bad.json").write_text(json.dumps({"capture_id": "other-00001", "job": "j"}))
+    (tmp_path / "captures" / "broken.json").write_text('{"capture_id": "broken", "window": {"x": 1}}')
+    again = RecordStore(tmp_path)
+    assert set(again.records) == set(store.records)
+
+
+def test_a_summary_is_read_only_through_real_directories_of_the_ranks_user(
+        group_daemon: dict[str, Any], tmp_path: Path) -> None:
+    """Issue 18, 3: report a directory of one's own as done, then swap it (or a parent) for a symlink to a
+    directory of root's; the daemon must not return root's summary.json."""
+    env = group_daemon
+    user = env["user"]
+    secret = tmp_path / "secret"
+    secret.mkdir(mode=0o700)
+    (secret / "summary.json").write_text(json.dumps({"rank": 0, "secret": "root's"}))
+    above = tmp_path / "above"  # root's too: above/r0/summary.json, for a swapped parent
+    (above / "r0").mkdir(parents=True)
+    (above / "r0" / "summary.json").write_text(json.dumps({"rank": 0, "secret": "root's"}))
+    save = env["shared"] / "save"
+    os.mkdir(save)
+    os.chown(save, user["uid"], user["gid"])
+    try:
+        rank = _user_rank(env)
+        pid = rank.run("value = os.getpid()")
+        assert _register(rank, "swap", pid, save_root=str(save))["type"] == "registered"
+        rank.beat(True)
+        ids = []
+        for n in range(2):
+            res = ctl(env["run"], "capture", "--job", "swap", "--steps", "1", "--no-wait", "--json")
+            cid = json.loads(res.stdout)["capture_id"]
+            ids.append(cid)
+            d = save / cid / "r0"
+            rank.run(f"os.makedirs({str(d)!r}); open({str(d / 'summary.json')!r}, 'w').write('{{\"rank\": 0}}')")
+            for event in ("received", "scheduled", "recording", "writing"):
+                rank.send(type="event", capture_id=cid, event=event, info={})
+            rank.send(type="event", capture_id=cid, event="done", info={"path": str(d)})
+        wait_for(lambda: all(json.loads(ctl(env["run"], "show", c, "--json").stdout)["status"] == "done"
+                             for c in ids), 30, "both parts done")
+        # swapped after the report: the rank directory itself, and a parent of it
+        rank.run(f"shutil.rmtree({str(save / ids[0] / 'r0')!r}); "
+                 f"os.symlink({str(secret)!r}, {str(save / ids[0] / 'r0')!r})")
+        rank.run(f"shutil.rmtree({str(save / ids[1])!r}); os.symlink({str(above)!r}, {str(save / ids[1])!r})")
+        for cid in ids:
+            reply = request(env["run"], {"v": 1, "type": "summaries", "id": 1, "capture_id": cid})
+            assert reply is not None and reply["type"] == "ok", reply
+            part = reply["data"]["parts"][0]
+            assert "summary" not in part and "secret" not in json.dumps(reply), reply
+            assert "symbolic link" in part["error"] or "not a directory" in part["error"], part
+    finally:
+        shutil.rmtree(save, ignore_errors=True)
+
+
+def test_a_squatted_save_path_is_refused_and_a_private_one_used(tmp_path: Path, other_user: dict[str, Any]) -> None:
+    """Issue 18, 4: a setgid 2777 directory made first by another user would hand its group our traces."""
+    base = Path(tempfile.mkdtemp(prefix="odpsq", dir="/tmp"))
+    try:
+        squat = base / "profile"
+        squat.mkdir()
+        os.chown(squat, other_user["uid"], other_user["gid"])
+        squat.chmod(0o2777)
+        data = tmp_path / "data"
+        data.mkdir(mode=0o700)
+        proc = subprocess.Popen([sys.executable, "-m", "ondemand_prof.demo.toy_train", "--no-dist", "--steps", "12",
+                                 "--step-sleep", "0.01", "--profile-min-free-mb", "0", "--profile", "--profile-step-start",
+                                 "3", "--profile-step-end", "5", "--no-profile-ondemand", "--profile-save-path",
+                                 str(squat)], env=base_env(XDG_DATA_HOME=str(data)), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+        assert f"not saving traces under {squat}" in err and f"belongs to uid {other_user['uid']}" in err, err[-3000:]
+        assert list(squat.iterdir()) == []  # nothing of ours went there
+        fallback = data / "ondemand_prof" / "profile"
+        assert published(fallback), err[-3000:]
+        assert fallback.stat().st_mode & 0o777 == 0o700
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_directories_we_create_ignore_the_umask(tmp_path: Path) -> None:
+    save = tmp_path / "deep" / "profile"
+    proc = subprocess.Popen([sys.executable, "-c", "import os, runpy, sys; os.umask(0); sys.argv = sys.argv[1:]; "
+                             "runpy.run_module('ondemand_prof.demo.toy_train', run_name='__main__')", "toy",
+                             "--no-dist", "--steps", "12", "--step-sleep", "0.01", "--profile-min-free-mb", "0",
+                             "--profile", "--profile-step-start", "3", "--profile-step-end", "5",
+                             "--no-profile-ondemand", "--profile-save-path", str(save)],
+                            env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    for d in (save.parent, save, *[p for p in save.rglob("*") if p.is_dir()]):
+        assert d.stat().st_mode & 0o777 == 0o750, (d, oct(d.stat().st_mode))
+    assert published(save)
+
+
+BURST = r"""
+import json, os, sys, time, zmq, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+ctx = zmq.Context(io_threads=2)
+ctx.set(zmq.MAX_SOCKETS, 2000)
+recent = [{"capture_id": f"20260101-000000-{i:06x}", "event": "done", "info": {"path": "/tmp/x"}} for i in range(64)]
+socks = []
+for i in range(int(sys.argv[2])):
+    s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.connect(sys.argv[1]); socks.append(s)
+for i, s in enumerate(socks):  # what ranks send after a daemon restart: register with their recent events
+    s.send(json.dumps({"v": 1, "type": "register", "job": "burst", "rank": i, "world_size": len(socks), "host": "h",
+                       "pid": os.getpid(), "step": 0, "recent": recent}).encode(), zmq.NOBLOCK)
+time.sleep(4)
+print(sum(1 for s in socks if s.poll(0)), flush=True)
+for s in socks:
+    s.close()
+ctx.term()
+"""
+
+TCP_FLOOD = r"""
+import resource, socket, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+socks = []
+for _ in range(int(sys.argv[2])):  # raw connects, no key, no greeting
+    s = socket.socket(); s.setblocking(False)
+    try:
+        s.connect(("127.0.0.1", int(sys.argv[1])))
+    except BlockingIOError:
+        pass
+    socks.append(s)
+print("connected", flush=True)
+time.sleep(6)
+"""
+
+
+def _prlimit_daemon(dirs: dict[str, Path], *extra: str) -> subprocess.Popen:
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux)")
+    if _hard_nofile() < 4096:
+        pytest.skip(f"the flood clients need 4096 descriptors (hard limit {_hard_nofile()})")
+    log = (dirs["state"] / "daemon.log").open("w")  # a file: 1,100 registrations would fill a pipe nobody reads
+    proc = subprocess.Popen(["prlimit", "--nofile=1024", str(ROOT / "bin" / "ondemand-profd"), "--runtime-dir",
+                             str(dirs["run"]), "--state-dir", str(dirs["state"]), *extra], env=base_env(),
+                            stdout=log, stderr=log, text=True)
+    wait_for(lambda: (dirs["run"] / "profd.sock").exists() or proc.poll() is not None, 30, "the socket")
+    return proc
+
+
+def _daemon_log(dirs: dict[str, Path], proc: subprocess.Popen) -> str:
+    stop(proc)
+    return (dirs["state"] / "daemon.log").read_text()
+
+
+def test_a_register_burst_with_recent_items_does_not_abort_the_daemon(dirs: dict[str, Path]) -> None:
+    """Issue 18, 5: 1,100 registrations carrying `recent` items (ranks after a daemon restart) at 1,024
+    descriptors aborted libzmq (ipc_listener.cpp:297) 3 of 3 times."""
+    proc = _prlimit_daemon(dirs)
+    try:
+        burst = subprocess.run([sys.executable, "-c", BURST, f"ipc://{dirs['run']}/profd.sock", "1100"],
+                               capture_output=True, text=True, timeout=120)
+        assert burst.returncode == 0, burst.stderr
+        assert proc.poll() is None, "the daemon died under the burst"
+        assert int(burst.stdout) > 0  # those that got in were answered
+        wait_for(lambda: status_ok(dirs["run"]), 60, "a good request after the burst")
+    finally:
+        err = _daemon_log(dirs, proc)
+    assert "Too many open files" not in err and proc.returncode == 0, err[-3000:]
+
+
+def test_tcp_connections_without_a_key_cannot_take_the_unix_sockets_descriptors(dirs: dict[str, Path],
+                                                                               tmp_path: Path) -> None:
+    """Issue 18, 5: ~1,000 raw TCP connects took every descriptor, withdrew the unix listener (local ranks
+    dropped) and the next request killed the daemon. Now each address is held to --tcp-per-peer connections;
+    a rank connected over the unix socket stays connected and registered throughout."""
+    proc = _prlimit_daemon(dirs, "--listen", "tcp://127.0.0.1:0")
+    rank = None
+    try:
+        wait_for(lambda: (dirs["run"] / "profd.tcp").exists(), 30, "the TCP endpoint")
+        port = (dirs["run"] / "profd.tcp").read_text().strip().rsplit(":", 1)[1]
+        rank = train(tmp_path, "local", env={"ONDEMAND_PROF_RUNTIME_DIR": str(dirs["run"])}, steps=5000,
+                     log=tmp_path / "rank.log")
+        wait_for(lambda: "local" in ctl(dirs["run"], "status").stdout, 60, "the local rank")
+        before = json.loads(ctl(dirs["run"], "status", "--json").stdout)["jobs"]["local"][0]["registered_at"]
+        flood = subprocess.Popen([sys.executable, "-c", TCP_FLOOD, port, "1000"], stdout=subprocess.PIPE, text=True)
+        assert flood.stdout.readline().strip() == "connected"
+        fds = len(os.listdir(f"/proc/{proc.pid}/fd")) if Path(f"/proc/{proc.pid}/fd").exists() else 0
+        res = ctl(dirs["run"], "status", "--json")  # over the unix socket, during the flood
+        flood.wait(timeout=60)
+        assert proc.poll() is None and res.returncode == 0, res.stderr
+        ranks = json.loads(res.stdout)["jobs"]["local"]
+        assert ranks[0]["registered_at"] == before, "the local rank was dropped and registered again"
+        assert status_ok(dirs["run"])
+    finally:
+        if rank is not None:
+            stop(rank)
+        err = _daemon_log(dirs, proc)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "closing TCP connections over the limits" in err, err[-3000:]
+    assert "not accepting new connections" not in err  # the unix socket was never closed to local ranks
+    assert fds < 512, fds
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Round 2, the smaller items
+
+
+def test_triage_files_are_written_by_the_one_atomic_writer(tmp_path: Path) -> None:
+    """write_private used a predictable temporary name opened with O_TRUNC: a link planted there was followed."""
+    from ondemand_prof.rank.triage import write_private
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    target = tmp_path / "out" / "x.pickle"
+    target.parent.mkdir()
+    (target.parent / f".{target.name}.{os.getpid()}.tmp").symlink_to(victim)  # the old temporary name
+    write_private(target, b"data")
+    assert victim.read_text() == "precious" and target.read_bytes() == b"data"
+    assert target.stat().st_mode & 0o777 == 0o600
+
+
+def test_keygen_never_changes_a_directory_it_does_not_own(tmp_path: Path, other_user: dict[str, Any]) -> None:
+    squat = Path(tempfile.mkdtemp(prefix="odpkeys", dir="/tmp"))
+    try:
+        os.chown(squat, other_user["uid"], other_user["gid"])
+        squat.chmod(0o777)
+        res = subprocess.run([str(ROOT / "bin" / "ondemandctl"), "keygen", str(squat)], env=base_env(),
+                             capture_output=True, text=True)
+        assert res.returncode == 1 and f"belongs to uid {other_user['uid']}" in res.stderr, res.stderr
+        assert squat.stat().st_mode & 0o777 == 0o777 and list(squat.iterdir()) == []  # not chmodded, nothing written
+        link = tmp_path / "link"
+        link.symlink_to(squat)
+        res = subprocess.run([str(ROOT / "bin" / "ondemandctl"), "keygen", str(link)], env=base_env(),
+                             capture_output=True, text=True)
+        assert res.returncode == 1 and "symlinks are refused" in res.stderr, res.stderr
+    finally:
+        shutil.rmtree(squat, ignore_errors=True)
+
+
+PRESENCE = r"""
+import sys
+from ondemand_prof.core.files import presence_note
+drop()
+print(repr(presence_note(sys.argv[1])) + "|" + repr(presence_note(sys.argv[2])))
+"""
+
+
+def test_a_trace_a_member_cannot_read_is_not_called_missing(tmp_path: Path, other_user: dict[str, Any]) -> None:
+    hidden = Path(tempfile.mkdtemp(prefix="odphid", dir="/tmp"))  # root's, 0700
+    try:
+        (hidden / "trace").mkdir()
+        proc = as_user(other_user, PRESENCE, str(hidden / "trace"), "/tmp/odp-no-such-dir")
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        unreadable, missing = out.strip().split("|")
+        assert "not visible to uid" in unreadable and "MISSING" not in unreadable, out
+        assert "MISSING on disk" in missing, out
+    finally:
+        shutil.rmtree(hidden, ignore_errors=True)
+
+
+def test_a_capture_far_ahead_does_not_make_later_captures_wait_for_it() -> None:
+    """One capture with --start 100000 made every later relative capture plan after it (busy for days)."""
+    from ondemand_prof.host.registry import RankInfo, plan_window
+
+    far = {"capture_id": "far", "start": 100_010, "end": 100_012, "source": "daemon", "state": "queued"}
+    near = {"capture_id": "near", "start": 12, "end": 20, "source": "file", "state": "queued"}
+    rank = RankInfo(route=b"r", job="j", rank=0, world_size=1, host="h", pid=1, step=10, windows=[far])
+    plan = plan_window([rank], 0.0, start=None, start_step=None, steps=2)
+    assert (plan["start_step"], plan["end_step"]) == (12, 14) and "after" not in plan
+    rank.windows = [near, far]
+    plan = plan_window([rank], 0.0, start=None, start_step=None, steps=2)
+    assert plan["start_step"] == 20 and plan["after"]["capture_ids"] == ["near"]
+    plan = plan_window([rank], 0.0, start=100_000, start_step=None, steps=2)  # [100010, 100012): after the far one
+    assert plan["start_step"] == 100_012
+
+
+def test_export_sched_is_a_known_variable(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ondemand_prof.core.options import config_from_env
+
+    monkeypatch.setenv("ONDEMAND_PROF_EXPORT_SCHED", "nice")  # read by rank/trace_save.py, was warned as unknown
+    monkeypatch.setenv("ONDEMAND_PROF_LEVLE", "level1")
+    with caplog.at_level("WARNING"):
+        config_from_env()
+    assert "ONDEMAND_PROF_LEVLE" in caplog.text and "EXPORT_SCHED" not in caplog.text, caplog.text

@@ -169,3 +169,23 @@ def test_full_disk_skips_window_and_training_continues(save_path: Path) -> None:
     assert captures(save_path) == []
     assert "skipping window [1, 3) on rank 0: only" in results[0][2]
     assert "--profile-min-free-mb" in results[0][2]
+
+
+def test_the_loops_own_step_numbers_by_keyword_in_every_state(tmp_path: Path) -> None:
+    """prof.step(step=n) and prof.step(n) both work idle, while a window is pending and while it records (the
+    idle form is another function than the method: a keyword it refused would fail only hours in)."""
+    import torch
+
+    from ondemand_prof import OnDemandProfiler, ProfileConfig
+
+    save = tmp_path / "profile"
+    prof = OnDemandProfiler(ProfileConfig(enabled=True, step_start=15, step_end=17, ondemand=False,
+                                          save_path=str(save), min_free_mb=0), first_step=10)
+    x = torch.ones(8, 8)
+    for n in range(10, 20):  # idle (10-13), pending and warmup (14), recording (15-16), idle again
+        x = x @ x / 8
+        assert prof.current_step == n
+        prof.step(step=n) if n % 2 else prof.step(n)
+    prof.close()
+    (cap,) = captures(save)
+    assert trace_steps(cap) == [15, 16] and cap["status"] == "ok"

@@ -235,7 +235,8 @@ def test_hook_logs_the_command_to_touch(dirs) -> None:
     save, trig, steps = dirs
     ((rc, out, err),) = wait_all(start_ranks(["--steps", "2", *trigger_args(save, trig)]))
     assert rc == 0
-    assert f"capture with 'touch {trig / 'capture'}'" in err  # the start-up line, even for a 2-step run
+    # the start-up line, even for a 2-step run
+    assert f"capture with `touch {trig / 'capture'}` (all ranks of the job that watch it" in err
     assert (trig.stat().st_mode & 0o777) == 0o700
 
 

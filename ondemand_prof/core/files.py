@@ -1,12 +1,15 @@
-"""Small file and process helpers every process uses: one timestamp form, atomic JSON writes, pid checks."""
+"""Small file and process helpers every process uses: one timestamp form, the one atomic writer, reads that follow
+no link on another user's behalf, pid checks and process identities (a pid the kernel may have reused)."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
 import os
+import stat
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +21,18 @@ def iso_time(t: float | None = None) -> str:
         timespec="milliseconds")
 
 
-def write_json_atomic(path: Path, data: Any, compact: bool = False, mode: int = 0o600) -> None:
-    """Readers see the old file or the new one, never a partial one. The temporary file has an unpredictable
-    name and is created exclusively (mkstemp: O_EXCL, so a planted symlink is never written through), and the
-    final name is replaced, never opened: a symlink there is replaced, not followed."""
-    text = json.dumps(data, separators=(",", ":"), default=str) if compact else \
-        json.dumps(data, indent=2, sort_keys=True, default=str)
+def write_atomic(path: Path, data: bytes | str, mode: int = 0o600) -> None:
+    """The one way we publish a file: readers see the old file or the new one, never a partial one. The
+    temporary file has an unpredictable name and is created exclusively (mkstemp: O_EXCL, so a planted symlink
+    is never written through), gets `mode` before any byte is written, and is renamed over the final name,
+    which is replaced, never opened: a symlink there is replaced, not followed."""
+    raw = data.encode("utf-8") if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        with os.fdopen(fd, "wb") as fh:
             if mode != 0o600:
                 os.fchmod(fh.fileno(), mode)
-            fh.write(text + "\n")
+            fh.write(raw)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -37,6 +40,13 @@ def write_json_atomic(path: Path, data: Any, compact: bool = False, mode: int = 
         except OSError:
             pass
         raise
+
+
+def write_json_atomic(path: Path, data: Any, compact: bool = False, mode: int = 0o600) -> None:
+    """JSON through write_atomic."""
+    text = json.dumps(data, separators=(",", ":"), default=str) if compact else \
+        json.dumps(data, indent=2, sort_keys=True, default=str)
+    write_atomic(path, text + "\n", mode)
 
 
 def read_nofollow(path: Path, limit: int) -> bytes | None:
@@ -68,3 +78,150 @@ def pid_alive(pid: int, thorough: bool = False) -> bool:
         except (OSError, IndexError):
             return True  # no /proc here: trust kill()
     return True
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading a file on another user's behalf (the daemon, often root, reads what a rank wrote)
+
+class UnsafePath(OSError):
+    """A path a peer gave that we will not open: relative, with '..', a symlink on the way, not a regular
+    file, or not owned by the user it should belong to."""
+
+
+def open_beneath_root(path: str, owner: int | None, flags: int = os.O_RDONLY) -> int:
+    """An open descriptor of the regular file at absolute `path`, reached without following any symbolic link:
+    every directory on the way is opened relative to the one before with O_NOFOLLOW (so a component swapped for
+    a link after a check is refused, not followed), and the file itself too. With `owner`, the file must belong
+    to that uid. UnsafePath (an OSError) or another OSError says why not."""
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path or len(path) > 4096:
+        raise UnsafePath(f"not an absolute path: {path[:200]!r}" if isinstance(path, str) else "not a path")
+    names = [n for n in path.split("/") if n and n != "."]
+    if not names or ".." in names:
+        raise UnsafePath(f"{path}: '..' or no file name")
+    dir_flags = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open("/", dir_flags)
+    try:
+        for name in names[:-1]:
+            try:
+                nxt = os.open(name, dir_flags, dir_fd=fd)
+            except NotADirectoryError:  # a symlink opened with O_NOFOLLOW|O_DIRECTORY, or a file on the way
+                raise UnsafePath(f"{path}: {name} is a symbolic link or not a directory") from None
+            os.close(fd)
+            fd = nxt
+        try:
+            file_fd = os.open(names[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
+                              dir_fd=fd)
+        except OSError as exc:
+            if exc.errno == 40:  # ELOOP: the last component is a symbolic link
+                raise UnsafePath(f"{path} is a symbolic link") from None
+            raise
+    finally:
+        os.close(fd)
+    try:
+        st = os.fstat(file_fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePath(f"{path} is not a regular file")
+        if owner is not None and st.st_uid != owner:
+            raise UnsafePath(f"{path} belongs to uid {st.st_uid}, not to uid {owner}")
+    except BaseException:
+        os.close(file_fd)
+        raise
+    return file_fd
+
+
+def read_beneath_root(path: str, owner: int | None, limit: int, offset: int = 0) -> bytes:
+    """Up to `limit` bytes from `offset` of the file open_beneath_root() opens; OSError says why not."""
+    fd = open_beneath_root(path, owner)
+    try:
+        if offset:
+            os.lseek(fd, offset, os.SEEK_SET)
+        chunks, left = [], limit
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def size_beneath_root(path: str, owner: int | None) -> int:
+    fd = open_beneath_root(path, owner)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Processes: a pid is a number the kernel reuses; (pid, start time, uid) names one process
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    pid: int
+    start: int  # clock ticks after boot (/proc/PID/stat field 22): differs for every process that had this pid
+    uid: int
+
+
+def process_identity(pid: int) -> ProcessIdentity | None:
+    """Who holds `pid` now; None when nobody does (or /proc cannot say)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        uid = os.stat(f"/proc/{pid}").st_uid
+        return ProcessIdentity(pid, int(fields[19]), uid)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def same_process(ident: ProcessIdentity | None) -> bool:
+    """Whether the process `ident` named is still the one holding its pid (not exited, not a zombie)."""
+    if ident is None:
+        return False
+    return process_identity(ident.pid) == ident and pid_alive(ident.pid, thorough=True)
+
+
+def signal_process(ident: ProcessIdentity, signum: int) -> str | None:
+    """Send `signum` to the process `ident` names, and to no other: a pidfd is taken first, then the holder of
+    the pid is checked against `ident` (start time and uid); a process that exits after that leaves the pidfd
+    pointing at it, so a reused pid is never signalled. None when sent, else why not."""
+    import signal as _signal
+
+    try:
+        pidfd = os.pidfd_open(ident.pid)
+    except ProcessLookupError:
+        return f"process {ident.pid} is gone"
+    except (AttributeError, OSError):
+        pidfd = None  # no pidfd (kernel before 5.3): the check below and kill() leave a window of microseconds
+    try:
+        if process_identity(ident.pid) != ident:
+            return f"pid {ident.pid} is no longer the process that registered (it exited; the pid was reused)"
+        if pidfd is not None:
+            _signal.pidfd_send_signal(pidfd, signum)
+        else:
+            os.kill(ident.pid, signum)
+        return None
+    except ProcessLookupError:
+        return f"process {ident.pid} is gone"
+    except OSError as exc:
+        return f"cannot signal process {ident.pid}: {exc.strerror}"
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def presence_note(path: str) -> str:
+    """What ondemandctl adds after a reported trace or directory on this host: nothing when it is there, that
+    it is missing, or that this user cannot look (a group member may not read another member's save path)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return "  (MISSING on disk)"
+    except PermissionError:
+        return f"  (not visible to uid {os.getuid()}: permission denied)"
+    except OSError as exc:
+        return f"  (cannot be checked: {exc.strerror})"
+    return ""

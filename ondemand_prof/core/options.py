@@ -17,9 +17,12 @@ import logging
 import math
 import os
 import signal as _signal
+import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from .configbase import ConfigMethods, WindowMethods
+from .ids import MAX_ID, safe_id, valid_id
 from .ranks import RankSpecError, parse_ranks, selects
 
 log = logging.getLogger(__name__)
@@ -29,7 +32,8 @@ EXPORT_TYPES = ("text", "db")
 ENV_PREFIX = "ONDEMAND_PROF_"
 # environment variables of ours that are not profiler options (the daemon's, the CLI's, the tests')
 OTHER_ENV = {"ONDEMAND_PROF_STATE_DIR", "ONDEMAND_PROF_LOG", "ONDEMAND_PROF_FORK_SAVE", "ONDEMAND_PROF_AUTO",
-             "ONDEMAND_PROF_TRACE_SAVE", "ONDEMAND_PROF_EXPORT_SCHED", "ONDEMAND_PROF_HELPER_CPUS"}
+             "ONDEMAND_PROF_AUTO_NO_STEP_S", "ONDEMAND_PROF_EXPORT_SCHED", "ONDEMAND_PROF_TRACE_SAVE",
+             "ONDEMAND_PROF_HELPER_CPUS"}
 # signals a training job relies on for its own life; we refuse to take them over
 RESERVED_SIGNALS = {"SIGINT", "SIGTERM", "SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT",
                     "SIGCHLD", "SIGPIPE"}
@@ -110,6 +114,15 @@ def parse_str(value: Any, label: str, strict: bool = False) -> str:
     return str(value)
 
 
+def parse_job_id(value: Any, label: str, strict: bool = False) -> str:
+    """A job id: what the daemon and `ondemandctl --job` take (core/ids.py's rule), or "" for the default."""
+    text = parse_str(value, label, strict)
+    if text and not valid_id(text):
+        raise _err(label, value, f"1-{MAX_ID} letters, digits, '_', '.', '-', '+', '@' or ':', not starting with "
+                                 "'.' or '-'")
+    return text
+
+
 def parse_signal(value: Any, label: str = "--profile-signal", strict: bool = False) -> str:
     """A signal name ('SIGUSR2', 'usr2', '12'); '' is off. Reserved signals are refused."""
     text = parse_str(value, label, strict).strip().upper()
@@ -144,6 +157,13 @@ def parse_mode(value: Any, label: str, strict: bool = False) -> int:
     return int(text, 8)
 
 
+# what each parser returns, as the generated ProfileConfig annotates it (core/config.py)
+for _parse, _type in ((parse_bool, "bool"), (parse_int, "int"), (parse_float, "float"),
+                      (parse_rank_list, "tuple[int, ...]"), (parse_str, "str"), (parse_job_id, "str"),
+                      (parse_signal, "str"), (parse_mode, "int")):
+    _parse.type_name = _type  # type: ignore[attr-defined]
+
+
 def choice(choices: Sequence[str]) -> Callable[..., str]:
     def parse(value: Any, label: str, strict: bool = False) -> str:
         text = value.strip().lower() if isinstance(value, str) and not strict else value
@@ -152,6 +172,7 @@ def choice(choices: Sequence[str]) -> Callable[..., str]:
         return text
 
     parse.choices = tuple(choices)  # type: ignore[attr-defined]
+    parse.type_name = "str"  # type: ignore[attr-defined]
     return parse
 
 
@@ -165,7 +186,7 @@ class Option:
     torch / npu: what the backend does with a window option. "kwarg:NAME" turns on that keyword of
     torch.profiler.profile / torch_npu.profiler.profile (or-ed with what the level turns on); "experimental:NAME"
     sets that field of torch_npu's _ExperimentalConfig; "activity:CPU" adds the CPU activity; "level" is the
-    level table (README "Levels"); "postprocess" is done by our post-processing child; "always" means the
+    level table (docs/levels-and-output.md); "postprocess" is done by our post-processing child; "always" means the
     backend always does it. bounds: (lo, hi) for numbers, inclusive.
     """
 
@@ -182,6 +203,7 @@ class Option:
     npu: str = ""
     bounds: tuple[float, float] | None = None
     negatable: bool = False  # the flag has a --no- form (bools that default to on)
+    default_doc: str = ""  # the default as the reference shows it, where the value alone does not say it
 
     @property
     def flag(self) -> str:
@@ -194,6 +216,10 @@ class Option:
     @property
     def choices(self) -> tuple[str, ...] | None:
         return getattr(self.parse, "choices", None)
+
+    @property
+    def type_name(self) -> str:
+        return getattr(self.parse, "type_name", "Any")
 
     def value(self, raw: Any, label: str, strict: bool = False) -> Any:
         """Parse and bound one value; ConfigError names `label`."""
@@ -213,15 +239,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("step_end", "profile_step_end", parse_int, -1,
            "Step at which recording stops (exclusive); -1 = until close().", bounds=(-1, MAX_STEP)),
     Option("ranks", "profile_ranks", parse_rank_list, (0,),
-           "Ranks that profile: a list or ranges like 0-3,8; -1 anywhere = all ranks.", yaml_default=(-1,)),
+           "Ranks the static window profiles: a list or ranges like 0 3, 0-3,8; -1 anywhere = all ranks (env: "
+           "0,1 or 0-3).",
+           yaml_default=(-1,)),
     Option("level", "profile_level", choice(LEVELS), "level0", "Collection level: " + ", ".join(LEVELS) + ".",
            window=True, torch="level", npu="experimental:profiler_level"),
     Option("export_type", "profile_export_type", choice(EXPORT_TYPES), "text", "Export format: text or db.",
            window=True, torch="postprocess", npu="experimental:export_type"),
-    Option("data_simplification", "profile_data_simplification", _B, False, "Shrink the output (see README).",
-           window=True, torch="postprocess", npu="experimental:data_simplification"),
-    Option("with_cpu", "profile_with_cpu", _B, False, "Also collect CPU activity (NPU; always on for torch).",
-           window=True, torch="always", npu="activity:CPU"),
+    Option("data_simplification", "profile_data_simplification", _B, False,
+           "Shrink the trace (docs: Levels and output).", window=True, torch="postprocess",
+           npu="experimental:data_simplification"),
+    Option("with_cpu", "profile_with_cpu", _B, False, "NPU: add ProfilerActivity.CPU (torch: CPU activity is always "
+           "on).", window=True, torch="always", npu="activity:CPU"),
     Option("with_stack", "profile_with_stack", _B, False, "Record Python call stacks.",
            window=True, torch="kwarg:with_stack", npu="kwarg:with_stack"),
     Option("with_memory", "profile_with_memory", _B, False, "Record memory allocation and release events.",
@@ -230,31 +259,40 @@ OPTIONS: tuple[Option, ...] = (
            window=True, torch="kwarg:record_shapes", npu="kwarg:record_shapes"),
     Option("save_path", "profile_save_path", parse_str, "./profile", "Directory the captures are written under."),
     Option("warmup_steps", "profile_warmup_steps", parse_int, 1,
-           "Warmup steps before a window (recorded, discarded).", ours=True, bounds=(0, 100)),
+           "Warmup steps before a window (profiler running, data discarded).", ours=True, bounds=(0, 100)),
     Option("gzip", "profile_gzip", _B, False, "Write the trace gzipped (.json.gz).", ours=True),
-    Option("job_id", "profile_job_id", parse_str, "", "Job name in metadata and the default trigger dir.",
-           ours=True),
+    Option("job_id", "profile_job_id", parse_job_id, "", "Job name in metadata and the default trigger dir.",
+           ours=True, default_doc="from `SLURM_JOB_ID` (`JOBID.STEPID` with `SLURM_STEP_ID`), `TORCHELASTIC_RUN_ID` "
+           "(torchrun, `accelerate launch`), `MASTER_PORT` (Lightning's and Accelerate's own launchers, `mp.spawn` "
+           "scripts), else the launcher's pid; once torch.distributed is up, rank 0's id for every rank"),
     Option("max_window_steps", "profile_max_window_steps", parse_int, 200,
-           "Cap on the length of an on-demand window, in steps.", ours=True, bounds=(1, 1_000_000)),
+           "Cap on the length of an on-demand window, in steps (a request for more is capped and says so).", ours=True,
+           bounds=(1, 1_000_000)),
     Option("ondemand", "profile_ondemand", _B, True, "Listen for on-demand triggers (files, daemon).", ours=True,
            negatable=True),
     Option("ondemand_steps", "profile_ondemand_steps", parse_int, 2, "Length of a default on-demand window.",
            ours=True, bounds=(1, 1_000_000)),
-    Option("trigger_dir", "profile_trigger_dir", parse_str, "", "Directory watched for trigger files.", ours=True),
+    Option("ondemand_ranks", "profile_ondemand_ranks", parse_rank_list, (-1,),
+           "Ranks an on-demand request that names none captures (a touched trigger file, a signal, ondemandctl "
+           "capture without --ranks); -1 = all. --profile-ranks is the static window's.", ours=True),
+    Option("trigger_dir", "profile_trigger_dir", parse_str, "", "Directory watched for trigger files.", ours=True,
+           default_doc="`$TMPDIR/ondemand_prof-<uid>/<job id>`"),
     Option("trigger_poll_s", "profile_trigger_poll", parse_float, 0.0,
-           "Poll the trigger dir every N s instead of inotify (0 = inotify, polling where it fails).", ours=True,
+           "Poll the trigger dir every N s instead of inotify (0 = inotify, 0.5 s polling on network filesystems or "
+           "where inotify fails).", ours=True,
            bounds=(0, 3600)),
     Option("signal", "profile_signal", parse_signal, "",
            "Open the default window on this signal (e.g. SIGUSR2); off when empty.", ours=True),
-    Option("daemon", "profile_daemon", _B, True, "Register with the host daemon (ondemand-profd) when one runs.",
+    Option("daemon", "profile_daemon", _B, True,
+           "Register with the host daemon (ondemand-profd) when one runs (nothing happens when none does).",
            ours=True, negatable=True),
-    Option("runtime_dir", "profile_runtime_dir", parse_str, "", "The daemon's runtime directory (default: "
-           "/run/ondemand_prof for root, else $XDG_RUNTIME_DIR/ondemand_prof or /tmp/ondemand_prof-<uid>/run).",
-           ours=True),
+    Option("runtime_dir", "profile_runtime_dir", parse_str, "", "The daemon's runtime directory, where its "
+           "socket is.", ours=True, default_doc="`/run/ondemand_prof` for root, else "
+           "`/tmp/ondemand_prof-<uid>/run`"),
     Option("export_timeout_s", "profile_export_timeout", parse_float, 120.0,
            "How long close() waits for pending exports (s).", ours=True, bounds=(0.001, 86400)),
-    Option("min_free_mb", "profile_min_free_mb", parse_int, 256, "Skip a window when less disk than this is free.",
-           ours=True, bounds=(0, MAX_STEP)),
+    Option("min_free_mb", "profile_min_free_mb", parse_int, 256,
+           "Skip a window (with a log line) when less disk than this is free (MB).", ours=True, bounds=(0, MAX_STEP)),
     Option("file_mode", "profile_file_mode", parse_mode, 0o640, "Mode of the files a capture writes, in octal; "
            "its directories get the matching search bits (0640 -> 0750).", ours=True),
     # captures on condition (rank/autocapture.py); env AUTO_RATIO: ONDEMAND_PROF_AUTO is the zero-code switch
@@ -275,47 +313,85 @@ def window_options(options: Sequence[Option] = OPTIONS) -> tuple[Option, ...]:
     return tuple(o for o in options if o.window)
 
 
-def _config_methods(cls: type) -> type:
-    def replace(self: Any, **changes: Any) -> Any:
-        return dataclasses.replace(self, **changes)
-
-    def selects_rank(self: Any, rank: int) -> bool:
-        """-1 anywhere in the list means every rank (MindSpeed compares the whole list to [-1])."""
-        return selects(self.ranks, rank)
-
-    cls.replace = replace  # type: ignore[attr-defined]
-    cls.selects_rank = selects_rank  # type: ignore[attr-defined]
-    return cls
-
-
 def make_config_class(options: Sequence[Option] = OPTIONS) -> type:
-    """ProfileConfig: a frozen dataclass with one field per option."""
-    fields = [(o.name, Any, dataclasses.field(default=o.default)) for o in options]
-    cls = dataclasses.make_dataclass("ProfileConfig", fields, frozen=True)
+    """A ProfileConfig for another table (tests, extensions): a frozen dataclass with one field per option.
+    The package's own ProfileConfig is generated from OPTIONS into core/config.py, so editors and type checkers
+    see its fields and types."""
+    fields = [(o.name, o.type_name, dataclasses.field(default=o.default)) for o in options]
+    cls = dataclasses.make_dataclass("ProfileConfig", fields, bases=(ConfigMethods,), frozen=True)
     cls.__module__ = __name__
-    cls.__doc__ = "Everything the profiler hook needs to know; fields: OPTIONS (README 'Configuration reference')."
-    return _config_methods(cls)
+    return cls
 
 
 def make_window_options_class(options: Sequence[Option] = OPTIONS) -> type:
-    """WindowOptions: the window options of the table; a request may override any of them."""
-    fields = [(o.name, Any, dataclasses.field(default=o.default)) for o in window_options(options)]
-    cls = dataclasses.make_dataclass("WindowOptions", fields, frozen=True)
+    """WindowOptions for another table: the window options of the table; a request may override any of them."""
+    fields = [(o.name, o.type_name, dataclasses.field(default=o.default)) for o in window_options(options)]
+    cls = dataclasses.make_dataclass("WindowOptions", fields, bases=(WindowMethods,), frozen=True)
     cls.__module__ = __name__
-
-    def from_config(klass: type, config: Any, **overrides: Any) -> Any:
-        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(klass)}
-        values.update(overrides)
-        return klass(**values)
-
-    cls.from_config = classmethod(from_config)  # type: ignore[attr-defined]
-    cls.as_dict = lambda self: dataclasses.asdict(self)  # type: ignore[attr-defined]
-    cls.__doc__ = "The profiler options one window records with (the window options of OPTIONS)."
     return cls
 
 
-ProfileConfig = make_config_class()
-WindowOptions = make_window_options_class()
+def _literal(option: Option) -> str:
+    return oct(option.default) if option.parse is parse_mode else repr(option.default)
+
+
+def render_config_module(options: Sequence[Option] = OPTIONS) -> str:
+    """The text of core/config.py: ProfileConfig and WindowOptions written out from the table (a test checks
+    that the file is this text; `python scripts/generate.py` rewrites it)."""
+    def field(o: Option) -> str:
+        line = f"    {o.name}: {o.type_name} = {_literal(o)}"
+        if len(line) + len(o.help) + 4 <= 116:
+            return f"{line}  # {o.help}\n"
+        return "".join(f"    # {text}\n" for text in textwrap.wrap(o.help, 110)) + line + "\n"
+
+    def fields(opts: Sequence[Option]) -> str:
+        return "".join(field(o) for o in opts)
+
+    return ('"""ProfileConfig and WindowOptions, generated from core/options.py OPTIONS by\n'
+            '`python scripts/generate.py`: edit the table, not this file."""\n\n'
+            "from __future__ import annotations\n\n"
+            "from dataclasses import dataclass\n\n"
+            "from .configbase import ConfigMethods, WindowMethods\n\n\n"
+            "@dataclass(frozen=True)\n"
+            "class ProfileConfig(ConfigMethods):\n"
+            '    """Everything the profiler hook needs to know (docs/configuration.md)."""\n\n'
+            f"{fields(options)}\n\n"
+            "@dataclass(frozen=True)\n"
+            "class WindowOptions(WindowMethods):\n"
+            '    """The profiler options one window records with: the window options of OPTIONS."""\n\n'
+            f"{fields(window_options(options))}")
+
+
+def _default_text(option: Option) -> str:
+    """How the reference shows a default: as a user writes it."""
+    if option.default_doc:
+        return option.default_doc
+    value = option.default
+    if isinstance(value, tuple):
+        text = f"`{list(value)}`" if value != (-1,) else "`-1` (all)"
+    elif option.parse is parse_mode:
+        text = f"`{value:04o}`"
+    elif value == "":
+        text = "off"
+    else:
+        text = f"`{value}`"
+    if option.yaml_default is not None:
+        text += f" (YAML `{list(option.yaml_default)}`)"
+    return text
+
+
+def render_config_reference(options: Sequence[Option] = OPTIONS) -> str:
+    """The configuration reference (docs/configuration-reference.md), one row per option of the table."""
+    rows = ["| flag | YAML key | env | default | meaning |", "|---|---|---|---|---|"]
+    for o in options:
+        flag = f"`{o.flag}` / `--no-{o.flag[2:]}`" if o.negatable else f"`{o.flag}`"
+        where = " Window option: a trigger file or `ondemandctl capture` may set it." if o.window else ""
+        rows.append(f"| {flag} | `{o.key}` | `{o.env_var}` | {_default_text(o)} | {o.help}{where} |")
+    return ("<!-- generated from ondemand_prof/core/options.py OPTIONS by `python scripts/generate.py`: edit the "
+            "table, not this file -->\n\n" + "\n".join(rows) + "\n")
+
+
+from .config import ProfileConfig, WindowOptions  # noqa: E402 - generated from OPTIONS above
 OPTION_BY_KEY = {o.key: o for o in OPTIONS}
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -500,14 +576,14 @@ def default_job_id(environ: Mapping[str, str] | None = None) -> str:
     environ = os.environ if environ is None else environ
     explicit = environ.get("ONDEMAND_PROF_JOB_ID")
     if explicit:
-        return explicit
+        return safe_id(explicit)  # (a bad one is refused where the configuration is read; this is a fallback)
     slurm = environ.get("SLURM_JOB_ID")
     if slurm:
         step = environ.get("SLURM_STEP_ID")
         return f"{slurm}.{step}" if step else slurm  # SLURM's own name for a step: JOBID.STEPID
     run_id = environ.get("TORCHELASTIC_RUN_ID")
     if run_id and run_id != "none":
-        return run_id
+        return safe_id(run_id)  # torchrun's --rdzv-id is free text
     port = environ.get("MASTER_PORT")
     if port:
         return "port" + port
@@ -519,3 +595,4 @@ __all__ = [
     "add_profile_args", "add_window_flags", "config_from_args", "config_from_mapping", "config_from_env",
     "default_job_id", "window_options", "window_overrides",
 ]
+

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 from pathlib import Path
 from typing import Any, Mapping
 
+from .ids import BadId, check_id, valid_id
 from .safejson import UnsafeJSON, bounded_int, loads
 
 PROTOCOL_VERSION = 1
@@ -54,6 +57,16 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "seen": (0, 1 << 62),
 }
 INT_DEFAULT_BOUNDS = (-(1 << 62), 1 << 62)
+# fields that name a capture, a job or a triage request, in any message: checked by core/ids.py's one rule
+ID_FIELDS = ("capture_id", "job", "triage_id")
+
+
+def native_dump_signal() -> int | None:
+    """The one signal a daemon sends a silent rank for a native stack dump (SIGRTMAX-3, where faulthandler waits
+    in the rank: rank/triage.py NativeDump). Fixed here, on both sides: a rank says whether it listens, never
+    which signal to send (a rank that could choose would have the daemon, often root, send SIGKILL)."""
+    rtmax = getattr(signal, "SIGRTMAX", None)
+    return None if rtmax is None else int(rtmax) - 3
 
 
 class ProtocolError(ValueError):
@@ -132,7 +145,39 @@ def decode(frame: bytes, schema: Mapping[str, Mapping[str, tuple[type, ...]]],
             lo, hi = INT_BOUNDS.get(name, INT_DEFAULT_BOUNDS)
             if not bounded_int(value, lo, hi):
                 raise ProtocolError(f"{msg_type}: field {name!r} must be between {lo} and {hi}, got {_short(value)}")
+    for name in ID_FIELDS:  # every id from the wire, before it touches a path or a record
+        if msg.get(name) is not None and not valid_id(msg[name]):
+            try:
+                check_id(msg[name], f"{msg_type}: field {name!r}")
+            except BadId as exc:
+                raise ProtocolError(str(exc)) from None
+    for name, (check, want) in TEXT_FIELDS.items():  # what a rank says about itself, shown to every user
+        if name in msg and not check(msg[name]):
+            raise ProtocolError(f"{msg_type}: field {name!r} must be {want}, got {_short(msg[name])}")
     return msg
+
+
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+_TOKEN = re.compile(r"[A-Za-z0-9_ .:+-]{0,64}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _path_field(value: Any) -> bool:
+    """A path a rank reports about itself (shown, and checked again where it is used): no control characters."""
+    return isinstance(value, str) and len(value) <= 4096 and not _CONTROL.search(value)
+
+
+# optional top-level fields of rank messages (register's, mostly) and the shape each must have: they are
+# stored by the daemon and printed by ondemandctl, for every user of a --group daemon to read
+TEXT_FIELDS: dict[str, tuple[Any, str]] = {
+    "host": (lambda v: isinstance(v, str) and _HOST.fullmatch(v) is not None,
+             "a host name (letters, digits, '.', '_', '-'; at most 253)"),
+    "save_root": (_path_field, "a path without control characters"),
+    "trigger_dir": (_path_field, "a path without control characters"),
+    "version": (lambda v: isinstance(v, str) and _TOKEN.fullmatch(v) is not None, "a version string"),
+    "state": (lambda v: isinstance(v, str) and _TOKEN.fullmatch(v) is not None and 0 < len(v) <= 32,
+              "a state name"),
+}
 
 
 def _short(value: Any) -> str:

@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
+from .ids import check_id
 from .options import MAX_STEP, OPTIONS, ConfigError, Option, WindowOptions, window_options
-from .ranks import RankSpecError, parse_ranks
+from .ranks import RankSpecError, parse_ranks, selects
 from .window import Window, _step
 
 MAX_START_OFFSET = 1_000_000
@@ -125,13 +126,20 @@ class WindowDefaults:
     options: Any
     steps: int
     max_steps: int
+    ranks: tuple[int, ...] = (-1,)  # the ranks a request naming none captures (--profile-ondemand-ranks)
 
     @classmethod
     def from_config(cls, config: Any) -> "WindowDefaults":
-        return cls(WindowOptions.from_config(config), config.ondemand_steps, config.max_window_steps)
+        return cls(WindowOptions.from_config(config), config.ondemand_steps, config.max_window_steps,
+                   tuple(config.ondemand_ranks))
+
+    def selects(self, rank: int) -> bool:
+        """Whether a request that names no ranks captures `rank` (a touch, or ondemandctl without --ranks)."""
+        return selects(self.ranks, rank)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"options": asdict(self.options), "steps": self.steps, "max_steps": self.max_steps}
+        return {"options": asdict(self.options), "steps": self.steps, "max_steps": self.max_steps,
+                "ranks": list(self.ranks)}
 
     @classmethod
     def from_wire(cls, data: Any) -> "WindowDefaults":
@@ -143,8 +151,12 @@ class WindowDefaults:
         if steps is None or max_steps is None:
             raise RequestError("window defaults need 'steps' and 'max_steps'")
         options = data.get("options")
+        try:  # a rank of an older version sends none: all ranks, as ondemandctl always took
+            ranks = parse_ranks(data["ranks"]) if data.get("ranks") is not None else (-1,)
+        except RankSpecError as exc:
+            raise RequestError(f"window defaults: ranks: {exc}") from None
         return cls(WindowOptions(**check_options(options if isinstance(options, Mapping) else {}, complete=True)),
-                   steps, max_steps)
+                   steps, max_steps, ranks)
 
 
 def resolve(request: CaptureRequest, defaults: WindowDefaults, start: int, *, source: str, capture_id: str,
@@ -166,12 +178,16 @@ def absolute_start(request: CaptureRequest, anchor_step: int) -> int:
     return anchor_step + request.start
 
 
+MAX_WIRE_STEPS = 1_000_000  # a planned window's length (the options' own caps are lower: bounded here too)
+
+
 def window_from_wire(data: Mapping[str, Any]) -> Window:
     """A window planned elsewhere (the daemon): checked for shape and bounds, not planned again.
     ValueError says what is wrong."""
     start, end = data.get("start_step"), data.get("end_step")
-    if not _step(start) or not _step(end):
-        raise ValueError(f"bad window steps [{start!r}, {end!r})")
+    if not _step(start) or not _step(end) or end <= start or end - start > MAX_WIRE_STEPS:
+        raise ValueError(f"bad window steps [{str(start)[:30]}, {str(end)[:30]})")
+    capture_id = check_id(data.get("capture_id"), "capture id")  # a folder under the save root, a record's file
     try:
         options = check_options(data.get("options") or {}, complete=True)
     except RequestError as exc:
@@ -181,4 +197,4 @@ def window_from_wire(data: Mapping[str, Any]) -> Window:
     if not isinstance(requested, Mapping) or not isinstance(note, str):
         raise ValueError("bad window: 'requested' must be an object and 'note' a string")
     return Window(start, end, WindowOptions(**options), source=str(data.get("source") or "daemon")[:32],
-                  capture_id=str(data.get("capture_id") or "")[:128], requested=dict(requested), note=note[:512])
+                  capture_id=capture_id, requested=dict(requested), note=note[:512])

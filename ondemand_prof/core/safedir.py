@@ -121,3 +121,86 @@ def daemon_socket_problem(sock: Path) -> str | None:
         if what == "directory" and st.st_mode & stat.S_IWOTH:
             return f"the runtime directory {path} is writable by others (mode {st.st_mode & 0o7777:o}): refusing to trust it"
     return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The save path: traces may hold code, names and shapes; whoever controls a directory on the way to them can
+# read them (a setgid directory hands its group every file made in it) or swap the directory under us
+
+
+def save_path_problem(path: Path) -> str | None:
+    """Why traces must not go under `path` (None: they may). `path` and every existing directory above it,
+    before and after resolving symbolic links, must belong to us or root and be writable by nobody else, a
+    root-owned sticky directory (/tmp) aside; a symbolic link on the way must be ours or root's."""
+    uid = os.getuid()
+    path = Path(path).expanduser().absolute()
+    seen: set[Path] = set()
+    for chain in (path, Path(os.path.realpath(path))):
+        for p in (chain, *chain.parents):
+            if p in seen:
+                continue
+            seen.add(p)
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                continue  # made by us later (make_dirs), with our modes
+            except OSError as exc:
+                return f"cannot look at {p}: {exc.strerror}"
+            if st.st_uid not in (uid, 0):
+                what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "it"
+                return (f"{p} belongs to {_owner_name(st.st_uid)}, not to us (uid {uid}) or root: {what} could be "
+                        "swapped, or its group could read the traces")
+            if stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH and not (
+                    st.st_mode & stat.S_ISVTX and st.st_uid == 0):
+                return f"{p} is writable by others (mode {st.st_mode & 0o7777:o})"
+    return None
+
+
+def make_dirs(path: Path, mode: int = 0o750) -> Path:
+    """Create `path` and its missing parents with exactly `mode`, whatever the umask (mkdir's mode is masked by
+    it: under umask 000 a save root came out 0777). Directories that exist are left as they are."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode & 0o700)  # owner-only until chmod: never, even briefly, open to others
+        except FileExistsError:
+            continue  # someone made it in between: left as it is, like any directory that exists
+        os.chmod(d, mode)
+    return path
+
+
+def private_save_root(name: str = "profile") -> Path:
+    """Where traces go when the configured save path is not safe: ~/.local/share/ondemand_prof/<name> (or under
+    $XDG_DATA_HOME) when that is sound, else a fresh directory with an unpredictable name in the temp dir."""
+    try:
+        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "ondemand_prof"
+        ensure_private_dir(base)
+        if save_path_problem(base) is None:
+            return make_dirs(base / name, 0o700)
+    except (OSError, RuntimeError, KeyError) as exc:  # RuntimeError: no home directory to be found
+        log.info("ondemand_prof: no private save path under the data home: %s", exc)
+    return Path(tempfile.mkdtemp(prefix=f"ondemand_prof-{os.getuid()}-{name}-"))
+
+
+def safe_save_root(path: Path, dir_mode: int) -> tuple[Path, str | None]:
+    """The directory traces go under: `path`, created now with `dir_mode` when missing (so nobody can create it
+    first between this check and the first capture), or, when the way to it is not safe, a private fallback
+    and the one line that says why."""
+    path = Path(path).expanduser().absolute()
+    problem = save_path_problem(path)
+    if problem is None:
+        try:
+            make_dirs(path, dir_mode)
+            problem = save_path_problem(path)  # someone may have made it first, between the check and mkdir
+        except OSError as exc:
+            problem = f"cannot create {path}: {exc.strerror}"
+    if problem is None:
+        return path, None
+    fallback = private_save_root()
+    return fallback, (f"ondemand_prof: not saving traces under {path}: {problem}; saving them under {fallback} "
+                      "instead (owner-only)")

@@ -52,19 +52,22 @@ def main(argv: list[str] | None = None) -> int:
     base_env = dict(os.environ, ONDEMAND_PROF_RUNTIME_DIR=str(run_dir), OMP_NUM_THREADS="1",
                     ONDEMAND_PROF_LOG="WARNING")
     print(f"[demo] $ ondemand-profd --runtime-dir {run_dir} --state-dir {out / 'state'}")
+    # the daemon runs in / (as under systemd) and the ranks in the demo's folder with the default save path,
+    # ./profile: paths a rank reports are its own, made absolute, whatever the daemon's working directory
     daemon = subprocess.Popen([sys.executable, "-m", "ondemand_prof.host.profd", "--runtime-dir", str(run_dir),
-                               "--state-dir", str(out / "state"), "--log-level", "WARNING"], env=base_env)
+                               "--state-dir", str(out / "state"), "--log-level", "WARNING"], env=base_env, cwd="/")
     ctl = [sys.executable, "-m", "ondemand_prof.host.ctl"]
     train = [sys.executable, "-m", "ondemand_prof.demo.toy_train", "--steps", str(args.steps), "--step-sleep", "0.03",
              "--profile", "--profile-step-start", "5", "--profile-step-end", "8", "--profile-ranks", "-1",
-             "--profile-save-path", str(save), "--profile-trigger-dir", str(trig), "--profile-min-free-mb", "0"]
-    print(f"[demo] starting {args.ranks} gloo ranks: static window [5, 8) on every rank; trigger dir {trig}")
+             "--profile-trigger-dir", str(trig), "--profile-min-free-mb", "0"]
+    print(f"[demo] starting {args.ranks} gloo ranks in {out} (traces: ./profile): static window [5, 8) on every "
+          f"rank; trigger dir {trig}")
     procs = []
     for rank in range(args.ranks):
         env = dict(base_env, RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         extra = ["--status-file", str(progress)] if rank == 0 else []
-        procs.append(subprocess.Popen([*train, *extra], env=env))
+        procs.append(subprocess.Popen([*train, *extra], env=env, cwd=out))
     try:
         deadline = time.monotonic() + 120
         while _last_step(progress) < 20 and time.monotonic() < deadline:
@@ -72,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1.2)  # a heartbeat, so that every rank has registered
         print("[demo] $ ondemandctl status")
         subprocess.run([*ctl, "status"], env=base_env)
-        print("[demo] $ ondemandctl capture --ranks -1 --steps 2 --with-stack --wait")
-        subprocess.run([*ctl, "capture", "--ranks", "-1", "--steps", "2", "--with-stack", "--wait"], env=base_env)
+        print("[demo] $ ondemandctl capture --steps 2 --with-stack --wait")
+        subprocess.run([*ctl, "capture", "--steps", "2", "--with-stack", "--wait"], env=base_env)
         request = {"steps": 3, "ranks": -1, "level": "level1"}
         print(f"[demo] training is at step {_last_step(progress)}: writing {json.dumps(request)} to "
               f"{trig / 'capture'}")
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
     print(f"[demo] training finished (exit {rc}). Captures under {save}:")
     rows = []
-    for d in sorted(save.glob("*/*/metadata.json")):  # {save}/{capture}/{rank directory}/ (README "Output")
+    for d in sorted(save.glob("*/*/metadata.json")):  # {save}/{capture}/{rank directory}/ (docs/levels-and-output.md)
         meta = json.loads(d.read_text())
         d = d.parent
         rows.append((meta["rank"], meta["trigger"]["source"], meta["steps_in_trace"], meta["status"], d))

@@ -15,13 +15,14 @@ from ..core.protocol import MAX_REPLY_BYTES, ProtocolError, decode, encode, endp
 
 REPLIES: dict[str, dict[str, tuple[type, ...]]] = {"ok": {}, "error": {"error": (str,)}}
 
-# exit codes (README "ondemandctl")
+# exit codes (docs/daemon.md)
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_PARTIAL = 3
 EXIT_NO_DAEMON = 4
 EXIT_TIMEOUT = 5
+EXIT_MISALIGNED = 6  # every rank finished, but not all recorded the same steps (host/alignment.py)
 
 
 class CtlError(Exception):

@@ -12,15 +12,18 @@ import re
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any, TextIO
 
+from ..core.files import presence_note
 from ..core.options import add_window_flags, window_overrides
 from ..core.protocol import FINAL_STATES, encode
 from ..core.ranks import RankSpecError, parse_ranks, spans
 from ..core.requests import RequestError, WindowDefaults, parse_request, resolve
-from .client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, dumps
+from .alignment import MISALIGNED, late_refusal, mark_misaligned, refuse_parts
+from .client import EXIT_FAILED, EXIT_MISALIGNED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, dumps
 from .records import CaptureRecord, new_capture_id
-from .registry import plan_window, select_ranks
+from .registry import match_id, plan_window, select_ranks, stall_text, stalls
 from .service import MAX_WATCH_S, BadRequest, Service
 
 Fields = dict[str, tuple[type, ...]]
@@ -76,6 +79,21 @@ def _vs_median(rank: dict[str, Any]) -> str:
     return "-" if not ratio else f"{ratio:.2f}x" + ("  SLOW" if rank.get("slow") else "")
 
 
+def _silent_text(job: str, ranks: list[dict[str, Any]]) -> str:
+    return "".join(f"SILENT: rank {r['rank']} (pid {r['pid']}, {r['host']}, last at step {r['step']}) sent no heartbeat "
+                   f"for {r['silent_s']:.0f} s but its process is alive: native code holding the GIL? ondemandctl "
+                   f"stacks --job {job} dumps its threads natively\n" for r in ranks)
+
+
+def _state(rank: dict[str, Any]) -> str:
+    stalled, in_step = rank.get("stalled_s"), rank.get("in_step_s") or 0.0
+    if stalled is not None:
+        return f"STALLED {stalled:.0f} s"
+    if not rank.get("step_time_s") and in_step >= 10:  # no step finished yet (a stall once one has)
+        return f"starting {in_step:.0f} s"
+    return rank["state"]
+
+
 def _window(w: list[int] | None) -> str:
     return "-" if not w else f"[{w[0]}, {w[1]})"
 
@@ -92,32 +110,53 @@ class Status(Command):
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         now, wall = time.monotonic(), time.time()
-        job = _opt_str(msg, "job")
         live = service.registry.jobs()
-        if job and job not in live:
-            raise BadRequest(f"no live job {job!r}; live jobs: {', '.join(live) or 'none'}")
+        job = _opt_str(msg, "job")
+        if job:
+            try:
+                job = match_id(job, live, "live job")
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
         jobs = {name: [r.as_dict(now, wall) for r in ranks] for name, ranks in live.items() if not job or name == job}
         from .triage import stragglers
 
         slow = {name: stragglers(ranks) for name, ranks in jobs.items()}  # adds vs_median and slow to each rank
+        stalled = {name: stall for name, ranks in jobs.items() if (stall := stalls(ranks, wall)) is not None}
+        conflicts = {name: c for name in jobs if (c := service.registry.conflicts_of(name, now))}
+        silent: dict[str, list[dict[str, Any]]] = {}  # heartbeats stopped, process alive: the GIL held?
+        for info in service.triage.silent_ranks(job or None, now):
+            silent.setdefault(info.job, []).append({"rank": info.rank, "pid": info.pid, "host": info.host,
+                                                    "step": info.step, "silent_s": round(now - info.last_seen, 1)})
         return {"daemon": service.daemon_info(), "jobs": jobs if not msg.get("brief") else {}, "stragglers": slow,
-                "delivery_s": service.delivery.longer(jobs)}
+                "delivery_s": service.delivery.longer(jobs), "stalled": stalled, "conflicts": conflicts,
+                "silent": silent}
 
     def console(self, data: Any, args: argparse.Namespace) -> str:
         d = data["daemon"]
         text = (f"ondemand-profd {d['version']} pid {d['pid']} on {d['host']}, up {d['uptime_s']:.0f} s; "
                 f"{d['captures']} capture record(s), {d['running_captures']} running\n")
-        if not data["jobs"]:
+        silent = data.get("silent") or {}
+        if not data["jobs"] and not silent:
             return text + "no ranks registered\n"
+        for job in sorted(set(silent) - set(data["jobs"])):
+            text += f"\njob {job}: no rank answers\n" + _silent_text(job, silent[job])
         for job, ranks in data["jobs"].items():
             world = max(r["world_size"] for r in ranks)
             text += f"\njob {job}: {len(ranks)} of {world} rank(s) registered\n"
             for label, key in (("trigger dir", "trigger_dir"), ("save path", "save_root")):
                 places = sorted({r.get(key) or "?" for r in ranks})
                 text += f"  {label}: {', '.join(places)}\n"
-            rows = [[str(r["rank"]), r["host"], str(r["pid"]), str(r["step"]), _ms(r["step_time_s"]), r["state"],
+            rows = [[str(r["rank"]), r["host"], str(r["pid"]), str(r["step"]), _ms(r["step_time_s"]), _state(r),
                      f"{r['last_seen_s']:.1f} s ago", _vs_median(r)] for r in ranks]
             text += _table(rows, ["RANK", "HOST", "PID", "STEP", "STEP TIME", "STATE", "HEARD", "VS MEDIAN"])
+            stall = (data.get("stalled") or {}).get(job)
+            if stall:
+                text += stall_text(job, stall) + "\n"
+            text += _silent_text(job, silent.get(job) or [])
+            for c in (data.get("conflicts") or {}).get(job) or []:
+                text += (f"CONFLICT: rank {c['rank']} is held by pid {c['pid']} ({c['host']}); pid {c['refused_pid']} "
+                         f"({c['refused_host']}) claims it too and is refused ({c['attempts']} tries): two jobs "
+                         "share this job id\n")
             delivery = (data.get("delivery_s") or {}).get(job)
             if delivery:  # learned from ranks that took windows late: captures now plan a longer lead
                 text += (f"windows took up to {delivery * 1000:.0f} ms to reach this job's ranks lately; captures "
@@ -135,7 +174,8 @@ class Capture(Command):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--job", help="the job (needed when several are live)")
-        parser.add_argument("--ranks", default="-1", help="ranks: a list or ranges like 0-3,7; -1 = all (default)")
+        parser.add_argument("--ranks", help="ranks: a list or ranges like 0-3,7; -1 = all (default: the ranks a "
+                            "touched trigger file captures, --profile-ondemand-ranks, all unless the job set it)")
         where = parser.add_mutually_exclusive_group()
         where.add_argument("--start", type=int, help="first step, counted from the furthest-ahead rank's current "
                            "step (default 1: as soon as every rank can; the daemon adds lead when needed)")
@@ -158,7 +198,7 @@ class Capture(Command):
         if args.html and not args.report:
             raise CtlError("--html needs --report (it writes the report of what was captured)", EXIT_USAGE)
         try:
-            ranks = list(parse_ranks(args.ranks))
+            ranks = None if args.ranks is None else list(parse_ranks(args.ranks))
         except RankSpecError as exc:
             raise CtlError(f"--ranks {args.ranks!r}: {exc}", EXIT_USAGE) from None
         for flag in ("steps", "start", "start_step"):
@@ -166,7 +206,9 @@ class Capture(Command):
             if value is not None and value < (1 if flag == "steps" else 0):
                 raise CtlError(f"--{flag.replace('_', '-')} {value}: expected "
                                f"{'1 or more' if flag == 'steps' else '0 or more'}", EXIT_USAGE)
-        request: dict[str, Any] = {"ranks": ranks, "steps": args.steps, **window_overrides(args)}
+        request: dict[str, Any] = {"steps": args.steps, **window_overrides(args)}
+        if ranks is not None:
+            request["ranks"] = ranks
         for key in ("start", "start_step"):
             if getattr(args, key) is not None:
                 request[key] = getattr(args, key)
@@ -184,12 +226,13 @@ class Capture(Command):
             request = parse_request(msg["request"])
             job = service.registry.resolve_job(_opt_str(msg, "job"))
             live = service.registry.jobs()[job]
-            world = max(r.world_size for r in live)
-            ranks = select_ranks(list(request.ranks) if request.ranks is not None else -1, world)
-            targets = service.registry.select(job, ranks)
+            targets = _targets(service, job, request.ranks, max(r.world_size for r in live))
+            wall = time.time()
+            stall = stalls([{"rank": t.rank, "step": t.step, "stalled_s": t.stalled_s(wall)} for t in targets], wall)
+            if stall:  # a window there cannot start: say so now rather than time out later
+                raise ValueError(f"{stall_text(job, stall)}. No window can start until they step again")
             defaults = _common_defaults(targets)
             steps = min(defaults.steps if request.steps is None else request.steps, defaults.max_steps)
-            wall = time.time()
             plan = plan_window(targets, wall, start=request.start, start_step=request.start_step, steps=steps,
                                delivery_s=service.delivery.estimate(job))
         except (RequestError, ValueError) as exc:
@@ -212,7 +255,14 @@ class Capture(Command):
         first = windows[targets[0].rank]
         plan["note"] = "; ".join(filter(None, [first.note, plan.get("note", "")]))
         record = CaptureRecord.new(capture_id, job, request.as_dict(), plan, first.options.as_dict(),
-                                   [{"rank": t.rank, "host": t.host, "pid": t.pid} for t in targets], wall)
+                                   [{"rank": t.rank, "host": t.host, "pid": t.pid, "uid": t.uid} for t in targets],
+                                   wall)
+        late = late_refusal(plan) if msg.get("across_hosts") is True else None
+        if late:  # shared with other hosts' ranks: on the same steps everywhere or not here (host/alignment.py)
+            refuse_parts(record, late, wall)
+            service.store.add(record)
+            log.warning("ondemand-profd: capture %s: %s", capture_id, late)
+            return {**record.data, "version": record.version}
         service.store.add(record)
         bodies: dict[int, bytes] = {}  # each distinct window encoded once, now that the plan's note is known
         for _, window in distinct:
@@ -251,6 +301,7 @@ class Capture(Command):
                 out.write(f"not waiting; follow it with: ondemandctl show {record['capture_id']}\n")
             return EXIT_OK
         record, finished = self._follow(client, record, args, out)
+        mark_misaligned(record)
         if args.json and not args.report:
             out.write(dumps(record) + "\n")
         elif not args.json:
@@ -270,6 +321,7 @@ class Capture(Command):
         """Long-poll the daemon for changes and print each rank's progress as it happens."""
         printed: dict[str, int] = {}  # history entries shown per rank: every state is shown, even brief ones
         shown_step: dict[str, str] = {}
+        shown_stall = ""
         deadline = time.monotonic() + args.timeout
         while True:
             if not args.json:
@@ -289,8 +341,39 @@ class Capture(Command):
             if left <= 0:
                 return record, False
             hold = min(10.0, left)
+            seen = record["version"]
             record = client.request("watch", wait_s=hold + client.timeout_s, capture_id=record["capture_id"],
-                                    seen=record["version"], timeout_s=hold)
+                                    seen=seen, timeout_s=hold)
+            if record["version"] == seen and not args.json:  # nothing moved for a while: is the job hung?
+                stall = _stall_of(client, record)
+                if stall and stall != shown_stall:
+                    shown_stall = stall
+                    out.write(f"  {stall}; the window cannot go on until they step again (still waiting, up to "
+                              f"--timeout {args.timeout:g} s)\n")
+
+
+def _targets(service: Service, job: str, ranks: tuple[int, ...] | None, world: int) -> list[Any]:
+    """The ranks a request names, or, naming none, those a touched trigger file would capture (each rank's
+    --profile-ondemand-ranks, sent at registration): one default for the file and ondemandctl."""
+    if ranks is not None:
+        return service.registry.select(job, select_ranks(list(ranks), world))
+    targets = [r for r in service.registry.select(job, [-1]) if r.defaults is None or r.defaults.selects(r.rank)]
+    if not targets:
+        raise ValueError(f"no rank of job {job!r} takes a capture that names no ranks (--profile-ondemand-ranks); "
+                         "name them with --ranks")
+    return targets
+
+
+def _stall_of(client: Client, record: dict[str, Any]) -> str:
+    """What status says of a stall among a capture's unfinished ranks ('' when none, or when it cannot say)."""
+    waiting = {p["rank"] for p in record["parts"].values() if p["state"] not in FINAL_STATES}
+    try:
+        stall = client.request("status", job=record["job"], brief=True).get("stalled", {}).get(record["job"])
+    except CtlError:
+        return ""
+    if not stall or not waiting.intersection(stall["ranks"]):
+        return ""
+    return stall_text(record["job"], stall)
 
 
 def recording_step(record: dict[str, Any], part: dict[str, Any]) -> str:
@@ -311,13 +394,15 @@ def progress_text(part: dict[str, Any]) -> str:
         why = part.get("note") or "it got the window after its start"  # the rank's note says which, and where to
         return "recording" + (f" (late by {late} step{'s' if late != 1 else ''}: {why})" if late else "")
     if state == "done":
-        return f"{'done':<10} {part.get('path')}"
+        return f"{'done':<10} {part.get('trace') or part.get('path')}"
     if state in ("failed", "rejected"):
         return f"{state:<10} {part.get('error')}"
     return state
 
 
 def result_text(record: dict[str, Any], finished: bool, waited: bool = True) -> str:
+    """The outcome, the capture folder (what HTA, TensorBoard and `ondemandctl report` open), and each rank's
+    trace file with its steps, or why it has none."""
     parts = sorted(record["parts"].values(), key=lambda p: p["rank"])
     done = [p for p in parts if p["state"] == "done"]
     here = socket.gethostname()
@@ -328,21 +413,26 @@ def result_text(record: dict[str, Any], finished: bool, waited: bool = True) -> 
     else:
         head = f"{record['status']}: {len(done)} of {len(parts)} rank(s) wrote a trace\n"
     lines = [head]
+    folders = sorted({os.path.dirname(p["path"]) for p in done if p.get("path")})
+    if folders:
+        lines.append(f"  capture folder{'s' if len(folders) > 1 else ''}: {', '.join(folders)}  (ondemandctl report "
+                     f"{record['capture_id']})\n")
     for p in parts:
         if p["state"] == "done":
-            path = p.get("path") or "?"
-            missing = p["host"] == here and not os.path.isdir(path)
+            path = p.get("trace") or p.get("path") or "?"  # torch_npu writes a directory, not one trace file
             steps = p.get("steps")
             lines.append(f"  rank {p['rank']:<4} {path}" + (f"  steps {steps[0]}..{steps[-1]}" if steps else "")
-                         + ("  (MISSING on disk)" if missing else "") + "\n")
+                         + (presence_note(path) if p["host"] == here else "") + "\n")
         elif p["state"] in ("failed", "rejected"):
             lines.append(f"  rank {p['rank']:<4} {p['state']}: {p.get('error')}\n")
+    if record.get("misaligned"):
+        lines.append(f"  MISALIGNED: {record['misaligned']['text']}\n")
     return "".join(lines)
 
 
 def exit_for(record: dict[str, Any]) -> int:
-    return {"done": EXIT_OK, "partial": EXIT_PARTIAL}.get(record["status"], EXIT_FAILED if
-                                                           record["status"] != "running" else EXIT_TIMEOUT)
+    return {"done": EXIT_OK, "partial": EXIT_PARTIAL, MISALIGNED: EXIT_MISALIGNED}.get(
+        record["status"], EXIT_FAILED if record["status"] != "running" else EXIT_TIMEOUT)
 
 
 class List(Command):
@@ -363,7 +453,13 @@ class List(Command):
         limit = msg.get("limit", 20)
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
             raise BadRequest(f"field 'limit' must be an integer from 1 to 1000, got {limit!r}")
-        return {"captures": [r.summary() for r in service.store.newest(limit, _opt_str(msg, "job") or None)]}
+        job = _opt_str(msg, "job") or None
+        if job:
+            try:
+                job = match_id(job, (r.data["job"] for r in service.store.records.values()), "job with captures")
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+        return {"captures": [r.summary() for r in service.store.newest(limit, job)]}
 
     def console(self, data: Any, args: argparse.Namespace) -> str:
         caps = data["captures"]
@@ -395,7 +491,9 @@ class Show(OneCapture):
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         record = service.find(msg["capture_id"])
-        return {**record.data, "version": record.version}
+        shown = {**record.data, "version": record.version}
+        mark_misaligned(shown)  # what is shown says so; the stored record keeps what happened
+        return shown
 
     def console(self, data: Any, args: argparse.Namespace) -> str:
         text = (f"capture {data['capture_id']}  job {data['job']}  created {data['created_at']}\n"
@@ -464,19 +562,45 @@ class Report(Command):
     needs_daemon = False
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("paths", nargs="+", help="a save path (every capture under it, newest first), a "
-                            "capture directory, a torch_npu *_ascend_pt directory, or a trace file")
+        parser.add_argument("paths", nargs="+", help="a capture id (or any unique part of it, from ondemandctl "
+                            "list), a save path (every capture under it, newest first), a capture directory, a "
+                            "torch_npu *_ascend_pt directory, or a trace file")
         parser.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with charts")
         parser.add_argument("--top", type=int, default=10, help="operators per table (default 10)")
         parser.add_argument("--summary", action="store_true", help="only the across-ranks tables")
+        parser.add_argument("--runtime-dir", type=Path, default=None, help="for a capture id: the daemon's runtime "
+                            "directory (env ONDEMAND_PROF_RUNTIME_DIR)")
+        parser.add_argument("--connect-timeout", type=float, default=5.0, help="for a capture id: seconds to wait "
+                            "for the daemon's answer (default 5)")
 
     def run(self, client: Client | None, args: argparse.Namespace, out: TextIO) -> int:
-        from pathlib import Path
-
         if args.top < 1:
             raise CtlError(f"--top {args.top}: expected 1 or more", 2)
-        data = report_paths([Path(p) for p in args.paths], args, out)
+        paths: list[Path] = []
+        for given in args.paths:  # a path that exists, or names a folder, is a path; else a capture id
+            is_path = os.path.lexists(given) or os.sep in given or given.startswith((".", "~"))
+            paths.extend([Path(given)] if is_path else capture_folders(given, args))
+        data = report_paths(paths, args, out)
         return EXIT_OK if data["ranks_read"] else EXIT_FAILED
+
+
+def capture_folders(capture_id: str, args: argparse.Namespace) -> list[Path]:
+    """The capture folders (one per save path) holding what the capture's ranks on this host wrote, from the
+    daemon's record. CtlError when it is not a path and the daemon knows no such capture."""
+    from ..core.protocol import default_runtime_dir
+
+    try:
+        with Client(args.runtime_dir or default_runtime_dir(), args.connect_timeout) as client:
+            record = client.request("show", capture_id=capture_id)
+    except CtlError as exc:
+        raise CtlError(f"{capture_id!r} is not a file or directory here, and not a capture the daemon knows: "
+                       f"{exc}") from None
+    folders = sorted({str(Path(p["path"]).parent) for p in record["parts"].values()
+                      if p["state"] == "done" and p.get("path")})
+    if not folders:
+        raise CtlError(f"capture {record['capture_id']} wrote no trace here (status {record['status']}; ondemandctl "
+                       f"show {record['capture_id']})")
+    return [Path(f) for f in folders]
 
 
 def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
@@ -681,7 +805,7 @@ class Stacks(_TriageCommand):
         from .triage import group_stacks
 
         data = super().finish(pending)
-        data.update(group_stacks(pending.results))
+        data.update(group_stacks(pending.results, pending.folder))
         for res in data["ranks"].values():  # grouped above; per rank only how it answered
             res.pop("threads", None)
             res.pop("text", None)

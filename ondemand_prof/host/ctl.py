@@ -9,7 +9,8 @@ from pathlib import Path
 
 from .. import __version__
 from ..core.protocol import RUNTIME_ENV, default_runtime_dir
-from .client import EXIT_USAGE, Client, CtlError
+from ..core.text import printable_streams
+from .client import EXIT_FAILED, EXIT_USAGE, Client, CtlError
 from .commands import COMMANDS
 from .multihost import EXTRA_COMMANDS, add_global_flags, run_multi, targets_from
 
@@ -33,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """ondemandctl: what it prints passes through printable_streams (names, errors and paths come from ranks)."""
+    with printable_streams():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args, extra = build_parser().parse_known_args(argv)
     if extra:  # the command's own usage, not the top-level one, says what it takes
@@ -49,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     except CtlError as exc:
         sys.stderr.write(f"ondemandctl {cmd.name}: error: {exc}\n")
         return exc.code
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:  # a reply we could not print
+        sys.stderr.write(f"ondemandctl {cmd.name}: error: the daemon's reply is malformed "
+                         f"({type(exc).__name__}: {str(exc)[:200]})\n")
+        return EXIT_FAILED
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130

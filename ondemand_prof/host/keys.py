@@ -112,8 +112,15 @@ def keygen(key_dir: Path, client_only: bool = False) -> list[Path]:
     old = os.umask(0o077)  # the files are never, even briefly, readable by others
     try:
         for d in (key_dir,) if client_only else (key_dir, key_dir / AUTHORIZED):
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(d, 0o700)
+            try:
+                d.mkdir(mode=0o700, parents=True)
+            except FileExistsError:
+                _owned_dir(d)  # checked before anything is changed: a squatter's directory is never chmodded
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)  # the directory checked, not a link
+            try:
+                os.fchmod(fd, 0o700)
+            finally:
+                os.close(fd)
             _check(d, directory=True)
         for name in (client,) if client_only else (SERVER, client):
             if not (key_dir / f"{name}.key_secret").exists():
@@ -127,6 +134,16 @@ def keygen(key_dir: Path, client_only: bool = False) -> list[Path]:
     finally:
         os.umask(old)
     return created
+
+
+def _owned_dir(path: Path) -> None:
+    """An existing key directory must be a directory of ours (or root's), not a symlink; KeyFileError says why."""
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise KeyFileError(f"{path} is not a directory (symlinks are refused)")
+    if st.st_uid not in (os.getuid(), 0) or (os.getuid() != 0 and st.st_uid == 0):
+        raise KeyFileError(f"{path} belongs to uid {st.st_uid}, not to us (uid {os.getuid()}): choose another "
+                           "directory")
 
 
 class ZapHandler:

@@ -1,5 +1,5 @@
 """ondemand-profd [--runtime-dir DIR] [--state-dir DIR] [--group NAME] [--listen tcp://HOST:PORT --keys DIR]
-[--log-level LEVEL]"""
+[--tcp-per-peer N] [--metrics HOST:PORT] [--log-level LEVEL]"""
 
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", type=Path, default=None, metavar="DIR",
                    help="CurveZMQ keys for --listen (ondemandctl keygen DIR): the server key pair and "
                    "DIR/authorized/*.key, the clients allowed in")
+    p.add_argument("--tcp-per-peer", type=int, default=32, metavar="N",
+                   help="TCP connections one address may hold at once; more are closed at once (default 32)")
+    p.add_argument("--metrics", metavar="HOST:PORT", default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (off by default; a port alone binds "
+                   "127.0.0.1; 0.0.0.0:9464 serves every interface, unauthenticated); needs prometheus_client "
+                   "(pip install 'ondemand_prof[metrics]')")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="logging level (default INFO)")
     p.add_argument("--version", action="version", version=f"ondemand-profd {__version__}")
@@ -32,13 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 1 <= args.tcp_per_peer <= 65536:
+        parser.error(f"argument --tcp-per-peer: expected 1 to 65536, got {args.tcp_per_peer}")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     from .transport import run
 
     return run(args.runtime_dir or default_runtime_dir(), args.state_dir or default_state_dir(), group=args.group,
-               listen=args.listen, keys=args.keys)
+               listen=args.listen, keys=args.keys, tcp_per_peer=args.tcp_per_peer, metrics=args.metrics)
 
 
 if __name__ == "__main__":

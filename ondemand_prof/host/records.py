@@ -1,5 +1,11 @@
 """Capture records: what was asked, of which ranks, and what each rank did. Kept on disk in the state
-directory (one JSON file per capture, written atomically) so a daemon restart loses none of them."""
+directory (one JSON file per capture, written atomically) so a daemon restart loses none of them.
+
+A record holds only values of the shape ondemandctl prints: what a rank reports is checked field by field as it
+comes in (update), and a file read back from disk is checked whole (record_problem); so `show`, `list` and
+`status` never meet a record they cannot print. The store never holds more than KEEP_RECORDS: a record made on a
+rank's behalf (an automatic capture) can only push out older records of the same uid, never another user's.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +17,51 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..core.files import iso_time, write_json_atomic
+from ..core.ids import valid_id
 from ..core.safedir import ensure_private_dir
 from ..core.protocol import FINAL_STATES
+from ..core.safejson import bounded_int
 
 log = logging.getLogger("ondemand_prof.host.profd")
 
 # a rank's part of a capture moves through these; the last three are final (FINAL_STATES)
 PART_STATES = ("sent", "received", "scheduled", "recording", "writing", "done", "failed", "rejected", "cancelled")
-KEEP_RECORDS = 1000
+RECORD_STATUSES = ("running", "done", "partial", "failed", "cancelled")
+KEEP_RECORDS = 1000  # the most records the store holds, whoever floods it
+KEEP_PER_UID = 200  # the most records made on behalf of one uid's ranks (automatic captures)
+MAX_STEP = 10**12
+MAX_TEXT = 2048  # an error or a note a rank reports
+
+
+class RecordRefused(ValueError):
+    """A record the store will not take (its id exists, or the store is full of records it may not drop)."""
+
+
+def _text(limit: int) -> Any:
+    return lambda v: v[:limit] if isinstance(v, str) else None
+
+
+def _step_list(v: Any) -> Any:
+    if isinstance(v, list) and len(v) <= 65536 and all(bounded_int(x, -1, MAX_STEP) for x in v):
+        return v
+    return None
+
+
+def _window(v: Any) -> Any:
+    if isinstance(v, list) and len(v) == 2 and bounded_int(v[0], -1, MAX_STEP) and \
+            (v[1] is None or bounded_int(v[1], -1, MAX_STEP)):
+        return v
+    return None
+
+
+# what a rank's event may set on its part, each with the check that keeps the part printable (None: dropped)
+PART_FIELDS: dict[str, Any] = {
+    "path": _text(4096), "trace": _text(4096), "error": _text(MAX_TEXT), "note": _text(MAX_TEXT), "status": _text(32),
+    "late_by": lambda v: v if bounded_int(v, 0, MAX_STEP) else None,
+    "current_step": lambda v: v if bounded_int(v, -1, MAX_STEP) else None,
+    "steps": _step_list, "window": _window,
+    "cancelled": lambda v: v if isinstance(v, bool) else None,
+}
 
 
 def new_capture_id(wall: float) -> str:
@@ -39,8 +82,9 @@ class CaptureRecord:
     def new(cls, capture_id: str, job: str, request: dict[str, Any], plan: dict[str, Any], options: dict[str, Any],
             targets: Iterable[dict[str, Any]], wall: float) -> "CaptureRecord":
         """`plan` is the window as resolved (capped, moved after busy windows), which list and show report."""
-        parts = {str(t["rank"]): {"rank": t["rank"], "host": t["host"], "pid": t["pid"], "state": "sent",
-                                  "history": [{"state": "sent", "at": iso_time(wall)}]} for t in targets}
+        parts = {str(t["rank"]): {"rank": t["rank"], "host": t["host"], "pid": t["pid"], "uid": t.get("uid"),
+                                  "state": "sent", "history": [{"state": "sent", "at": iso_time(wall)}]}
+                 for t in targets}
         return cls({"capture_id": capture_id, "job": job, "created_at": iso_time(wall), "request": request,
                     "window": [plan["start_step"], plan["end_step"]], "plan": plan, "options": options,
                     "status": "running",
@@ -57,10 +101,11 @@ class CaptureRecord:
     def part(self, rank: int) -> dict[str, Any] | None:
         return self.data["parts"].get(str(rank))
 
-    def update(self, rank: int, state: str, info: dict[str, Any], wall: float) -> bool:
-        """Apply one event from a rank; events that arrive out of order never move a part backwards."""
+    def update(self, rank: int, state: str, info: dict[str, Any], wall: float, pid: int | None = None) -> bool:
+        """Apply one event from a rank (from the process `pid`, when given: the one the part was sent to); events
+        that arrive out of order never move a part backwards; each reported value is checked (PART_FIELDS)."""
         part = self.part(rank)
-        if part is None or state not in PART_STATES:
+        if part is None or state not in PART_STATES or (pid is not None and part.get("pid") != pid):
             return False
         if part["state"] in FINAL_STATES or PART_STATES.index(state) <= PART_STATES.index(part["state"]):
             return False  # late, repeated or out of order: a part only moves forward
@@ -68,9 +113,10 @@ class CaptureRecord:
             self.open_parts -= 1
         part["state"] = state
         part["history"].append({"state": state, "at": iso_time(wall)})
-        for key in ("path", "error", "late_by", "steps", "window", "status", "current_step", "note", "cancelled"):
-            if info.get(key) is not None:
-                part[key] = info[key]
+        for key, check in PART_FIELDS.items():
+            value = check(info.get(key)) if isinstance(info, dict) else None
+            if value is not None:
+                part[key] = value
         if self.open_parts == 0:
             self._settle()
         self.version += 1
@@ -113,6 +159,11 @@ class RecordStore:
         for path in sorted(self.dir.glob("*.json")):
             try:
                 data = json.loads(path.read_text())
+                problem = record_problem(data)
+                if problem is None and path.name != f"{data['capture_id']}.json":
+                    problem = f"its capture id {data['capture_id']!r} is not its file name"
+                if problem:
+                    raise ValueError(problem)
                 self.records[data["capture_id"]] = CaptureRecord(data)
                 if data.get("status") == "running":
                     self._running.add(data["capture_id"])
@@ -120,13 +171,30 @@ class RecordStore:
                 log.warning("ondemand-profd: skipping unreadable capture record %s: %s", path, exc)
         if self.records:
             log.info("ondemand-profd: loaded %d capture records from %s", len(self.records), self.dir)
+        while len(self.records) > KEEP_RECORDS and self._evict(None):
+            pass
 
-    def add(self, record: CaptureRecord) -> None:
+    def add(self, record: CaptureRecord, owner: int | None = None) -> None:
+        """Take a new record; RecordRefused when its id exists (a record is never replaced) or no room can be
+        made. `owner`: the uid whose rank asked for it (automatic captures); such a record can only push out
+        older finished records of that same uid, and that uid holds at most KEEP_PER_UID of them."""
+        if not valid_id(record.capture_id):
+            raise RecordRefused(f"capture id {record.capture_id[:80]!r} is not a valid id")
+        if record.capture_id in self.records:
+            raise RecordRefused(f"capture {record.capture_id} already exists")
+        if owner is not None:
+            record.data["owner_uid"] = owner
+            mine = sum(1 for r in self.records.values() if r.data.get("owner_uid") == owner)
+            if mine >= KEEP_PER_UID and not self._evict(owner):
+                raise RecordRefused(f"uid {owner} holds {mine} capture records, all running")
+        while len(self.records) >= KEEP_RECORDS:
+            if not self._evict(owner):
+                raise RecordRefused(f"the daemon holds {len(self.records)} capture records (its limit) and none "
+                                    "it may drop" + (f" for uid {owner}" if owner is not None else ""))
         self.records[record.capture_id] = record
         if record.status == "running":
             self._running.add(record.capture_id)
         self.save(record)
-        self._prune()
 
     def mark(self, record: CaptureRecord) -> None:
         self.dirty.add(record.capture_id)
@@ -168,14 +236,50 @@ class RecordStore:
         records.sort(key=lambda r: r.data["created_at"], reverse=True)
         return records[:limit]
 
-    def _prune(self) -> None:
-        if len(self.records) <= KEEP_RECORDS:
-            return
-        for record in sorted(self.records.values(), key=lambda r: r.data["created_at"])[:-KEEP_RECORDS]:
-            if record.status == "running":
-                continue
-            self.records.pop(record.capture_id, None)
-            try:
-                (self.dir / f"{record.capture_id}.json").unlink()
-            except OSError:
-                pass
+    def _evict(self, owner: int | None) -> bool:
+        """Drop the oldest finished record (of `owner`'s records when given); False when there is none."""
+        candidates = [r for r in self.records.values() if r.status != "running" and
+                      (owner is None or r.data.get("owner_uid") == owner)]
+        if not candidates:
+            return False
+        record = min(candidates, key=lambda r: str(r.data.get("created_at", "")))
+        self.records.pop(record.capture_id, None)
+        self.dirty.discard(record.capture_id)
+        try:
+            (self.dir / f"{record.capture_id}.json").unlink()
+        except OSError:
+            pass
+        return True
+
+
+def record_problem(data: Any) -> str | None:
+    """Why a record read back from disk cannot be served as it is (None: it can): every field ondemandctl prints
+    must have its shape, so a record a rank shaped (or a file edited by hand) never makes show or list fail."""
+    if not isinstance(data, dict):
+        return "not an object"
+    if not valid_id(data.get("capture_id")):
+        return "no valid capture_id"
+    for key in ("job", "created_at"):
+        if not isinstance(data.get(key), str):
+            return f"{key} is not a string"
+    if data.get("status") not in RECORD_STATUSES:
+        return f"status {str(data.get('status'))[:40]!r} is not one of {', '.join(RECORD_STATUSES)}"
+    if data.get("window") is not None and _window(data["window"]) is None:
+        return "window is not [start, end]"
+    for key in ("request", "plan", "options"):
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            return f"{key} is not an object"
+    parts = data.get("parts")
+    if not isinstance(parts, dict):
+        return "parts is not an object"
+    for key, part in parts.items():
+        if not isinstance(part, dict) or not bounded_int(part.get("rank"), 0, 1 << 20) or key != str(part["rank"]):
+            return f"part {str(key)[:20]!r} is not a rank's part"
+        if part.get("state") not in PART_STATES or not isinstance(part.get("host"), str) or \
+                not bounded_int(part.get("pid"), 0, 1 << 22) or not isinstance(part.get("history", []), list) or \
+                not all(isinstance(h, dict) and h.get("state") in PART_STATES for h in part.get("history", [])):
+            return f"part {key}: state, host, pid or history malformed"
+        for field, check in PART_FIELDS.items():
+            if part.get(field) is not None and check(part[field]) is None:
+                return f"part {key}: {field} malformed"
+    return None

@@ -4,9 +4,11 @@ times are passed in, pid checks are a function the caller supplies."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from ..core.ids import safe_id
 from ..core.protocol import HEARTBEAT_S, RANK_TIMEOUT_S
 from ..core.safejson import bounded_int, finite_number
 from ..core.ranks import RankSpecError, parse_ranks, spans
@@ -18,6 +20,12 @@ MAX_WALL = 1e11  # wall-clock seconds (the year 5138): a "began" past this is ig
 MAX_EXTRAPOLATED = 10**9  # steps an estimate may add to the last reported one
 MAX_STEP_VALUE = 10**12
 MAX_NAME = 256  # a job id or host name
+
+# A rank is STALLED once its current step has run STALL_STEPS of its median steps, and at least STALL_MIN_S: a hung
+# collective, a deadlock, a rank asleep. Its agent thread still answers, so heartbeats alone cannot tell.
+STALL_MIN_S = 10.0
+STALL_STEPS = 20
+CONFLICT_KEEP_S = 15.0  # a refused second process for a (job, rank) is shown this long after its last attempt
 
 # Time from the daemon sending a window to the rank's training thread holding it: ZMQ delivery (< 1 ms),
 # the agent's 5 ms poll, and slack for a loaded host. The step running then must end before the window starts.
@@ -80,6 +88,14 @@ class DeliveryBook:
         return {job: seconds for job, seconds in out.items() if seconds > DELIVERY_S}
 
 
+class RankConflict(ValueError):
+    """A registration refused because another live process holds the rank; `new`: the first refusal of it."""
+
+    def __init__(self, message: str, new: bool) -> None:
+        super().__init__(message)
+        self.new = new
+
+
 @dataclass
 class RankInfo:
     route: bytes
@@ -103,32 +119,57 @@ class RankInfo:
     defaults: WindowDefaults | None = None  # what the rank's configuration fills into a request
     windows: list[dict[str, Any]] | None = None  # running and queued windows, from the last heartbeat
     uid: int | None = None  # the connecting process's uid, from the kernel (SO_PEERCRED); None: not known
-    native_dump: dict[str, Any] | None = None  # {"signal", "file"}: faulthandler's stack dump (host/triage.py)
+    native_dump: dict[str, Any] | None = None  # {"file"}: faulthandler's stack dump, checked by host/triage.py
+    process: Any = None  # core.files.ProcessIdentity at registration (host/triage.py): pid reuse is told apart
+    heard_at: float | None = None  # wall time of the rank's last heartbeat (or registration), when known
+
+    def stalled_s(self, wall: float) -> float | None:
+        """How long the rank has been in its current step, once that is a stall (STALL_STEPS of its median step,
+        at least STALL_MIN_S); None while it steps, and before it finished a step (a job starting up: rendezvous,
+        loading data, compiling; status says 'starting')."""
+        if self.step_began_at is None or not (self.step_time or self.observed_step_time):
+            return None
+        ran = wall - self.step_began_at
+        return ran if ran > max(STALL_MIN_S, STALL_STEPS * (self.step_time or 0.0)) else None
 
     def estimated_step(self, wall: float) -> int:
-        """The step this rank is probably running at wall time `wall` (extrapolated from its last heartbeat).
+        """The step this rank is probably running at wall time `wall`: what windows are planned from (what users
+        see is the reported step).
 
-        Of the rank's own median step time and the rate seen between its last two heartbeats, the faster
-        one is used: guessing a rank further ahead than it is only puts the window a little later, while
-        guessing it behind (a median still weighed by slow first steps) makes it late."""
+        Extrapolated from the time its reported step began. Of the rank's own median step time and the rate
+        seen between its last two heartbeats, the faster one is used: guessing a rank further ahead than it is
+        only puts the window a little later, while guessing it behind (a median still weighed by slow first
+        steps) makes it late. A step that runs long is not extrapolated past what the last heartbeat allows
+        (the rank was still in it then), and a stalled rank is where it said it was."""
         rates = [t for t in (self.step_time, self.observed_step_time) if t]
-        if not rates or self.step_began_at is None:
+        if not rates or self.step_began_at is None or self.stalled_s(wall) is not None:
             return self.step
-        return self.step + min(MAX_EXTRAPOLATED, max(0, int((wall - self.step_began_at) / min(rates))))
+        rate = min(rates)
+        ahead = int((wall - self.step_began_at) / rate)
+        if self.heard_at is not None:
+            ahead = min(ahead, 1 + int(max(0.0, wall - self.heard_at) / rate))
+        return self.step + min(MAX_EXTRAPOLATED, max(0, ahead))
 
     def as_dict(self, now: float, wall: float) -> dict[str, Any]:
+        stalled = self.stalled_s(wall)
+        in_step = None if self.step_began_at is None else round(max(0.0, wall - self.step_began_at), 3)
         return {"job": self.job, "rank": self.rank, "world_size": self.world_size, "host": self.host,
-                "pid": self.pid, "step": self.estimated_step(wall), "reported_step": self.step,
+                "pid": self.pid, "step": self.step, "step_estimate": self.estimated_step(wall),
+                "in_step_s": in_step, "stalled_s": None if stalled is None else round(stalled, 1),
                 "step_time_s": self.step_time, "state": self.state, "local_rank": self.local_rank,
-                "save_root": self.save_root, "trigger_dir": self.trigger_dir, "version": self.version, "last_seen_s": round(now - self.last_seen, 3),
-                "registered_at": self.registered_at, "windows": self.windows or [],
-                "max_window_steps": self.defaults.max_steps if self.defaults is not None else None}
+                "save_root": self.save_root, "trigger_dir": self.trigger_dir, "version": self.version,
+                "last_seen_s": round(now - self.last_seen, 3), "registered_at": self.registered_at,
+                "windows": self.windows or [],
+                "max_window_steps": self.defaults.max_steps if self.defaults is not None else None,
+                "captured_by_default": self.defaults is None or self.defaults.selects(self.rank)}
 
 
 class Registry:
     def __init__(self) -> None:
         self.by_route: dict[bytes, RankInfo] = {}
-        self._route_of: dict[tuple[str, str, int], bytes] = {}  # (job, host, rank) -> route
+        self._route_of: dict[tuple[str, int], bytes] = {}  # (job, rank) -> route
+        # (job, rank) -> a second live process that claimed a rank already held (refused; shown by status)
+        self.conflicts: dict[tuple[str, int], dict[str, Any]] = {}
 
     def register(self, route: bytes, msg: dict[str, Any], now: float, wall: float,
                  pid_alive: Callable[[int, bool], bool]) -> RankInfo:
@@ -151,23 +192,62 @@ class Registry:
         if isinstance(native, dict) and type(native.get("signal")) is int and isinstance(native.get("file"), str):
             info.native_dump = {"signal": native["signal"], "file": native["file"][:4096]}
         self._update(info, msg)
+        info.heard_at = wall
         info.pid_visible = pid_alive(info.pid, False)
-        # a restarted rank (same job and rank, new process) replaces the old entry
-        key = (info.job, info.host, info.rank)
+        key = (info.job, info.rank)
         old_route = self._route_of.get(key)
         if old_route is not None and old_route != route:
+            old = self.by_route.get(old_route)
+            if old is not None and old.pid != info.pid and self._alive(old, now, pid_alive):
+                self._refuse(old, info, now, wall)
+            # a restarted rank (same job and rank, its old process gone) or a reconnected one replaces the entry
             self.by_route.pop(old_route, None)
+        if self.conflicts.get(key, {}).get("refused_pid") == info.pid:  # the holder is gone: the claimant has it
+            del self.conflicts[key]
         previous = self.by_route.get(route)
         if previous is not None and (previous.job, previous.rank) != (info.job, info.rank):  # it settled
-            self._route_of.pop((previous.job, previous.host, previous.rank), None)
+            self._route_of.pop((previous.job, previous.rank), None)
         self._route_of[key] = route
         self.by_route[route] = info
         return info
 
-    def heartbeat(self, route: bytes, msg: dict[str, Any], now: float) -> RankInfo | None:
+    @staticmethod
+    def _alive(info: RankInfo, now: float, pid_alive: Callable[[int, bool], bool]) -> bool:
+        """Whether the process holding a rank is still there: its pid where we can see it, else its heartbeats."""
+        if info.pid_visible:
+            return pid_alive(info.pid, True)
+        return now - info.last_seen <= RANK_TIMEOUT_S
+
+    def _refuse(self, holder: RankInfo, claimant: RankInfo, now: float, wall: float) -> None:
+        """A second live process claims a rank that is held: the first keeps it (nothing flaps), the claim is
+        refused with the reason and kept for status. ValueError."""
+        key = (holder.job, holder.rank)
+        conflict = self.conflicts.get(key)
+        new = conflict is None or conflict["refused_pid"] != claimant.pid
+        if new:
+            conflict = {"job": holder.job, "rank": holder.rank, "pid": holder.pid, "host": holder.host,
+                        "refused_pid": claimant.pid, "refused_host": claimant.host, "since": wall, "attempts": 0}
+            self.conflicts[key] = conflict
+        assert conflict is not None
+        conflict["attempts"] += 1
+        conflict["last_attempt"] = now
+        raise RankConflict(
+            f"register: rank {holder.rank} of job {holder.job!r} is held by pid {holder.pid} on {holder.host}, "
+            f"which is alive; pid {claimant.pid} on {claimant.host} cannot take it too (two jobs with one job id: "
+            "a shared MASTER_PORT or launcher id? give each its own --profile-job-id)", new=new)
+
+    def conflicts_of(self, job: str, now: float) -> list[dict[str, Any]]:
+        """The refused second processes of `job` that tried lately (older ones are forgotten)."""
+        for key in [k for k, c in self.conflicts.items() if now - c["last_attempt"] > CONFLICT_KEEP_S]:
+            del self.conflicts[key]
+        return [{k: v for k, v in c.items() if k != "last_attempt"} for (j, _), c in sorted(self.conflicts.items())
+                if j == job]
+
+    def heartbeat(self, route: bytes, msg: dict[str, Any], now: float, wall: float | None = None) -> RankInfo | None:
         info = self.by_route.get(route)
         if info is not None:
             info.last_seen = now
+            info.heard_at = wall
             self._update(info, msg)
         return info
 
@@ -192,8 +272,8 @@ class Registry:
 
     def remove(self, route: bytes) -> RankInfo | None:
         info = self.by_route.pop(route, None)
-        if info is not None and self._route_of.get((info.job, info.host, info.rank)) == route:
-            del self._route_of[(info.job, info.host, info.rank)]
+        if info is not None and self._route_of.get((info.job, info.rank)) == route:
+            del self._route_of[(info.job, info.rank)]
         return info
 
     def expire(self, now: float, pid_alive: Callable[[int, bool], bool],
@@ -224,12 +304,11 @@ class Registry:
         return dict(sorted(out.items()))
 
     def resolve_job(self, job: str | None) -> str:
-        """The job a request means: the one given, or the only live one. ValueError says why not."""
+        """The job a request means: the one given (or the only live one it begins), or the only live one.
+        ValueError says why not."""
         jobs = self.jobs()
         if job:
-            if job not in jobs:
-                raise ValueError(f"no live job {job!r}; live jobs: {', '.join(jobs) or 'none'}")
-            return job
+            return match_id(job, jobs, "live job")
         if not jobs:
             raise ValueError("no ranks are registered with this daemon (is the training job running with the "
                              "ondemand_prof hook, and ONDEMAND_PROF_RUNTIME_DIR the same on both sides?)")
@@ -251,6 +330,22 @@ class Registry:
             raise ValueError(f"rank(s) {spans(missing)} of job {job!r} are not registered; live ranks: "
                              f"{spans(sorted(live)) or 'none'} (world size {world}){hint}")
         return [live[r] for r in ranks]
+
+
+def match_id(given: str, known: Iterable[str], what: str) -> str:
+    """`given`, or the one id of `known` it begins (torchrun's job ids are whole UUIDs: their first characters
+    are enough). ValueError names the candidates."""
+    known = sorted(set(known))
+    if given in known:
+        return given
+    matches = [k for k in known if k.startswith(given)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise ValueError(f"{given!r} begins {len(matches)} {what}s ({', '.join(matches[:8])}"
+                         f"{', ...' if len(matches) > 8 else ''}): give more of it")
+    raise ValueError(f"no {what} {given!r}; {what}s: {', '.join(known[:20]) or 'none'}"
+                     f"{', ...' if len(known) > 20 else ''}")
 
 
 def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, start_step: int | None,
@@ -278,7 +373,14 @@ def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, 
         first = max(furthest + (start or 1), earliest)
         late, past = [], []
     plan: dict[str, Any] = {"current_steps": current, "lead_steps": lead, "late_ranks": late, "past_ranks": past}
-    blocking = [(t.rank, w) for t in targets for w in t.windows or [] if w["end"] is None or w["end"] > first]
+    # only windows that share a step with [first, first + steps) are in the way: one planned far ahead (a capture
+    # with --start 100000) leaves the steps before it free
+    blocking = _overlapping(targets, first, steps)
+    while blocking and start_step is None and all(w["end"] is not None for _, w in blocking):
+        more = [x for x in _overlapping(targets, max(w["end"] for _, w in blocking), steps) if x not in blocking]
+        if not more:
+            break
+        blocking += more  # moved after these, the window meets the next ones
     if blocking and start_step is None:
         open_ended = [(r, w) for r, w in blocking if w["end"] is None]
         if open_ended:
@@ -296,6 +398,35 @@ def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, 
     return plan
 
 
+def stalls(ranks: Sequence[dict[str, Any]], wall: float) -> dict[str, Any] | None:
+    """Of a job's ranks (as status shows them), those STALLED: which, at which step, since when (the earliest
+    of them). None when every rank steps."""
+    stalled = [r for r in ranks if r.get("stalled_s") is not None]
+    if not stalled:
+        return None
+    longest = max(r["stalled_s"] for r in stalled)
+    return {"ranks": [r["rank"] for r in stalled], "steps": {str(r["rank"]): r["step"] for r in stalled},
+            "stalled_s": longest, "since": wall - longest, "all": len(stalled) == len(ranks),
+            "hosts": sorted({r["daemon"] for r in stalled if r.get("daemon")})}  # across hosts: whose daemon
+
+
+def stall_text(job: str, stall: dict[str, Any]) -> str:
+    """One line a person in a hurry can act on: who is stuck, where, since when, and what to run next."""
+    steps = sorted(set(stall["steps"].values()))
+    at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+    since = time.strftime("%H:%M:%S", time.localtime(stall["since"]))
+    on = f" on {', '.join(stall['hosts'])}" if stall.get("hosts") else ""
+    return (f"job {job} is STALLED: rank(s) {spans(stall['ranks'])}{on} have not finished a step for "
+            f"{stall['stalled_s']:.0f} s (since {since}, at {at}); see where they wait: ondemandctl stacks --job "
+            f"{job} (and flight-recorder)")
+
+
+def _overlapping(targets: list[RankInfo], first: int, steps: int) -> list[tuple[int, dict[str, Any]]]:
+    """(rank, window) of the targets' windows that share a step with [first, first + steps)."""
+    return [(t.rank, w) for t in targets for w in t.windows or []
+            if (w["end"] is None or w["end"] > first) and w["start"] < first + steps]
+
+
 def _windows(value: Any) -> list[dict[str, Any]] | None:
     """The windows a heartbeat lists, checked for shape; anything malformed is dropped."""
     if not isinstance(value, list):
@@ -307,7 +438,7 @@ def _windows(value: Any) -> list[dict[str, Any]] | None:
         start, end = w.get("start"), w.get("end")
         if not bounded_int(start, -1, MAX_STEP_VALUE) or not (end is None or bounded_int(end, -1, MAX_STEP_VALUE)):
             continue
-        out.append({"capture_id": str(w.get("capture_id", ""))[:128], "start": start, "end": end,
+        out.append({"capture_id": safe_id(w.get("capture_id", "")), "start": start, "end": end,
                     "source": str(w.get("source", ""))[:32], "state": str(w.get("state", ""))[:32]})
     return out
 

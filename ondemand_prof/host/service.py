@@ -18,8 +18,9 @@ from typing import Any, Callable, Mapping
 from .. import __version__
 from ..core.files import iso_time, pid_alive
 from ..core.protocol import FINAL_STATES, HEARTBEAT_S, RANK_TIMEOUT_S, encode, reply_error, reply_ok
-from .records import CaptureRecord, RecordStore
-from .registry import DeliveryBook, RankInfo, Registry
+from ..core.ids import valid_id
+from .records import CaptureRecord, RecordRefused, RecordStore
+from .registry import DeliveryBook, RankConflict, RankInfo, Registry
 from .triage import TriageBook
 
 log = logging.getLogger("ondemand_prof.daemon")
@@ -46,9 +47,12 @@ class Service:
         self.started = time.monotonic()
         self.started_wall = time.time()
         self.outbox: list[tuple[bytes, bytes]] = []  # (route, frame) for the transport to send
+        self.refused: dict[str, int] = {}  # error replies by message type, for the metrics (host/metrics.py)
+        self.caught_up = float("inf")  # monotonic time the transport last found no message waiting (inf: always)
         self.watches: list[tuple[bytes, Any, str, float]] = []  # (route, request id, capture id, deadline)
         self._watch_due: set[str] = set()
         self._next_pid_check = 0.0
+        self._last_housekeeping: float | None = None
         self.commands = commands
         self.triage = TriageBook(self)  # stacks, memory, flight-recorder requests waiting for their ranks
         self.rank_handlers: dict[str, Callable[[bytes, dict[str, Any]], bytes | None]] = {
@@ -65,7 +69,8 @@ class Service:
                 return self.rank_handlers[kind](route, msg)
             data = self.commands[kind].execute(self, route, msg)
             return None if data is None else reply_ok(msg.get("id"), data)
-        except BadRequest as exc:
+        except (BadRequest, RecordRefused) as exc:
+            self.refused[kind] = self.refused.get(kind, 0) + 1
             return reply_error(msg.get("id"), str(exc))
         except Exception as exc:  # noqa: BLE001 - one bad request never takes the daemon down
             log.exception("ondemand-profd: error handling %s", kind)
@@ -96,19 +101,24 @@ class Service:
             check_registration(peer, msg, self.registry)
         try:
             info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check)
+        except RankConflict as exc:
+            if exc.new:  # once per claimant, not at every retry
+                log.warning("ondemand-profd: %s", exc)
+            raise BadRequest(str(exc)) from None
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         info.uid = peer.uid if peer is not None else None
+        self.triage.registered(info)  # the process's identity (pid reuse), its native dump checked
         log.info("ondemand-profd: rank %d/%d of job %s registered (host %s, pid %d, step %d)", info.rank,
                  info.world_size, info.job, info.host, info.pid, info.step)
         recent = msg.get("recent")
         for item in recent[:64] if isinstance(recent, list) else []:  # what happened while we could not hear it
-            if isinstance(item, dict) and isinstance(item.get("capture_id"), str):
+            if isinstance(item, dict) and valid_id(item.get("capture_id")):
                 self._apply_event(info, item["capture_id"], str(item.get("event")), item.get("info") or {})
         return encode("registered", daemon_pid=os.getpid(), heartbeat_s=HEARTBEAT_S)
 
     def on_heartbeat(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
-        info = self.registry.heartbeat(route, msg, time.monotonic())
+        info = self.registry.heartbeat(route, msg, time.monotonic(), time.time())
         if info is None:
             return encode("register")  # we restarted, or expired this rank: tell it to register again
         if info.state == "recording" and info.windows:
@@ -146,12 +156,14 @@ class Service:
         data = data if isinstance(data, dict) else {}
         if event == "scheduled":
             self._learn_delivery(info, record, data)
-        if data.get("path") is not None:
-            problem = output_path_problem(data["path"], info.save_root, info.uid)
+        for key in ("path", "trace"):
+            problem = None if data.get(key) is None else output_path_problem(data[key], info.save_root, info.uid)
             if problem:
-                log.warning("ondemand-profd: rank %d of job %s reported %s: %s", info.rank, info.job, event, problem)
+                log.warning("ondemand-profd: capture %s: rank %d of job %s reported %s, refused: %s", capture_id,
+                            info.rank, info.job, event, problem)
                 event, data = "failed", {"error": f"reported output refused: {problem}"}
-        if record.update(info.rank, event, data, time.time()):
+                break
+        if record.update(info.rank, event, data, time.time(), pid=info.pid):  # only from the process it was sent to
             self.changed(record)
 
     def _learn_delivery(self, info: RankInfo, record: CaptureRecord, data: dict[str, Any]) -> None:
@@ -206,9 +218,16 @@ class Service:
 
     def housekeeping(self, now: float) -> None:
         wall = time.time()
-        if now >= self._next_pid_check:  # every rank is looked at twice a second, not at every tick
+        # After a pause of our own (SIGSTOP, a VM or GC pause) the ranks' heartbeats wait in our queue: judge
+        # their silence only once those are read, or every rank of this host "leaves" and captures fail
+        paused = self._last_housekeeping is not None and now - self._last_housekeeping > HEARTBEAT_S
+        self._last_housekeeping = now
+        if now >= self._next_pid_check and not paused:  # every rank is looked at twice a second, not every tick
             self._next_pid_check = now + PID_CHECK_S
-            for info, reason in self.registry.expire(now, self.pid_check):
+            # silence is counted up to when the transport last had every message read (`caught_up`): a daemon
+            # seconds behind its queue (a starved CPU) otherwise expired ranks whose heartbeats were waiting in it,
+            # and their registrations again put it further behind
+            for info, reason in self.registry.expire(min(now, self.caught_up), self.pid_check):
                 log.warning("ondemand-profd: rank %d of job %s left: %s", info.rank, info.job, reason)
                 self.triage.forget_later(info, reason, now)  # a hung rank stays reachable for a native dump
                 self._fail_parts(info, f"rank {info.rank} is gone: {reason}", wall)
@@ -272,13 +291,34 @@ def output_path_problem(path: Any, save_root: str, uid: int | None) -> str | Non
         return "not a path"
     if not save_root:
         return f"{path} cannot be checked: the rank registered no save root"
-    real, root = os.path.realpath(path), os.path.realpath(save_root)
-    if os.path.commonpath([real, root]) != root or real == root:
-        return f"{path} is not under the rank's save root {save_root}"
+    st: os.stat_result | None = None
     try:
-        st = os.lstat(real)
+        real, st = resolved(path)
     except OSError as exc:
-        return f"{path}: {exc.strerror}"
+        real, missing = os.path.realpath(path), exc.strerror
+    try:
+        root = resolved(save_root)[0]
+    except OSError:
+        root = os.path.realpath(save_root)
+    if not real.startswith(root.rstrip("/") + "/"):
+        return f"{path} is not under the rank's save root {save_root}"
+    if st is None:
+        return f"{path}: {missing}"
     if uid is not None and st.st_uid != uid:
         return f"{path} is owned by uid {st.st_uid}, not by the rank's uid {uid}"
     return None
+
+
+def resolved(path: str) -> tuple[str, os.stat_result]:
+    """`path` with every symbolic link resolved, and what it names: resolved by the kernel in one open (a done
+    event is checked on every rank: os.path.realpath's stat per path component was a third of its cost).
+    OSError when it does not exist; realpath where /proc is not mounted."""
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            real = os.path.realpath(path)
+        return real, os.fstat(fd)
+    finally:
+        os.close(fd)

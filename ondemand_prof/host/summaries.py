@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 import time
 from typing import Any, Iterable
 
+from ..core.files import read_beneath_root
 
 log = logging.getLogger("ondemand_prof.daemon")
 
@@ -19,22 +19,26 @@ MAX_SUMMARY_BYTES = 512 * 1024
 SUMMARY_FILE = "summary.json"  # rank/postprocess.py writes it (not imported: the daemon and CLI need not load it)
 
 
-def read_summary(rank_dir: str) -> dict[str, Any]:
-    """A rank's summary.json: a regular file (no symlink followed), at most MAX_SUMMARY_BYTES, a JSON object.
-    OSError/ValueError say why not."""
+def read_summary(rank_dir: str, owner: int | None = None) -> dict[str, Any]:
+    """A rank's summary.json: reached without following a symbolic link anywhere on the way (a directory the
+    rank reported can be swapped for a link after the report), a regular file of the rank's uid (`owner`), at
+    most MAX_SUMMARY_BYTES, a JSON object. OSError/ValueError say why not."""
     if not os.path.isabs(rank_dir):
         raise ValueError(f"not an absolute path: {rank_dir!r}")
-    fd = os.open(os.path.join(rank_dir, SUMMARY_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{SUMMARY_FILE} is not a regular file")
-        if st.st_size > MAX_SUMMARY_BYTES:
-            raise ValueError(f"{SUMMARY_FILE} is {st.st_size} bytes; the limit is {MAX_SUMMARY_BYTES}")
-        data = json.loads(fh.read(MAX_SUMMARY_BYTES + 1))
+    raw = read_beneath_root(os.path.join(rank_dir, SUMMARY_FILE), owner, MAX_SUMMARY_BYTES + 1)
+    if len(raw) > MAX_SUMMARY_BYTES:
+        raise ValueError(f"{SUMMARY_FILE} is over {MAX_SUMMARY_BYTES} bytes, the limit")
+    data = json.loads(raw)
     if not isinstance(data, dict):
         raise ValueError(f"{SUMMARY_FILE} does not hold a JSON object")
     return data
+
+
+def _owner(part: dict[str, Any]) -> int | None:
+    """Whose summary.json a part's must be: the uid its rank connected with (None: not known, a record from
+    before uids were kept; links are refused all the same)."""
+    uid = part.get("uid")
+    return uid if isinstance(uid, int) and not isinstance(uid, bool) else None
 
 
 def part_summaries(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -47,7 +51,7 @@ def part_summaries(record: dict[str, Any]) -> list[dict[str, Any]]:
             entry["error"] = part.get("error") or f"no trace ({part['state']})"
         else:
             try:
-                entry["summary"] = read_summary(part["path"])
+                entry["summary"] = read_summary(part["path"], _owner(part))
             except (OSError, ValueError) as exc:
                 entry["error"] = f"no summary: {exc}"
         parts.append(entry)

@@ -5,6 +5,7 @@ are batched on a timer."""
 
 from __future__ import annotations
 
+import gc
 import grp
 import ipaddress
 import json
@@ -25,7 +26,8 @@ from ..core.protocol import PROTOCOL_VERSION, RANK_MESSAGES, ProtocolError, deco
     socket_path
 from ..core.safedir import UnsafeDirectory, ensure_private_dir
 from .commands import CLI_MESSAGES, DAEMON_COMMANDS
-from .listener import Listener, group_gid, peer_of, raise_nofile_limit, remove_if_same
+from .listener import HANDSHAKE_S, TCP_PER_PEER, Listener, group_gid, peer_of, raise_nofile_limit, \
+    remove_if_same
 from .records import RecordStore
 from .sdnotify import notify, watchdog_interval
 from .service import Service
@@ -42,6 +44,8 @@ _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMO
 # ipc routes never start with it: ranks name themselves "r/...", ZMQ's own identities start with a zero byte)
 TCP_ROUTE = b"\x01tcp/"
 TCP_FILE = "profd.tcp"  # the TCP endpoint actually bound (port 0 picks a free one)
+_json_decode = json.JSONDecoder().decode
+HB_PREFIX = encode("hb")[:-1]  # b'{"v":1,"type":"hb"': how every heartbeat of ours begins (core/protocol.encode)
 
 
 def _read_pid(pid_file: Path) -> int | None:
@@ -80,9 +84,10 @@ def write_pid_file(path: Path) -> tuple[int, int]:
 
 class Daemon:
     def __init__(self, runtime_dir: Path, state_dir: Path, *, group: str | None = None, listen: str | None = None,
-                 keys: Path | None = None) -> None:
+                 keys: Path | None = None, tcp_per_peer: int = TCP_PER_PEER, metrics: str | None = None) -> None:
         self.runtime_dir = runtime_dir
         self.listen = listen
+        self.tcp_per_peer = tcp_per_peer
         self.keys = keys
         self.tcp: TcpListener | None = None
         self.state_dir = state_dir
@@ -96,11 +101,25 @@ class Daemon:
         self._sock: zmq.Socket | None = None
         self._listener: Listener | None = None
         self._pid_identity: tuple[int, int] | None = None
+        self.metrics_address = metrics
+        self.metrics: Any = None  # metrics.MetricsServer (--metrics HOST:PORT)
+        self.version = __version__
+        # counted for the metrics: plain integer adds, the heartbeats' only at each tick (from _beats)
+        self.heartbeats_total = 0
+        self.messages: dict[str, int] = {}
+        self.invalid_messages = 0
 
     # ------------------------------------------------------------------------------------------------------
     # Setup
 
     def open(self) -> None:
+        if self.metrics_address:  # before anything is created: a missing package or a bad address is one line
+            from .metrics import MetricsError, preflight
+
+            try:
+                preflight(self.metrics_address)
+            except MetricsError as exc:
+                raise DaemonError(str(exc)) from None
         self._prepare_runtime_dir()
         self.service = Service(RecordStore(self.state_dir), DAEMON_COMMANDS, host=self.host, runtime_dir=self.runtime_dir,
                                state_dir=self.state_dir)
@@ -119,14 +138,32 @@ class Daemon:
         self._listener = Listener(path, group_gid=group_gid(self.group))
         self._sock = sock
         self._bound = True
-        self._listener.attach(sock)
+        if self.listen:
+            self.tcp = TcpListener(self._ctx, self.listen, self.keys, per_peer=self.tcp_per_peer)
+        self._listener.attach(sock, self.tcp)  # the descriptor gate watches both sockets' connections
         self._pid_identity = write_pid_file(self.runtime_dir / "profd.pid")
         log.info("ondemand-profd %s listening on %s (state in %s)", __version__, url, self.state_dir)
-        if self.listen:
-            self.tcp = TcpListener(self._ctx, self.listen, self.keys)
+        if self.tcp is not None:
             staged = self.runtime_dir / f".{TCP_FILE}.{os.getpid()}"
             staged.write_text(self.tcp.endpoint + "\n")
             os.replace(staged, self.runtime_dir / TCP_FILE)  # readers never see it half-written
+        if self.metrics_address:
+            self._open_metrics()
+
+    def _open_metrics(self) -> None:
+        from .metrics import METRICS_FILE, MetricsError, MetricsServer
+
+        try:
+            self.metrics = MetricsServer(self.metrics_address, self)
+        except MetricsError as exc:
+            raise DaemonError(str(exc)) from None
+        staged = self.runtime_dir / f".{METRICS_FILE}.{os.getpid()}"
+        staged.write_text(self.metrics.address + "\n")
+        os.replace(staged, self.runtime_dir / METRICS_FILE)
+
+    @property
+    def listener(self) -> Listener | None:
+        return self._listener
 
     def _prepare_runtime_dir(self) -> None:
         d = self.runtime_dir
@@ -171,11 +208,14 @@ class Daemon:
     def close(self) -> None:
         if self.service is not None:
             self.service.store.flush()
+        if self._listener is not None:
+            self._listener.close()  # the gate thread first: it watches the sockets closed below
         if self.tcp is not None:
             self.tcp.close()
             self.tcp = None
-        if self._listener is not None and self._sock is not None:
-            self._listener.close()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -185,14 +225,14 @@ class Daemon:
         if self._bound:  # never remove the socket or pid file of another daemon: checked by device and inode
             self._bound = False
             if self._listener is not None:
-                self._listener.close()
                 self._listener.remove()
             if self._pid_identity is not None:
                 remove_if_same(self.runtime_dir / "profd.pid", self._pid_identity)
-            try:
-                (self.runtime_dir / TCP_FILE).unlink()
-            except OSError:
-                pass
+            for name in (TCP_FILE, "profd.metrics"):
+                try:
+                    (self.runtime_dir / name).unlink()
+                except OSError:
+                    pass
 
     # ------------------------------------------------------------------------------------------------------
     # Loop
@@ -208,8 +248,6 @@ class Daemon:
         poller.register(sock, zmq.POLLIN)
         listener = self._listener
         assert listener is not None
-        if listener.monitor is not None:
-            poller.register(listener.monitor, zmq.POLLIN)
         tcp = self.tcp
         if tcp is not None:
             for extra in tcp.sockets():
@@ -220,12 +258,15 @@ class Daemon:
         wd = watchdog_interval()
         next_wd = time.monotonic()
         notify("READY=1\nSTATUS=serving " + str(socket_path(self.runtime_dir)))
+        service.caught_up = time.monotonic()
         while not self._stop:
             timeout = max(0.0, next_tick - time.monotonic())
             ready = poller.poll(int(timeout * 1000))
-            if ready:
+            if not ready:
+                service.caught_up = time.monotonic()  # nothing waits
+            else:
                 woke = time.monotonic()
-                listener.check()
+                self._guarded(listener.check)  # the gate thread closes it; the loop opens it again
                 if tcp is not None and (len(ready) > 1 or ready[0][0] is not sock):
                     self._serve_tcp()
                 for n in range(10_000):  # drain, but let housekeeping run under a flood
@@ -235,12 +276,13 @@ class Daemon:
                         route = recv(_NOBLOCK)
                         frame = recv(_NOBLOCK, copy=False)
                     except zmq.Again:
+                        service.caught_up = time.monotonic()  # every message sent before this is read
                         break
-                    if n & 255 == 255:
-                        listener.check()  # a burst of new connections: close the gate before descriptors run out
-                    if getopt(_RCVMORE):  # a multi-frame message from a peer: not ours; drop the rest
+                    if frame.more:  # a multi-frame message from a peer: not ours; drop the rest (frame.more, not
+                        # getsockopt(RCVMORE): that converted the option to an enum, 1-3 us of every message)
                         while getopt(_RCVMORE):
                             recv(_NOBLOCK)
+                        self.invalid_messages += 1
                         self._send(route, reply_error(None, "expected a single-frame message"))
                         continue
                     try:
@@ -258,10 +300,19 @@ class Daemon:
                         time.sleep(pause)
             now = time.monotonic()
             if now >= next_tick:
+                self.heartbeats_total += self._beats
                 rate, self._beats = self._beats / max(TICK_S, now - next_tick + TICK_S), 0
                 next_tick = now + TICK_S
                 self._guarded(listener.check, True)
                 self._guarded(service.housekeeping, now)
+                # what lives now (ranks, capture records: 4096 parts each at 4096 ranks) is left out of the cyclic
+                # collector's scans from here on: a full collection walks every record's parts (46 ms of CPU with
+                # six 4096-rank captures kept, about 12k objects more with each), and runs whenever the heap grew
+                # by a quarter. Refcounting still frees what the daemon drops; its steady state makes no reference
+                # cycles (none found over captures, heartbeats and registrations)
+                gc.freeze()
+                if self.metrics is not None:
+                    self._guarded(self.metrics.tick, time.time())
                 if wd and now >= next_wd:
                     notify("WATCHDOG=1")
                     next_wd = now + wd
@@ -279,10 +330,12 @@ class Daemon:
         """One message; `carrier` is the zmq.Frame it came in, whose properties say who sent it."""
         service = self.service
         assert service is not None
-        if len(frame) < 512:  # the common case, a heartbeat: checked here without the general decoder
+        # the common case, a heartbeat (as the ranks' encoder writes it): checked here without the general decoder;
+        # anything else is parsed once, by that decoder (trying json here first cost every event a second parse)
+        if len(frame) < 512 and frame.startswith(HB_PREFIX):
             try:
-                msg = json.loads(frame)
-            except ValueError:
+                msg = _json_decode(frame.decode())  # json.loads without its encoding sniffing: the frame is UTF-8
+            except ValueError:  # UnicodeDecodeError included: the general decoder says what is wrong
                 msg = None
             # a frame this short cannot nest deeply enough to hurt json; NaN and huge numbers are caught by the
             # registry's bounds (registry.py _update), the step here
@@ -305,8 +358,10 @@ class Daemon:
             msg = decode(frame, schema)
         except ProtocolError as exc:
             log.warning("ondemand-profd: bad message (%d bytes): %s", len(frame), exc)
+            self.invalid_messages += 1
             self._send(route, reply_error(None, str(exc)))
             return
+        self.messages[msg["type"]] = self.messages.get(msg["type"], 0) + 1  # types: the schema's, bounded
         msg["_peer"] = peer_of(carrier) if carrier is not None else None  # the kernel's word, not the sender's
         out = service.handle(route, msg)
         if out is not None:
@@ -344,21 +399,23 @@ class Daemon:
 
 class TcpListener:
     """The TCP side: a second ROUTER socket (CURVE_SERVER is set per socket, before bind) and, with keys, the
-    ZAP handler on the daemon's own loop. Without keys only a loopback address is served."""
+    ZAP handler on the daemon's own loop. Without keys only a loopback address is served. The descriptor gate
+    (host/listener.py) holds each peer to `per_peer` connections and all of them to a share of the descriptors."""
 
-    def __init__(self, ctx: zmq.Context, listen: str, keys: Path | None) -> None:
+    def __init__(self, ctx: zmq.Context, listen: str, keys: Path | None, per_peer: int = TCP_PER_PEER) -> None:
         from .keys import SERVER, ZAP_DOMAIN, ZAP_ENDPOINT, KeyFileError, ZapHandler, load_pair
 
         host, port = parse_listen(listen)
         if keys is None and not is_loopback(host):
             raise DaemonError(f"--listen {listen} reaches beyond this host: give --keys DIR (CurveZMQ keys; create "
                               "them with: ondemandctl keygen DIR), or listen on 127.0.0.1")
+        self.per_peer = per_peer
         self.zap: Any = None  # keys.ZapHandler
         self._zap_sock: zmq.Socket | None = None
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1024 * 1024)
-        self.sock.setsockopt(zmq.HANDSHAKE_IVL, 10_000)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))  # unauthenticated: closed fast
         try:
             if keys is not None:
                 pair = load_pair(keys, SERVER)
@@ -373,6 +430,8 @@ class TcpListener:
             else:
                 log.warning("ondemand-profd: TCP on %s without keys: any local user can reach this daemon over TCP "
                             "(give --keys DIR to require CurveZMQ keys)", host)
+            # libzmq's TCP listener survives EMFILE (unlike its ipc one), so it binds this socket itself; the
+            # descriptor gate holds what it accepts to the per-peer limit and the TCP budget
             self.sock.bind(f"tcp://{host}:{port}")
         except (KeyFileError, OSError) as exc:
             self.close()
@@ -381,6 +440,7 @@ class TcpListener:
             self.close()
             raise DaemonError(f"--listen {listen}: cannot bind: {exc}") from None
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.port = int(self.endpoint.rsplit(":", 1)[1])
         log.info("ondemand-profd: serving ondemandctl on %s (%s)", self.endpoint,
                  "CurveZMQ, keys from " + str(keys) if keys else "no authentication")
 
@@ -433,8 +493,9 @@ def is_loopback(host: str) -> bool:
 
 
 def run(runtime_dir: Path, state_dir: Path, *, group: str | None = None, listen: str | None = None,
-        keys: Path | None = None) -> int:
-    daemon = Daemon(runtime_dir, state_dir, group=group, listen=listen, keys=keys)
+        keys: Path | None = None, tcp_per_peer: int = TCP_PER_PEER, metrics: str | None = None) -> int:
+    daemon = Daemon(runtime_dir, state_dir, group=group, listen=listen, keys=keys, tcp_per_peer=tcp_per_peer,
+                    metrics=metrics)
     try:
         daemon.open()
     except (DaemonError, ProtocolError, OSError, zmq.ZMQError) as exc:

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..core.protocol import reply_ok
+from ..core.files import ProcessIdentity, process_identity, read_beneath_root, same_process, signal_process, \
+    size_beneath_root
+from ..core.protocol import native_dump_signal, reply_ok
 from ..core.ranks import spans
+from ..core.safejson import bounded_int, finite_number
 
 if TYPE_CHECKING:
     from .registry import RankInfo
@@ -38,7 +40,9 @@ class Target:
     host: str
     pid: int
     local: bool  # same host and pid namespace as the daemon: a signal can reach it
-    native: dict[str, Any] | None  # {"signal": N, "file": path} from the rank's registration
+    native: dict[str, Any] | None  # {"file": path} from the rank's registration: it listens for the dump signal
+    process: ProcessIdentity | None = None  # the registered process (pid, start time, uid): the only one signalled
+    uid: int | None = None  # the rank's uid (the kernel's word): the dump file must be that user's
 
 
 @dataclass
@@ -54,6 +58,11 @@ class Pending:
     finish: Callable[["Pending"], dict[str, Any]]
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
     native_sent: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> (file, offset)
+    folder: "StackFolder | None" = None  # stacks: answers folded as they arrive (their frames are not kept)
+
+    def __post_init__(self) -> None:
+        if self.action == "stacks" and self.folder is None:
+            self.folder = StackFolder()
 
     @property
     def complete(self) -> bool:
@@ -63,10 +72,84 @@ class Pending:
 def target_of(info: "RankInfo", host: str) -> Target:
     native = getattr(info, "native_dump", None)
     return Target(info.rank, info.host, info.pid, info.host == host and info.pid_visible,
-                  native if isinstance(native, dict) else None)
+                  native if isinstance(native, dict) else None, getattr(info, "process", None), info.uid)
+
+
+def native_dump_problem(native: Any, pid: int) -> str | None:
+    """Why a registration's native_dump is not taken: the signal is the daemon's own (core/protocol.py), never
+    the rank's, and the file is faulthandler's file of that pid, named as rank/triage.py names it."""
+    if not isinstance(native, dict):
+        return "not an object"
+    if native.get("signal") != native_dump_signal():
+        return f"signal {native.get('signal')!r} is not the native-dump signal {native_dump_signal()}"
+    path = native.get("file")
+    if not isinstance(path, str) or not path.startswith("/") or len(path) > 4096 or "/../" in path or \
+            os.path.basename(path) != f"native-stacks-{pid}.txt":
+        return f"file {str(path)[:200]!r} is not an absolute native-stacks-{pid}.txt"
+    return None
 
 
 SILENT_KEEP_S = 600.0  # how long a rank whose heartbeats stopped (its process still there) stays reachable
+
+
+AUTO_PER_JOB_HOUR = 20  # automatic captures the daemon records per job per hour (a rank's own default is 4)
+AUTO_PER_UID_HOUR = 60  # ... and per uid, over all its jobs
+REFUSAL_LOG_S = 60.0  # refused automatic captures are logged once a minute per uid, then counted
+
+
+class AutoBudget:
+    """The daemon's own bound on automatic captures, whatever a rank's configuration says: per job and per uid,
+    over the last hour. A flood of auto_capture messages costs a counter, not records or log lines."""
+
+    def __init__(self, per_job: int = AUTO_PER_JOB_HOUR, per_uid: int = AUTO_PER_UID_HOUR) -> None:
+        self.per_job, self.per_uid = per_job, per_uid
+        self.jobs: dict[str, list[float]] = {}
+        self.uids: dict[Any, list[float]] = {}
+        self._logged: dict[Any, tuple[float, int]] = {}  # (uid, kind) -> (last logged, refused since)
+
+    def take(self, info: "RankInfo", now: float) -> str:
+        """'' and the capture is counted, or why it is over budget."""
+        for book, key, limit, what in ((self.jobs, info.job, self.per_job, f"job {info.job}"),
+                                       (self.uids, info.uid, self.per_uid, f"uid {info.uid}")):
+            times = [t for t in book.get(key, []) if now - t < 3600.0]
+            book[key] = times
+            if len(times) >= limit:
+                return f"the daemon's budget of {limit} automatic captures an hour for {what} is spent"
+        self.jobs[info.job].append(now)
+        self.uids[info.uid].append(now)
+        if len(self.jobs) > 4096:  # forget jobs with nothing in the last hour
+            self.jobs = {k: v for k, v in self.jobs.items() if v and now - v[-1] < 3600.0}
+        return ""
+
+    def refused(self, info: "RankInfo", kind: str, why: str) -> None:
+        """Log a refusal: once a minute per uid and kind (bad, budget, store), then how many were not logged."""
+        now = time.monotonic()
+        key = (info.uid, kind)
+        last, count = self._logged.get(key, (-REFUSAL_LOG_S, 0))
+        if now - last >= REFUSAL_LOG_S:
+            more = f" ({count} more refused since, not logged)" if count else ""
+            log.warning("ondemand-profd: rank %d of job %s (uid %s): %s%s", info.rank, info.job, info.uid, why, more)
+            self._logged[key] = (now, 0)
+        else:
+            self._logged[key] = (last, count + 1)
+
+
+def auto_reason(value: Any) -> dict[str, Any] | None:
+    """The why of an automatic capture (rank/autocapture.py), kept to its known fields and sizes."""
+    if not isinstance(value, dict):
+        return None
+    out: dict[str, Any] = {}
+    if isinstance(value.get("why"), str):
+        out["why"] = value["why"][:200]
+    for key in ("ratio", "median_step_s"):
+        if finite_number(value.get(key), 0.0, 1e9):
+            out[key] = float(value[key])
+    slow = value.get("slow_steps_s")
+    if isinstance(slow, list):
+        out["slow_steps_s"] = [float(x) for x in slow[:32] if finite_number(x, 0.0, 1e9)]
+    if bounded_int(value.get("detected_at_step"), -1, 10**12):
+        out["detected_at_step"] = value["detected_at_step"]
+    return out
 
 
 class TriageBook:
@@ -77,16 +160,33 @@ class TriageBook:
         self.service = service
         self.pending: dict[str, Pending] = {}
         self.silent: dict[tuple[str, int], tuple["RankInfo", float]] = {}  # (job, rank) -> (info, since)
+        self.budget = AutoBudget()
+
+    def registered(self, info: "RankInfo") -> None:
+        """At registration: which process this is (pid, start time, uid, read now from /proc, so a pid reused
+        later is told apart), and whether its native dump can be asked for."""
+        local = info.pid_visible and info.host == self.service.host
+        info.process = process_identity(info.pid) if local else None
+        if info.native_dump is not None:
+            problem = native_dump_problem(info.native_dump, info.pid)
+            if problem is None and info.process is None:
+                problem = "its process is not visible from this daemon"
+            if problem:
+                log.warning("ondemand-profd: rank %d of job %s: no native dump: %s", info.rank, info.job, problem)
+                info.native_dump = None
+            else:
+                info.native_dump = {"file": info.native_dump["file"]}
 
     def forget_later(self, info: "RankInfo", reason: str, now: float) -> None:
-        if reason.startswith("no heartbeat") and info.pid_visible and info.host == self.service.host:
+        if reason.startswith("no heartbeat") and same_process(getattr(info, "process", None)):
             self.silent[(info.job, info.rank)] = (info, now)
 
     def silent_ranks(self, job: str | None, now: float) -> list["RankInfo"]:
-        """Ranks of `job` (any job when None) silent for less than SILENT_KEEP_S whose process still exists."""
+        """Ranks of `job` (any job when None) silent for less than SILENT_KEEP_S whose process is still the one
+        that registered (not exited, its pid not reused)."""
         out = []
         for key, (info, since) in list(self.silent.items()):
-            if now - since > SILENT_KEEP_S or not self.service.pid_check(info.pid, True):
+            if now - since > SILENT_KEEP_S or not same_process(getattr(info, "process", None)):
                 del self.silent[key]
             elif job in (None, info.job):
                 out.append(info)
@@ -97,35 +197,50 @@ class TriageBook:
 
     def on_auto_capture(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
         """A rank opened an automatic window on itself: open the same one on the rank of its job whose step
-        time is closest to the job's median, and keep a capture record of both (ondemandctl list, show)."""
+        time is closest to the job's median, and keep a capture record of both (ondemandctl list, show).
+        The rank names the capture, so the id must be its own (`auto-...-r{rank}-{pid}`), new, and within the
+        daemon's budget for its job and its uid (AutoBudget): a rank cannot replace, pre-empt or flood out
+        anyone's records."""
         from ..core.protocol import encode
         from ..core.requests import window_from_wire
-        from .records import CaptureRecord
+        from .records import CaptureRecord, RecordRefused
 
         info = self.service.registry.by_route.get(route)
         if info is None:
             return encode("register")
         try:
             window = window_from_wire(msg["window"])
+            if not window.capture_id.startswith("auto-") or not window.capture_id.endswith(
+                    f"-r{info.rank}-{info.pid}"):
+                raise ValueError(f"capture id {window.capture_id!r} is not auto-...-r{info.rank}-{info.pid}")
         except ValueError as exc:
-            log.warning("ondemand-profd: bad automatic window from rank %d: %s", info.rank, exc)
+            self.budget.refused(info, "bad", f"bad automatic window: {exc}")
+            return None
+        wall, now = time.time(), time.monotonic()
+        held = self.budget.take(info, now)
+        if held:
+            self.budget.refused(info, "budget", f"automatic capture {window.capture_id} not recorded: {held}")
             return None
         ranks = self.service.registry.jobs().get(info.job, [])
         ref = reference_rank(info, ranks)
         targets = [info] + ([ref] if ref is not None else [])
-        wall = time.time()
-        request = {"auto": window.requested.get("auto"), "slow_rank": info.rank,
+        request = {"auto": auto_reason(window.requested.get("auto")), "slow_rank": info.rank,
                    "reference_rank": ref.rank if ref is not None else None}
         plan = {"start_step": window.start, "end_step": window.end, "lead_steps": 0, "late_ranks": [],
                 "current_steps": {t.rank: t.estimated_step(wall) for t in targets},
                 "note": (f"automatic: rank {info.rank} slowed down; reference rank {ref.rank}" if ref is not None
                          else f"automatic: rank {info.rank} slowed down; no other rank to compare with")}
         record = CaptureRecord.new(window.capture_id, info.job, request, plan, window.options.as_dict(),
-                                   [{"rank": t.rank, "host": t.host, "pid": t.pid} for t in targets], wall)
-        self.service.store.add(record)
+                                   [{"rank": t.rank, "host": t.host, "pid": t.pid, "uid": t.uid} for t in targets],
+                                   wall)
+        try:
+            self.service.store.add(record, owner=info.uid if info.uid is not None else -1)
+        except RecordRefused as exc:
+            self.budget.refused(info, "store", f"automatic capture {window.capture_id} not recorded: {exc}")
+            return None
         if ref is not None:
             self.service.send(ref.route, encode("capture", window={**window.to_wire(), "requested": {
-                **window.requested, "reference_for_rank": info.rank}}))
+                "auto": request["auto"], "steps": window.end - window.start, "reference_for_rank": info.rank}}))
         log.info("ondemand-profd: automatic capture %s: rank %d of job %s slowed down; reference rank %s",
                  window.capture_id, info.rank, info.job, ref.rank if ref is not None else "none")
         return None
@@ -133,9 +248,10 @@ class TriageBook:
     def on_result(self, route: bytes, msg: dict[str, Any]) -> None:
         p = self.pending.get(msg["triage_id"])
         target = p.targets.get(route) if p else None
-        if p is None or target is None:
-            return None  # late (answered at its deadline) or not ours
-        p.results[target.rank] = msg["result"]
+        if p is None or target is None or target.rank in p.results:
+            return None  # late (answered at its deadline), not ours, or said twice
+        result = clean_result(p.action, msg["result"])
+        p.results[target.rank] = p.folder.add(target.rank, result) if p.folder is not None else result
         if p.complete:
             self._answer(p)
         return None
@@ -156,12 +272,15 @@ class TriageBook:
             if t.rank in p.results or not t.native or not t.local or (p.job, t.rank, t.pid) not in reachable:
                 continue
             path = str(t.native.get("file", ""))
+            signum = native_dump_signal()
             try:
-                offset = os.stat(path).st_size
-                os.kill(t.pid, int(t.native["signal"]))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                p.results[t.rank] = {"ok": False, "method": "none",
-                                     "error": f"no answer, and no native dump: {exc}"}
+                offset = size_beneath_root(path, t.uid)
+                why = "no native-dump signal here" if signum is None or t.process is None else \
+                    signal_process(t.process, signum)
+            except OSError as exc:
+                why = str(exc)
+            if why:
+                p.results[t.rank] = {"ok": False, "method": "none", "error": f"no answer, and no native dump: {why}"}
                 continue
             p.native_sent[t.rank] = (path, offset)
         if p.native_sent:
@@ -173,7 +292,7 @@ class TriageBook:
             if t.rank in p.results:
                 continue
             if t.rank in p.native_sent:
-                p.results[t.rank] = read_native(*p.native_sent[t.rank], t.pid)
+                p.results[t.rank] = read_native(*p.native_sent[t.rank], t.uid)
             else:
                 p.results[t.rank] = {"ok": False, "method": "none", "error": "no answer before the timeout"
                                      + ("" if p.action != "stacks" else _why_no_native(t))}
@@ -185,6 +304,123 @@ class TriageBook:
         self.service.send(p.route, reply_ok(p.request_id, data))
 
 
+# ----------------------------------------------------------------------------------------------------------
+# A rank's answer, rebuilt from checked fields only: the reply's folding (group_stacks, the flight-recorder
+# summary) and ondemandctl's console then never meet a shape they cannot handle
+
+
+def _s(value: Any, limit: int, default: str = "") -> str:
+    return value[:limit] if isinstance(value, str) else default
+
+
+def _i(value: Any, lo: int = 0, hi: int = 1 << 62) -> int | None:
+    return value if bounded_int(value, lo, hi) else None
+
+
+class _Malformed(ValueError):
+    pass
+
+
+def _need(value: Any, what: str) -> Any:
+    if value is None:
+        raise _Malformed(what)
+    return value
+
+
+def _frames(frames: Any) -> list[list[Any]]:
+    if not isinstance(frames, list):
+        raise _Malformed("frames")
+    out = []
+    for f in frames[:256]:
+        if not isinstance(f, list) or len(f) < 3 or not isinstance(f[0], str) or not isinstance(f[2], str):
+            raise _Malformed("a frame")
+        out.append([f[0][:1024], _i(f[1], 0, 1 << 31) or 0, f[2][:512], _s(f[3] if len(f) > 3 else "", 512)])
+    return out
+
+
+def _threads(threads: Any) -> list[dict[str, Any]]:
+    if not isinstance(threads, list):
+        raise _Malformed("threads")
+    out = []
+    for t in threads[:MAX_THREADS_KEPT]:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise _Malformed("a thread")
+        frames = _frames(t.get("frames"))
+        out.append({"name": t["name"][:200], "main": t.get("main") is True, "collector": t.get("collector") is True,
+                    "daemon": t.get("daemon") if isinstance(t.get("daemon"), bool) else None,
+                    "depth": max(_i(t.get("depth"), 0, 1 << 31) or 0, len(frames)), "frames": frames})
+    return out
+
+
+def _memory(res: dict[str, Any]) -> dict[str, Any]:
+    summary = res.get("summary") if isinstance(res.get("summary"), dict) else {}
+    steps = res.get("steps")
+    if not (isinstance(steps, list) and len(steps) == 2 and all(_i(x, -1, 10**12) is not None for x in steps)):
+        raise _Malformed("steps")
+    clean = {k: _need(_i(summary.get(k)), k) for k in ("reserved_bytes", "allocated_bytes", "history_entries")}
+    clean["segments"] = _i(summary.get("segments")) or 0
+    actions = summary.get("actions") if isinstance(summary.get("actions"), dict) else {}
+    clean["actions"] = {str(k)[:64]: v for k, v in list(actions.items())[:32] if _i(v) is not None}
+    blocks = summary.get("largest_blocks") if isinstance(summary.get("largest_blocks"), list) else []
+    clean["largest_blocks"] = [{"bytes": _i(b.get("bytes")) or 0, "where": _s(b.get("where"), 512)}
+                               for b in blocks[:5] if isinstance(b, dict)]
+    return {"path": _need(_s(res.get("path"), 4096) or None, "path"), "bytes": _need(_i(res.get("bytes")), "bytes"),
+            "steps": steps, "device": _s(res.get("device"), 64), "summary": clean,
+            "max_entries": _i(res.get("max_entries")), "stacks": _s(res.get("stacks"), 16),
+            "open_with": _s(res.get("open_with"), 200)}
+
+
+def _flight_recorder(res: dict[str, Any]) -> dict[str, Any]:
+    entries = res.get("entries")
+    if not isinstance(entries, list):
+        raise _Malformed("entries")
+    clean = []
+    for e in entries[:FR_ENTRIES_KEPT]:
+        if not isinstance(e, dict) or _i(e.get("seq"), -1) is None:
+            raise _Malformed("an entry")
+        clean.append({"pg": _s(e.get("pg"), 128, "?"), "pg_desc": _s(e.get("pg_desc"), 256), "seq": e["seq"],
+                      "p2p_seq": _i(e.get("p2p_seq"), -1) if _i(e.get("p2p_seq"), -1) is not None else -1,
+                      "is_p2p": e.get("is_p2p") is True, "name": _s(e.get("name"), 256),
+                      "state": _s(e.get("state"), 32)})
+    status = res.get("pg_status") if isinstance(res.get("pg_status"), dict) else {}
+    return {"path": _need(_s(res.get("path"), 4096) or None, "path"), "bytes": _i(res.get("bytes")) or 0,
+            "version": _s(res.get("version"), 32), "entries": clean,
+            "total_entries": _i(res.get("total_entries")) or len(clean),
+            "pg_status": {str(k)[:128]: {str(kk)[:64]: vv for kk, vv in list(v.items())[:16] if _i(vv, -1) is not None}
+                          for k, v in list(status.items())[:64] if isinstance(v, dict)}}
+
+
+MAX_THREADS_KEPT = 64
+FR_ENTRIES_KEPT = 256
+
+
+def clean_result(action: str, res: Any) -> dict[str, Any]:
+    """A rank's triage answer with only checked fields (strings cut, numbers bounded); an answer that claims
+    success but lacks what it needs becomes a failure that says so."""
+    if not isinstance(res, dict):
+        return {"ok": False, "method": "none", "error": "malformed answer from the rank: not an object"}
+    base: dict[str, Any] = {"ok": res.get("ok") is True, "method": "python" if action == "stacks" else "none"}
+    if isinstance(res.get("took_ms"), (int, float)) and finite_number(res["took_ms"], 0, 1e9):
+        base["took_ms"] = res["took_ms"]
+    if _i(res.get("current_step"), -1, 10**12) is not None:
+        base["current_step"] = res["current_step"]
+    if not base["ok"]:
+        base.update(method="none", error=_s(res.get("error"), 2000, "the rank gave no reason"))
+        if res.get("unavailable") is True:
+            base["unavailable"] = True
+        return base
+    try:
+        if action == "stacks":
+            base.update(threads=_threads(res.get("threads")), trimmed=res.get("trimmed") is True)
+        elif action == "memory":
+            base.update(_memory(res))
+        else:
+            base.update(_flight_recorder(res))
+    except _Malformed as exc:
+        return {"ok": False, "method": "none", "error": f"malformed answer from the rank: {exc} missing or malformed"}
+    return base
+
+
 def _why_no_native(t: Target) -> str:
     if not t.native:
         return " (the rank registered no native dump signal: its signal was taken, or no faulthandler)"
@@ -193,22 +429,15 @@ def _why_no_native(t: Target) -> str:
     return ""
 
 
-def read_native(path: str, offset: int, pid: int) -> dict[str, Any]:
-    """What faulthandler appended to the rank's file since `offset`: only a regular file, not a link, owned by
-    the rank's own user (the path came from the rank; the daemon may run as root)."""
+def read_native(path: str, offset: int, uid: int | None) -> dict[str, Any]:
+    """What faulthandler appended to the rank's file since `offset`: reached without following any link on the
+    way, a regular file owned by the rank's own user (the path came from the rank; the daemon may run as root)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        raw = read_beneath_root(path, uid, MAX_NATIVE_BYTES, offset)
     except OSError as exc:
-        return {"ok": False, "method": "native", "error": f"cannot open the native dump {path}: {exc.strerror}"}
-    try:
-        st = os.fstat(fd)
-        owner = os.stat(f"/proc/{pid}").st_uid if os.path.isdir(f"/proc/{pid}") else st.st_uid
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != owner:
-            return {"ok": False, "method": "native", "error": f"{path} is not the rank's own regular file"}
-        os.lseek(fd, offset, os.SEEK_SET)
-        text = os.read(fd, MAX_NATIVE_BYTES).decode("utf-8", errors="replace")
-    finally:
-        os.close(fd)
+        return {"ok": False, "method": "native", "error": f"cannot read the native dump {path}: "
+                                                          f"{exc.strerror or exc}"}
+    text = raw.decode("utf-8", errors="replace")
     if not text.strip():
         return {"ok": False, "method": "native", "error": "no answer, and the native dump wrote nothing"}
     return {"ok": True, "method": "native", "text": text, "path": path,
@@ -219,29 +448,49 @@ def read_native(path: str, offset: int, pid: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------------
 # Folding many ranks' answers (pure)
 
-def group_stacks(results: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Identical thread stacks across ranks printed once, with their ranks; per thread name, the stack most
-    ranks share first, the odd ones after it. The collecting agent thread is left out (it is the same
-    everywhere and says nothing)."""
-    by_thread: dict[str, dict[tuple[Any, ...], list[int]]] = {}
-    frames_of: dict[tuple[Any, ...], list[Any]] = {}
-    for rank, res in sorted(results.items()):
+class StackFolder:
+    """Identical thread stacks across ranks, folded as the ranks' answers arrive: the frames of a stack are kept
+    once, with the ranks that have it, so a request's memory grows with the distinct stacks, not with the ranks
+    (4096 answers of up to 56 KiB each were all held until the last one came)."""
+
+    def __init__(self) -> None:
+        self.by_thread: dict[str, dict[tuple[Any, ...], list[int]]] = {}
+        self.frames_of: dict[tuple[Any, ...], list[Any]] = {}
+
+    def add(self, rank: int, res: dict[str, Any]) -> dict[str, Any]:
+        """Fold one rank's answer; returns what is kept of it per rank (how it answered, not its frames)."""
         if not res.get("ok") or res.get("method") != "python":
-            continue
+            return res
         for t in res.get("threads", []):
-            if t.get("collector"):
+            if t.get("collector"):  # the collecting agent thread: the same everywhere, it says nothing
                 continue
             key = tuple(tuple(f[:3]) for f in t["frames"])  # file, line, function: code text adds nothing
-            frames_of[key] = t["frames"]
+            self.frames_of.setdefault(key, t["frames"])
             name = t["name"] + (" (main)" if t.get("main") else "")
-            by_thread.setdefault(name, {}).setdefault(key, []).append(rank)
-    threads = []
-    for name, stacks in sorted(by_thread.items(), key=lambda kv: (not kv[0].endswith("(main)"), kv[0])):
-        ordered = sorted(stacks.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
-        top = len(ordered[0][1])
-        threads.append({"thread": name, "stacks": [  # odd: fewer ranks than the most common stack
-            {"ranks": ranks, "rank_spans": spans(ranks), "odd": len(ranks) < top, "frames": frames_of[key]}
-            for key, ranks in ordered]})
+            self.by_thread.setdefault(name, {}).setdefault(key, []).append(rank)
+        return {k: v for k, v in res.items() if k != "threads"}
+
+    def threads(self) -> list[dict[str, Any]]:
+        """Per thread name, the stack most ranks share first, the odd ones after it."""
+        out = []
+        for name, stacks in sorted(self.by_thread.items(), key=lambda kv: (not kv[0].endswith("(main)"), kv[0])):
+            ordered = sorted(((key, sorted(ranks)) for key, ranks in stacks.items()),
+                             key=lambda kv: (-len(kv[1]), kv[1][0]))
+            top = len(ordered[0][1])
+            out.append({"thread": name, "stacks": [  # odd: fewer ranks than the most common stack
+                {"ranks": ranks, "rank_spans": spans(ranks), "odd": len(ranks) < top, "frames": self.frames_of[key]}
+                for key, ranks in ordered]})
+        return out
+
+
+def group_stacks(results: dict[int, dict[str, Any]], folder: StackFolder | None = None) -> dict[str, Any]:
+    """Identical thread stacks across ranks printed once, with their ranks (folded by `folder` as they arrived,
+    or here from the full answers); per thread name, the stack most ranks share first, the odd ones after it."""
+    if folder is None:
+        folder = StackFolder()
+        for rank, res in sorted(results.items()):
+            folder.add(rank, res)
+    threads = folder.threads()
     native = {r: dict(res) for r, res in results.items() if res.get("method") == "native"}
     failed = {r: res.get("error", "") for r, res in results.items() if not res.get("ok")}
     return {"threads": threads, "native": {str(r): v for r, v in sorted(native.items())},

@@ -6,7 +6,7 @@
 or, with no edit at all, `ONDEMAND_PROF_AUTO=1 python train.py` (options from ONDEMAND_PROF_* variables; see
 ondemand_prof_auto.py for the start-up hook).
 
-What counts as a step (README "Zero-code"):
+What counts as a step (docs/training-stacks.md, "Zero-code"):
 - one step per `step()` of the *lead* optimizer: the first optimizer that steps in the process. A loop with
   several optimizers (a GAN's generator and discriminator, an optimizer per parameter group family) counts one
   step per iteration, at the lead's step; the others are ignored. When the lead is garbage-collected, the next
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 from typing import Any, Callable
@@ -36,6 +37,9 @@ from ..rank.hook import OnDemandProfiler
 from . import config_from_options
 
 log = logging.getLogger("ondemand_prof")
+
+# no optimizer step this long after the profiler was made: say what zero-code counts (env: a test's shorter wait)
+NO_STEP_ENV = "ONDEMAND_PROF_AUTO_NO_STEP_S"
 
 
 class StepCounter:
@@ -49,6 +53,8 @@ class StepCounter:
         self.handle: Any = None
         self._pending = False  # a step ended whose boundary waits for the next module forward
         self._forward: Any = None  # the global forward pre-hook, registered only while a window is due
+        self.counted = False  # an optimizer step came
+        self._no_step_timer: threading.Timer | None = None
 
     def __call__(self, optimizer: Any, args: Any = None, kwargs: Any = None) -> None:
         lead = self._lead() if self._lead is not None else None
@@ -56,6 +62,7 @@ class StepCounter:
             self._lead = weakref.ref(optimizer)
         elif optimizer is not lead:
             return
+        self.counted = True
         prof = self.profiler if self.profiler is not None else self.make_profiler()
         if prof is None:
             return
@@ -92,6 +99,26 @@ class StepCounter:
             atexit.register(self.profiler.close)  # windows in progress are written at exit
         return self.profiler
 
+    def expect_steps(self) -> None:
+        """Say once, if no optimizer step came within 60 s, that zero-code counts optimizer steps only."""
+        try:
+            within = float(os.environ.get(NO_STEP_ENV, "60"))
+        except ValueError:
+            within = 60.0
+        if self._no_step_timer is None:
+            self._no_step_timer = threading.Timer(within, self._no_step, (within,))
+            self._no_step_timer.daemon = True
+            self._no_step_timer.start()
+
+    def _no_step(self, within: float) -> None:
+        if self.counted or self.profiler is None:
+            return
+        from ..rank.announce import say
+
+        say(log, self.profiler.config.quiet, f"ondemand_prof: rank {self.profiler.identity().rank}: no "
+            f"optimizer.step() in {within:g} s; zero-code counts optimizer.step(): call prof.step() in loops that "
+            "update weights by hand (prof = ondemand_prof.OnDemandProfiler.from_env(), docs/getting-started.md)")
+
     def register(self) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -99,6 +126,8 @@ class StepCounter:
 
     def remove(self) -> None:
         """Stop counting (the profiler, if any, is closed)."""
+        if self._no_step_timer is not None:
+            self._no_step_timer.cancel()
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
@@ -147,8 +176,7 @@ def disable() -> None:
         counter.remove()
 
 
-def auto_step(optimizer: Any) -> None:
-    """The ONDEMAND_PROF_AUTO hook's step (ondemand_prof_auto registers the one global hook and calls this)."""
+def _auto_counter() -> StepCounter:
     global _counter
     counter = _counter
     if counter is None:
@@ -156,8 +184,24 @@ def auto_step(optimizer: Any) -> None:
             if _counter is None:
                 _counter = StepCounter(lambda: OnDemandProfiler(_auto_config()))
             counter = _counter
+    return counter
+
+
+def auto_step(optimizer: Any) -> None:
+    """The ONDEMAND_PROF_AUTO hook's step (ondemand_prof_auto registers the one global hook and calls this)."""
+    counter = _auto_counter()
     if counter.handle is None:  # enable() also registered its own hook: that one counts
         counter(optimizer)
 
 
-__all__ = ["ConfigError", "StepCounter", "auto_step", "disable", "enable"]
+def auto_appeared(what: str) -> None:
+    """ONDEMAND_PROF_AUTO: a training process showed itself (`what`: torch.distributed came up, an optimizer was
+    made) before its first optimizer step: make the profiler now, so the start-up line comes now, and say so if
+    no optimizer step follows (a loop that updates weights by hand)."""
+    counter = _auto_counter()
+    if counter.profiler is None and counter.make_profiler() is not None:
+        log.debug("ondemand_prof: zero-code profiler made when %s appeared", what)
+        counter.expect_steps()
+
+
+__all__ = ["ConfigError", "StepCounter", "auto_appeared", "auto_step", "disable", "enable"]

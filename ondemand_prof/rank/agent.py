@@ -255,8 +255,9 @@ class Agent:
         link = next((ext for ext in self.extensions if hasattr(ext, "acknowledged")), None)
         daemon = link.url if link is not None and link.acknowledged else None
         say(log, self.config.quiet, startup_line(self.prof.identity(), self.trigger_path,
-                                                 Path(self.config.save_path).expanduser(), daemon,
-                                                 link.url if link is not None else None, moved=self._moved))
+                                                 Path(self.config.save_path), daemon,
+                                                 link.url if link is not None else None, moved=self._moved,
+                                                 default_ranks=self.config.ondemand_ranks))
 
     def _link_daemon(self) -> None:
         try:
@@ -353,7 +354,7 @@ class Agent:
         decision = claim_decision(self.status_dir, trig.version, {
             "start_step": start, "anchor_step": anchor, "decided_by_rank": ident.rank, "decided_at": iso_time()})
         prune_decisions(self.status_dir)
-        ranks = request.ranks if request.ranks is not None else self.config.ranks
+        ranks = request.ranks if request.ranks is not None else self.config.ondemand_ranks
         if not selects(ranks, ident.rank):
             listener("rejected", {"error": f"rank {ident.rank} not selected (ranks {list(ranks)})"})
             return

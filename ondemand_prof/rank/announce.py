@@ -9,13 +9,17 @@ log only.
 
 from __future__ import annotations
 
+import json
 import logging
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+from ..core.ranks import ALL, selects, spans
 
 from .backends import Identity
+from .layout import trace_path
 
 
 def say(logger: logging.Logger, quiet: bool, text: str, logged: bool = False) -> None:
@@ -31,23 +35,40 @@ def say(logger: logging.Logger, quiet: bool, text: str, logged: bool = False) ->
         pass
 
 
+def trigger_command(rank: int, trigger_path: Path, default_ranks: Sequence[int]) -> tuple[str, str]:
+    """A command that captures this rank through the trigger file, and what it captures: a bare touch where
+    the default ranks (--profile-ondemand-ranks) include this one, else a request that names it."""
+    path = shlex.quote(str(trigger_path))
+    if selects(default_ranks, rank):
+        which = "all ranks" if ALL in default_ranks else f"ranks {spans(default_ranks)}"
+        return f"touch {path}", f"{which} of the job that watch it"
+    body = shlex.quote(json.dumps({"ranks": [rank]}))
+    return f"echo {body} > {path}", f"a bare touch captures ranks {spans(default_ranks)}: --profile-ondemand-ranks"
+
+
 def startup_line(ident: Identity, trigger_path: Path, save_root: Path, daemon: str | None,
-                 daemon_url: str | None, moved: bool = False) -> str:
-    """rank, job, how to trigger (daemon or file), where traces go; one line. daemon: the daemon's address
-    when it answered; daemon_url: where it was looked for (None: the daemon link is off)."""
+                 daemon_url: str | None, moved: bool = False, default_ranks: Sequence[int] = (ALL,)) -> str:
+    """rank, job, how to trigger (daemon or file: a command that captures this rank), where traces go; one
+    line, commands between backquotes. daemon: the daemon's address when it answered; daemon_url: where it
+    was looked for (None: the daemon link is off)."""
     who = f"rank {ident.rank} of {ident.world_size}, job {ident.job_id}"
-    touch = f"touch {shlex.quote(str(trigger_path))}"
+    touch, which = trigger_command(ident.rank, trigger_path, default_ranks)
     if daemon:
         ctl = f"ondemandctl capture --job {shlex.quote(ident.job_id)} --ranks {ident.rank}"
-        how = f"capture with '{ctl}' (registered with ondemand-profd) or '{touch}'"
+        how = f"capture with `{ctl}` (registered with ondemand-profd) or `{touch}` ({which})"
     elif daemon_url:
-        how = f"capture with '{touch}' (no ondemand-profd answered at {daemon_url}; start one for ondemandctl)"
+        how = f"capture with `{touch}` ({which}; no ondemand-profd answered at {daemon_url}: start one for ondemandctl)"
     else:
-        how = f"capture with '{touch}'"
+        how = f"capture with `{touch}` ({which})"
     return f"ondemand_prof: {'now ' if moved else ''}{who}: {how}; traces go to {save_root.absolute()}"
 
 
 def written_line(ident: Identity | Any, result: dict[str, Any]) -> str:
+    """Where the trace is (the file HTA, TensorBoard and Perfetto open), its steps, and the rank's directory."""
     steps = result.get("steps_in_trace") or []
     span = f"steps {steps[0]}-{steps[-1]}" if steps else "no steps"
-    return f"ondemand_prof: rank {ident.rank} wrote {result.get('path')} ({span}, {result.get('status')})"
+    trace = trace_path(result)
+    if trace is None:  # torch_npu: its own directory is the output
+        return f"ondemand_prof: rank {ident.rank} wrote {result.get('path')} ({span}, {result.get('status')})"
+    return (f"ondemand_prof: rank {ident.rank} wrote {trace} ({span}, {result.get('status')}; metadata and "
+            f"summaries in {result.get('path')})")

@@ -77,9 +77,9 @@ class SlowStepMonitor:
                 me._update_median(n)
                 threshold = me.threshold
 
-        def step(x: Any = None, /) -> None:
+        def step(step: Any = None) -> None:  # the method's signature: step(n) and step(step=n)
             nonlocal last, n
-            nxt(counter, x)
+            nxt(counter)
             now = perf()
             if last is not None:
                 dt = now - last

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,6 +32,7 @@ DAEMON_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
     "error": {},
 }
 MAX_REPLY_BYTES = 63 * 1024  # under the daemon's 64 KiB message cap
+REFUSED_RETRY_S = 5.0  # a registration the daemon refused is tried again this often
 RECENT = 16  # the last events of this many captures are replayed at registration (a restarted daemon learns them)
 
 
@@ -74,6 +76,7 @@ class DaemonLink:
         self.registered = False
         self._distrust: str | None = "not checked yet"
         self.acknowledged = False  # the daemon answered a registration ("registered")
+        self._last_error = ""
         self._next_beat = 0.0
         self._outbox: collections.deque[tuple[str, str, dict[str, Any]]] = collections.deque()
         self._recent: collections.OrderedDict[str, tuple[str, dict[str, Any]]] = collections.OrderedDict()
@@ -183,7 +186,7 @@ class DaemonLink:
         with self._recent_lock:
             recent = [{"capture_id": cid, "event": ev, "info": info} for cid, (ev, info) in self._recent.items()]
         body = encode("register", job=ident.job_id, rank=ident.rank, world_size=ident.world_size, host=ident.host,
-                      pid=ident.pid, local_rank=ident.local_rank, save_root=str(Path(prof.config.save_path).expanduser().absolute()),
+                      pid=ident.pid, local_rank=ident.local_rank, save_root=prof.config.save_path,
                       trigger_dir=str(getattr(self.agent, "trigger_dir", "")),
                       version=__version__, recent=recent, defaults=WindowDefaults.from_config(prof.config).to_wire(),
                       native_dump=self._native_dump(), **self._progress())
@@ -201,6 +204,7 @@ class DaemonLink:
         kind = msg["type"]
         if kind == "registered":
             self.acknowledged = True
+            self._last_error = ""
         elif kind == "register":
             self.registered = False
             self._next_beat = 0.0  # at once, not in a second
@@ -211,7 +215,17 @@ class DaemonLink:
         elif kind == "triage":
             self._on_triage(msg)
         elif kind == "error":
-            log.warning("ondemand_prof: the daemon refused a message: %s", msg.get("error"))
+            self._on_error(str(msg.get("error")))
+
+    def _on_error(self, error: str) -> None:
+        """A refused registration (another live process holds this rank, a job of another user) is tried
+        again every REFUSED_RETRY_S, and said once per reason, not at every try."""
+        if error.startswith("register:"):
+            self.registered = False
+            self._next_beat = time.monotonic() + REFUSED_RETRY_S
+        if error != self._last_error:
+            self._last_error = error
+            log.warning("ondemand_prof: the daemon refused a message: %s", error)
 
     def _on_capture(self, msg: dict[str, Any]) -> None:
         """The daemon planned the window (steps, options, cap): take it as it is."""

@@ -1,7 +1,7 @@
 """OnDemandProfiler: the hook inside each training rank.
 
-Threads: the training thread calls step(); with no window due, that is a C-level counter call (see README "Idle
-cost"). Everything that needs attention at a step boundary (a window to begin, advance or finish, a request
+Threads: the training thread calls step(); with no window due, that is one small function around a C-level
+counter (docs/benchmarks.md, "Idle cost"). Everything that needs attention at a step boundary (a window to begin, advance or finish, a request
 handed over by another thread) is signalled by lowering `_wake` and removing the idle counter, so the idle path
 never takes a lock. Which window runs when is the Scheduler's (rank/scheduler.py); this module keeps the idle
 fast path, the inbox from other threads, and the calls into backends, the layout and the exporter.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime as _dt
-import functools
 import logging
 import operator
 import os
@@ -28,8 +28,9 @@ from ..core.options import ConfigError, ProfileConfig, WindowOptions, config_fro
     config_from_mapping, default_job_id
 from ..core.window import Window
 from .backends import Backend, Identity, Session, select_backend
-from .layout import CaptureLayout
-from .output import ExportJob, Exporter, disk_problem, writable_problem
+from .layout import CaptureLayout, trace_path
+from ..core.safedir import make_dirs, safe_save_root
+from .output import ExportJob, Exporter, dir_mode, disk_problem, writable_problem
 from .scheduler import IDLE, Active, Listener, Scheduler, tell
 
 log = logging.getLogger("ondemand_prof")
@@ -47,7 +48,11 @@ class OnDemandProfiler:
 
     def __init__(self, config: ProfileConfig | None = None, *, first_step: int = 0, backend: str | Backend = "auto",
                  start_agent: bool = True) -> None:
-        self.config = config or ProfileConfig()
+        config = config or ProfileConfig()
+        # A relative save path means the rank's working directory, now: made absolute here, once, so the rank
+        # reports, prints and records one path that the daemon (another working directory) can check.
+        self._save_root = Path(os.path.abspath(Path(config.save_path).expanduser()))
+        self.config = dataclasses.replace(config, save_path=str(self._save_root))
         self._step = first_step
         self._wake = IDLE
         self._counter: Any = None
@@ -58,7 +63,6 @@ class OnDemandProfiler:
         self._backend: Backend | None = None if isinstance(backend, str) else backend
         self._identity: Identity | None = None
         self._exporter = Exporter()
-        self._save_root = Path(self.config.save_path).expanduser()
         self.layout = CaptureLayout(self._save_root, socket.gethostname(), os.getpid())
         self.job_id = self.config.job_id or default_job_id()
         self.scheduler = Scheduler(self, warmup_steps=self.config.warmup_steps)
@@ -74,7 +78,8 @@ class OnDemandProfiler:
         if self.config.enabled or self.config.ondemand:
             problem = writable_problem(self._save_root)
             if problem:
-                raise ConfigError(f"invalid --profile-save-path {self.config.save_path!r}: {problem}")
+                raise ConfigError(f"invalid --profile-save-path {config.save_path!r}: {problem}")
+            self._secure_save_root()
         self.layout.remove_stale_staging()
         if self.config.enabled:
             self._queue_static()
@@ -91,6 +96,15 @@ class OnDemandProfiler:
 
             self.signal_trigger = SignalTrigger(self, self.config.signal)
             self.signal_trigger.install()
+
+    def _secure_save_root(self) -> None:
+        """Traces go only where nobody else controls the way to them (docs/security.md)."""
+        root, why = safe_save_root(self._save_root, dir_mode(self.config.file_mode))
+        if why:
+            log.warning("%s", why)
+            self.config = self.config.replace(save_path=str(root))
+            self._save_root = root
+            self.layout = CaptureLayout(root, self.layout.host, self.layout.pid)
 
     def _queue_static(self) -> None:
         config = self.config
@@ -129,14 +143,13 @@ class OnDemandProfiler:
     # ------------------------------------------------------------------------------------------------------
     # The hot path
 
-    def step(self, step: int | None = None, /) -> None:
-        """End of a training step. `step`, when given, is the number of the step that just ended.
+    def step(self, step: int | None = None) -> None:
+        """End of a training step. `step`, when given (`prof.step(n)` or `prof.step(step=n)`), is the number of
+        the step that just ended.
 
-        `step` is positional-only, in every state: the idle form below (a C call) cannot take keywords, so a
-        keyword call fails on the first step instead of hours later, when a window happens to be pending.
-
-        While nothing is scheduled, an instance attribute `step` (a C-level counter, no Python frame)
-        shadows this method; lowering `_wake` and removing that attribute brings this method back.
+        While nothing is scheduled, an instance attribute `step` (a small function around a C-level counter)
+        shadows this method, with the same signature; lowering `_wake` and removing that attribute brings this
+        method back.
         """
         if self._counter is not None:
             self._leave_idle()
@@ -158,9 +171,9 @@ class OnDemandProfiler:
     def _enter_idle(self) -> None:
         # Nothing is due: count steps with a range iterator's C __next__ (its position is readable through
         # length_hint). next(counter, n) also accepts the loop's own number (prof.step(n)), which is then ignored
-        # until a window is pending. See README "Idle cost".
+        # until a window is pending. See docs/benchmarks.md, "Idle cost".
         self._counter = iter(range(self._step + 1, _COUNTER_END))
-        self.step = functools.partial(next, self._counter) if self._auto is None else \
+        self.step = _idle_step(self._counter) if self._auto is None else \
             self._auto.idle_step(self._counter)  # type: ignore[method-assign]
         if self._inbox:  # a request arrived meanwhile: take the checked path at the next step
             self._wake_up()
@@ -239,7 +252,7 @@ class OnDemandProfiler:
         ident = self.identity()
         backend = self.backend()
         out = self.layout.plan(window.capture_id, ident.rank, _dt.datetime.now())
-        out.folder.mkdir(parents=True, exist_ok=True)
+        make_dirs(out.folder, dir_mode(self.config.file_mode))  # whatever the umask
         return backend.open(window, ident, out.staging), {"out": out, "began_at": iso_time()}
 
     def collect(self, active: Active) -> Any:
@@ -274,13 +287,13 @@ class OnDemandProfiler:
 
     def _on_published(self, active: Active, result: dict[str, Any]) -> None:
         event = "done" if result.get("status") in ("ok", "partial") else "failed"
-        if result.get("path"):  # output.py logged it; say it on stderr too when logging would not show it
+        if result.get("path"):  # logged, and said on stderr too when logging would not show it
             from .announce import say, written_line
 
-            say(logging.getLogger("ondemand_prof.rank.output"), self.config.quiet, written_line(self.identity(), result),
-                logged=True)
-        tell(active.listener, event, active.window, path=result.get("path"), status=result.get("status"),
-             error=result.get("error"), steps=result.get("steps_in_trace"), cancelled=active.cancelled or None)
+            say(logging.getLogger("ondemand_prof.rank.output"), self.config.quiet, written_line(self.identity(), result))
+        tell(active.listener, event, active.window, path=result.get("path"), trace=trace_path(result),
+             status=result.get("status"), error=result.get("error"), steps=result.get("steps_in_trace"),
+             cancelled=active.cancelled or None)
 
     def _metadata(self, active: Active, steps: list[int], collect_s: float, info: dict[str, Any]) -> dict[str, Any]:
         window = active.window
@@ -290,6 +303,7 @@ class OnDemandProfiler:
             "tool": {"name": "ondemand_prof", "version": __version__},
             **self.identity().as_dict(),
             "capture_id": window.capture_id,
+            "save_path": self.config.save_path,  # absolute: a relative one was resolved when the profiler was made
             "trigger": {"source": window.source, "request": dict(window.requested)},
             "window": {"start": window.start, "end": window.end, "recorded_steps": steps, "late_by": active.late_by,
                        "warmup_steps": self.config.warmup_steps, "note": window.note or None,
@@ -365,6 +379,17 @@ class OnDemandProfiler:
             except Exception:  # noqa: BLE001
                 log.debug("agent stop failed", exc_info=True)
         return done
+
+
+def _idle_step(counter: Any) -> Callable[..., None]:
+    """The idle step(): one C call counts it. The loop's own number (`step(n)`, `step(step=n)`) is not read
+    while idle; it takes keywords like the method, so no call fails only when a window happens to be pending."""
+    nxt = next
+
+    def step(step: int | None = None) -> None:
+        nxt(counter)
+
+    return step
 
 
 def _counter_value(counter: Any) -> int:

@@ -23,6 +23,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..core.files import pid_alive
 
@@ -35,6 +36,15 @@ def safe_name(text: str) -> str:
     """A single path component from an id: no separators, no '.'/'..', bounded."""
     name = "".join(c if c in _SAFE else "_" for c in text)[:128].strip(".")
     return name or "capture"
+
+
+def trace_path(result: dict[str, Any]) -> str | None:
+    """The trace file a published window wrote (absolute), from its metadata: its rank directory `path` and
+    `trace_file` (relative to it, in the capture folder). None where the backend wrote no single trace file."""
+    path, trace = result.get("path"), result.get("trace_file")
+    if not path or not trace:
+        return None
+    return os.path.normpath(os.path.join(path, trace))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..core.files import iso_time, write_json_atomic
+from ..core.safedir import save_path_problem
 from .backends import Export, Identity
 from .layout import METADATA_FILE, RankOutput
 from ..core.window import Window
@@ -62,7 +63,7 @@ def writable_problem(save_path: str | os.PathLike[str]) -> str | None:
 
 
 def disk_problem(save_root: Path, min_free_mb: int) -> str | None:
-    problem = writable_problem(save_root)
+    problem = writable_problem(save_root) or save_path_problem(save_root)  # chain owned by us or root
     if problem:
         return problem
     free_mb = shutil.disk_usage(existing_ancestor(save_root)).free // (1024 * 1024)
@@ -180,7 +181,7 @@ def _rename_into_place(job: ExportJob, meta: dict[str, Any], out_dir: Path, trac
         if out_dir != job.out.staging:
             shutil.rmtree(job.out.staging, ignore_errors=True)
         meta["path"] = str(final)
-        log.info("ondemand_prof: rank %s wrote %s (steps %s, %s)", job.identity.rank, final,
+        log.debug("ondemand_prof: rank %s published %s (steps %s, %s)", job.identity.rank, final,
                  _steps_text(meta.get("steps_in_trace", [])), meta["status"])
     except OSError as exc:
         log.error("ondemand_prof: could not publish %s: %s", final, exc)

@@ -66,9 +66,9 @@ class SignalTrigger:
         """On the training thread: the default window from the next step, on the configured ranks."""
         prof = self.prof
         ident = prof.identity()
-        if not selects(prof.config.ranks, ident.rank):
-            log.info("ondemand_prof: %s ignored on rank %d (not in --profile-ranks %s)", self.sig.name, ident.rank,
-                     list(prof.config.ranks))
+        if not selects(prof.config.ondemand_ranks, ident.rank):
+            log.info("ondemand_prof: %s ignored on rank %d (not in --profile-ondemand-ranks %s)", self.sig.name,
+                     ident.rank, list(prof.config.ondemand_ranks))
             return
         window = resolve(CaptureRequest(), WindowDefaults.from_config(prof.config), step + 1, source="signal",
                          capture_id=f"signal-{os.getpid()}-{int(time.time() * 1000)}",

@@ -29,6 +29,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from ..core.files import write_atomic
+from ..core.protocol import native_dump_signal
+from ..core.safedir import make_dirs
+
 log = logging.getLogger("ondemand_prof.rank.triage")
 
 ACTIONS = ("stacks", "memory", "flight_recorder")
@@ -154,9 +158,8 @@ class NativeDump:
 
 
 def _spare_signal() -> int | None:
-    """A realtime signal nobody else is likely to use (SIGRTMAX-3); None where there are none."""
-    rtmax = getattr(signal, "SIGRTMAX", None)
-    return None if rtmax is None else int(rtmax) - 3
+    """The native-dump signal the daemon sends (core/protocol.py: the daemon never takes one from a rank)."""
+    return native_dump_signal()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -299,13 +302,10 @@ def flight_recorder_digest(dump: dict[str, Any], limit: int = FR_SUMMARY_ENTRIES
 # ----------------------------------------------------------------------------------------------------------
 
 def write_private(path: Path, data: bytes) -> None:
-    """Owner-only, never through a symlink, published whole (a reader sees no half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
+    """Owner-only, never through a symlink, published whole: the one atomic writer (core/files.py), into
+    directories made without the umask's say."""
+    make_dirs(path.parent, 0o700)
+    write_atomic(path, data)
 
 
 def check_args(action: str, args: Any) -> dict[str, Any]:

@@ -1,0 +1,42 @@
+"""Ids that come over the wire (capture ids, job ids, triage ids): one rule, checked in one place.
+
+A capture id becomes a file name in the daemon's state directory ({id}.json) and a folder under a rank's save
+path; a job id keys records and registrations. Whatever a peer sends, an id is 1 to 128 characters of letters,
+digits and `_ . - + @ :`, and does not start with `.` or `-` (so it is never `.`, `..`, a hidden file or an
+option), so it can never name a path outside the directory it is put in. What ondemand_prof makes itself
+(`20261129-200514-a618f2`, `auto-...-r0-4242`, `file-...`, SLURM's `123.4`, torchrun's UUIDs, `port29500`)
+passes as it is.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+MAX_ID = 128
+_ID = re.compile(r"[A-Za-z0-9_@+:][A-Za-z0-9_.@+:-]{0,127}")
+_NOT_ID = re.compile(r"[^A-Za-z0-9_.@+:-]")
+
+
+class BadId(ValueError):
+    """An id that breaks the rule; the text names what and why."""
+
+
+def valid_id(value: Any) -> bool:
+    return isinstance(value, str) and _ID.fullmatch(value) is not None
+
+
+def check_id(value: Any, what: str = "id") -> str:
+    """`value` when it is a well-formed id; BadId (a ValueError) saying what is wrong otherwise."""
+    if valid_id(value):
+        return value
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    raise BadId(f"{what} {shown}: expected 1-{MAX_ID} letters, digits, '_', '.', '-', '+', '@' or ':', not "
+                "starting with '.' or '-'")
+
+
+def safe_id(text: Any) -> str:
+    """An id made from any text for display only (a window another part of the rank named): characters outside
+    the rule become '_', cut to MAX_ID; never empty."""
+    name = _NOT_ID.sub("_", str(text))[:MAX_ID].lstrip(".-")
+    return name or "_"

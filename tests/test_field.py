@@ -1,0 +1,227 @@
+"""The core path as users meet it (issue 17): the default relative save path, every rank's own start-up line
+taken at its word, a rank hung before a collective, two processes claiming one rank, short ids. Real gloo
+ranks, a real daemon started from another working directory, the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from conftest import ROOT, base_env, captures, ctl, ctl_json, free_port, live_ranks, short_dir, trace_steps, \
+    wait_for
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    run_dir, state_dir = short_dir("odf"), short_dir("odfs")
+    procs: list[subprocess.Popen] = []
+    yield {"run": run_dir, "state": state_dir, "tmp": tmp_path, "procs": procs}
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def daemon(env: dict[str, Any]) -> subprocess.Popen:
+    """A daemon whose working directory is / (as under systemd), not the job's."""
+    proc = subprocess.Popen([str(ROOT / "bin" / "ondemand-profd"), "--runtime-dir", str(env["run"]), "--state-dir",
+                             str(env["state"])], cwd="/", env=base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    env["procs"].append(proc)
+    wait_for(lambda: (env["run"] / "profd.sock").exists() or proc.poll() is not None, 30, "the daemon's socket")
+    return proc
+
+
+def job(env: dict[str, Any], world: int, *args: str, daemon_dir: Path | None = None,
+        only: list[int] | None = None) -> list[subprocess.Popen]:
+    """`world` gloo ranks (or `only` these of them) of the toy training loop, started in the job's own directory
+    with the profiler's defaults (save path ./profile) plus `args`; each rank's stderr goes to err<rank>.log
+    there."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world) if only is None else only:
+        penv = base_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=port)
+        if daemon_dir is not None:
+            penv["ONDEMAND_PROF_RUNTIME_DIR"] = str(daemon_dir)
+        with open(env["tmp"] / f"err{rank}.log", "w") as err:
+            procs.append(subprocess.Popen([sys.executable, "-m", "ondemand_prof.demo.toy_train",
+                                           "--profile-min-free-mb", "0", *args], cwd=env["tmp"], env=penv,
+                                          stdout=subprocess.DEVNULL, stderr=err, text=True))
+    env["procs"].extend(procs)
+    return procs
+
+
+def stderr_of(env: dict[str, Any], rank: int) -> str:
+    return (env["tmp"] / f"err{rank}.log").read_text()
+
+
+def start_up_line(env: dict[str, Any], rank: int) -> str:
+    """The rank's start-up line (the newest: a rank whose job changed when torch.distributed came up says it
+    again, 'now ...')."""
+    def line() -> str | None:
+        found = [ln for ln in stderr_of(env, rank).splitlines() if "capture with `" in ln]
+        return found[-1] if found else None
+
+    return wait_for(line, 60, f"rank {rank}'s start-up line")
+
+
+def test_the_default_relative_save_path_captures_through_the_daemon(env: dict[str, Any]) -> None:
+    """No --profile-save-path (./profile), the daemon in another working directory: `capture` with no flags
+    succeeds, prints the capture folder and each trace; ids are taken by prefix (--job, report)."""
+    daemon(env)
+    procs = job(env, 2, "--steps", "1000000", "--step-sleep", "0.02", daemon_dir=env["run"])
+    save = env["tmp"] / "profile"
+    for rank in (0, 1):
+        assert start_up_line(env, rank).endswith(f"traces go to {save}")
+    wait_for(lambda: len(live_ranks(env["run"])) == 2 and all(r["step_time_s"] for r in live_ranks(env["run"])),
+             60, "2 ranks stepping")
+    job_id = live_ranks(env["run"])[0]["job"]
+    res = ctl(env["run"], "capture", "--job", job_id[:5], "--steps", "2", "--wait")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "done: 2 of 2 rank(s) wrote a trace" in res.stdout, res.stdout
+    caps = captures(save)
+    assert sorted(c["rank"] for c in caps) == [0, 1]
+    (folder,) = {c["folder"] for c in caps}
+    assert f"  capture folder: {folder}" in res.stdout
+    start, end = map(int, re.search(r"steps \[(\d+), (\d+)\)", res.stdout).groups())
+    for cap in caps:
+        trace = folder / Path(cap["trace_file"]).name
+        assert f"  rank {cap['rank']}    {trace}  steps {start}..{end - 1}" in res.stdout, res.stdout
+        assert trace_steps(cap) == list(range(start, end))
+        assert cap["dir"].is_relative_to(save) and cap["save_path"] == str(save)
+    # the capture id, by a prefix, is something report reads
+    capture_id = folder.name
+    rep = ctl(env["run"], "report", capture_id[:17], "--summary")
+    assert rep.returncode == 0 and re.search(r"^\s+1\s+2\s+[\d.]+", rep.stdout, re.M), rep.stdout + rep.stderr
+    gone = ctl(env["run"], "report", "no-such-capture")
+    assert gone.returncode == 1 and "is not a file or directory here, and not a capture the daemon knows" in gone.stderr
+    for p in procs:
+        p.terminate()
+
+
+def run_shell(command: str, cwd: Path) -> None:
+    """The command a start-up line gave, as a user pastes it."""
+    subprocess.run(["bash", "-c", command], cwd=cwd, check=True, timeout=30)
+
+
+def trigger_of(line: str) -> str:
+    """The file-trigger command of a start-up line: `touch ...` or `echo ... > ...`."""
+    commands = re.findall(r"`([^`]+)`", line)
+    return next(c for c in commands if not c.startswith("ondemandctl"))
+
+
+@pytest.mark.parametrize("ondemand_ranks", ["-1", "0"])
+def test_each_ranks_start_up_line_names_a_trigger_that_captures_it(env: dict[str, Any], ondemand_ranks: str) -> None:
+    """Rank 1's own line, pasted into a shell, captures rank 1, whatever --profile-ranks (MindSpeed's default
+    [0], the static window's) says; a bare touch captures --profile-ondemand-ranks, which the line says."""
+    procs = job(env, 2, "--steps", "1000000", "--step-sleep", "0.02", "--profile-ondemand-ranks", ondemand_ranks)
+    start_up_line(env, 0)  # both watch the file (one written before a rank starts is not replayed to it)
+    line = start_up_line(env, 1)
+    time.sleep(1.0)
+    command = trigger_of(line)
+    if ondemand_ranks == "-1":
+        assert command.startswith("touch ") and "(all ranks of the job that watch it" in line, line
+    else:
+        assert command.startswith("echo '{\"ranks\": [1]}' > "), line
+        assert "a bare touch captures ranks 0: --profile-ondemand-ranks" in line, line
+    run_shell(command, env["tmp"])
+    save = env["tmp"] / "profile"
+    expected = [0, 1] if ondemand_ranks == "-1" else [1]
+    caps = wait_for(lambda: (lambda c: c if sorted(x["rank"] for x in c) == expected else None)(captures(save)), 90,
+                    f"rank(s) {expected} to write what the trigger asked")
+    assert len({tuple(trace_steps(c)) for c in caps}) == 1 and len(trace_steps(caps[0])) == 2
+    time.sleep(1.0)
+    assert sorted(c["rank"] for c in captures(save)) == expected  # and no other rank wrote
+    for p in procs:
+        p.terminate()
+
+
+def test_a_rank_hung_before_a_collective_is_stalled_in_status_and_capture_says_so(env: dict[str, Any]) -> None:
+    """Rank 1 sleeps before its all_reduce at step 30 (rank 0 waits in it): status keeps the steps they
+    reported (no extrapolation), says STALLED with the step and since when, and a capture is refused at once
+    naming the ranks and suggesting stacks."""
+    daemon(env)
+    procs = job(env, 2, "--steps", "1000000", "--step-sleep", "0.02", "--stall-rank", "1", "--stall-at-step", "30",
+                "--stall-s", "300", daemon_dir=env["run"])
+    stalled = wait_for(lambda: (lambda d: d if any(s["all"] for s in d["stalled"].values()) else None)(
+        ctl_json(env["run"], "status")), 90, "both ranks to read as stalled", pause=0.5)
+    (job_id, stall), = stalled["stalled"].items()
+    assert stall["ranks"] == [0, 1] and stall["stalled_s"] > 10 and stall["all"]
+    rows = {r["rank"]: r for r in stalled["jobs"][job_id]}
+    assert {r["step"] for r in rows.values()} == {30}  # both are in step 30: rank 0 in the all_reduce
+    assert all(r["stalled_s"] > 10 and r["step_estimate"] == 30 for r in rows.values())
+    text = ctl(env["run"], "status")
+    assert text.returncode == 0
+    assert re.search(r"^1\s+\S+\s+\d+\s+30\s+[\d.]+ ms\s+STALLED \d+ s", text.stdout, re.M), text.stdout
+    assert f"job {job_id} is STALLED: rank(s) 0-1 have not finished a step for" in text.stdout
+    assert "at step 30); see where they wait: ondemandctl stacks --job" in text.stdout
+    time.sleep(1.5)  # a second later the step has not moved on: nothing is extrapolated
+    assert {r["step"] for r in ctl_json(env["run"], "status")["jobs"][job_id]} == {30}
+    t0 = time.monotonic()
+    cap = ctl(env["run"], "capture", "--steps", "2", "--wait")
+    assert cap.returncode == 1 and time.monotonic() - t0 < 20, cap.stdout + cap.stderr
+    assert f"job {job_id} is STALLED: rank(s) 0-1" in cap.stderr and "ondemandctl stacks" in cap.stderr
+    assert "No window can start until they step again" in cap.stderr
+    assert ctl_json(env["run"], "list")["captures"] == []  # nothing was planned
+    for p in procs:
+        p.kill()
+
+
+def test_a_second_process_claiming_a_rank_is_refused_and_shown(env: dict[str, Any]) -> None:
+    """Two processes say they are rank 1 of one job (a stray process of another job on a shared MASTER_PORT):
+    the first keeps the rank, the second is refused, status names both pids, nothing flaps."""
+    daemon(env)
+    common = ("--steps", "1000000", "--step-sleep", "0.02", "--no-dist", "--profile-job-id", "shared")
+    (first,) = job(env, 2, *common, daemon_dir=env["run"], only=[1])
+    wait_for(lambda: [r["pid"] for r in live_ranks(env["run"]) if r["rank"] == 1] == [first.pid], 60, "rank 1")
+    env["tmp"] = env["tmp"] / "second"
+    env["tmp"].mkdir()
+    (second,) = job(env, 2, *common, daemon_dir=env["run"], only=[1])
+    data = wait_for(lambda: (lambda d: d if d["conflicts"] else None)(ctl_json(env["run"], "status")), 60,
+                    "the conflict to show", pause=0.3)
+    (conflict,) = data["conflicts"]["shared"]
+    assert (conflict["rank"], conflict["pid"], conflict["refused_pid"]) == (1, first.pid, second.pid)
+    for _ in range(6):  # over 3 s and several registration attempts, rank 1 stays with the first process
+        assert [r["pid"] for r in live_ranks(env["run"]) if r["rank"] == 1] == [first.pid]
+        time.sleep(0.5)
+    text = ctl(env["run"], "status").stdout
+    assert f"CONFLICT: rank 1 is held by pid {first.pid}" in text and f"pid {second.pid}" in text, text
+    refused = [ln for ln in stderr_of(env, 1).splitlines() if "the daemon refused" in ln]
+    assert len(refused) == 1 and f"is held by pid {first.pid}" in refused[0], refused  # said once, not per try
+    first.kill()  # the holder is gone: the second process takes the rank at its next try
+    wait_for(lambda: [r["pid"] for r in live_ranks(env["run"]) if r["rank"] == 1] == [second.pid], 30,
+             "the second process to take rank 1")
+    assert not ctl_json(env["run"], "status")["conflicts"]
+
+
+def test_the_readmes_ten_lines_run_as_written(env: dict[str, Any]) -> None:
+    """The README's loop, pasted into a script with a loader and a train_step of ours, run with the defaults
+    and no flags beyond a static window: it trains, prints the start-up line, and writes under ./profile."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Ten lines in a training loop", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    script = env["tmp"] / "train.py"
+    script.write_text("import torch\n"
+                      "model = torch.nn.Linear(8, 8)\n"
+                      "loader = [torch.randn(4, 8) for _ in range(12)]\n"
+                      "def train_step(batch):\n"
+                      "    model(batch).sum().backward()\n" + snippet)
+    res = subprocess.run([sys.executable, str(script), "--profile", "--profile-step-start", "3", "--profile-step-end",
+                          "5", "--profile-min-free-mb", "0"], cwd=env["tmp"], env=base_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "rank 0 of 1, job " in res.stderr and "capture with `touch " in res.stderr, res.stderr
+    (cap,) = captures(env["tmp"] / "profile")
+    assert trace_steps(cap) == [3, 4]

@@ -160,6 +160,7 @@ class DaemonLink:
         # (the training thread may have moved on since; a step behind is harmless, no "began" is not)
         out: dict[str, Any] = {"step": prof.current_step} if began is None else \
             {"step": began[0], "began": round(began[1], 6)}
+        out["at"] = round(time.time(), 3)  # when sent: the daemon tells time in a step from a heartbeat's age
         out["state"] = prof.state
         windows = prof.scheduler.windows() if hasattr(prof, "scheduler") else []
         if windows:  # the daemon plans new captures after these (file-triggered ones too)

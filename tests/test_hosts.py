@@ -26,12 +26,11 @@ from conftest import ROOT, base_env, captures, free_port, short_dir, trace_steps
 from ondemand_prof.host import ctl as ctl_main
 from ondemand_prof.host import fanout
 from ondemand_prof.host.alignment import late_refusal, mark_misaligned, misalignment
-from ondemand_prof.host.client import CtlError
+from ondemand_prof.host.client import CtlError, Reply
 from ondemand_prof.host.commands import DAEMON_COMMANDS
-from ondemand_prof.host.fanout import Reply
 from ondemand_prof.host.hosts import HostSpecError, expand_nodelist, parse_hosts, read_hostfile, slurm_nodelist
 from ondemand_prof.host.keys import KeyFileError, authorized_keys, keygen, load_pair
-from ondemand_prof.host.multihost import merge_status, pick_job, rank_infos, stalled_refusal
+from ondemand_prof.host.planning import merge_status, pick_job, rank_infos, stalled_refusal
 from ondemand_prof.host.records import RecordStore
 from ondemand_prof.host.service import Service
 from ondemand_prof.host.summaries import MAX_SUMMARY_BYTES, merge_summaries, part_summaries, read_summary

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .. import __version__
+from ..core.version import __version__
 from ..core.files import iso_time, pid_alive
 from ..core.protocol import FINAL_STATES, HEARTBEAT_S, RANK_TIMEOUT_S, encode, reply_error, reply_ok
 from ..core.ids import valid_id

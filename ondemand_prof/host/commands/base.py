@@ -65,11 +65,6 @@ def opt_str(msg: dict[str, Any], key: str) -> str | None:
     return value
 
 
-def waits(args: argparse.Namespace) -> bool:
-    """--wait, --no-wait, or by default: when stdout is a terminal (--report always waits)."""
-    return bool(args.report or (sys.stdout.isatty() if args.wait is None else args.wait))
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The console's pieces
 

@@ -29,7 +29,7 @@ from ..planning import capture_record, common_cap, fail_host, no_capture, no_win
 from ..records import CaptureRecord, new_capture_id
 from ..registry import plan_window, select_ranks, stall_text, stalls
 from ..service import MAX_WATCH_S, BadRequest, Service
-from .base import Command, opt_str, waits, who, window_text
+from .base import Command, opt_str, who, window_text
 from ..summaries import merge_summaries
 from .report import render_report, report_paths
 
@@ -217,6 +217,11 @@ class Capture(Command):
             report()
 
 
+def waits(args: argparse.Namespace) -> bool:
+    """--wait, --no-wait, or by default: when stdout is a terminal (--report always waits)."""
+    return bool(args.report or (sys.stdout.isatty() if args.wait is None else args.wait))
+
+
 class Watch(Command):
     """Long poll: reply when the capture changes from the version the caller has seen, or after timeout_s."""
 
@@ -281,7 +286,7 @@ def _running(data: dict[str, Any]) -> bool:
     return data["status"] == "running"
 
 
-def follow(fan: Any, found: dict[str, dict[str, Any]], failed: dict[str, str], timeout: float,
+def follow(fan: Fanout | OneHost, found: dict[str, dict[str, Any]], failed: dict[str, str], timeout: float,
            out: TextIO | None, pending: Callable[[dict[str, Any]], bool] = _running,
            quiet: dict[str, str] | None = None, capture_id: str | None = None) -> bool:
     """Long-poll every host whose record is `pending` (default: still running), printing each rank's progress
@@ -297,7 +302,7 @@ def follow(fan: Any, found: dict[str, dict[str, Any]], failed: dict[str, str], t
     quiet = {} if quiet is None else quiet
     capture_id = capture_id or next(iter(found.values()))["capture_id"]
     one_host = isinstance(fan, OneHost)
-    progress = None if out is None else Progress(out, steps=one_host)
+    progress = None if out is None else Progress(out, one_host)
     shown_stall = ""
     deadline = time.monotonic() + timeout
     while True:
@@ -342,7 +347,7 @@ def follow(fan: Any, found: dict[str, dict[str, Any]], failed: dict[str, str], t
                               f"--timeout {timeout:g} s)\n")
 
 
-def _stall_of(fan: Any, record: dict[str, Any]) -> str:
+def _stall_of(fan: OneHost, record: dict[str, Any]) -> str:
     """What status says of a stall among a capture's unfinished ranks ('' when none, or when it cannot say)."""
     waiting = {p["rank"] for p in record["parts"].values() if p["state"] not in FINAL_STATES}
     try:
@@ -357,23 +362,23 @@ def _stall_of(fan: Any, record: dict[str, Any]) -> str:
 
 class Progress:
     """Each rank's progress as it happens: every state its part went through, even brief ones; across hosts
-    with the daemon that has it, on one host with the step a recording rank reached (`steps`)."""
+    with the daemon that has it, on one host with the step a recording rank reached."""
 
-    def __init__(self, out: TextIO, steps: bool) -> None:
+    def __init__(self, out: TextIO, one_host: bool) -> None:
         self.out = out
-        self.steps = steps
+        self.one_host = one_host
         self.printed: dict[str, int] = {}  # history entries shown per rank
         self.shown_step: dict[str, str] = {}
 
     def show(self, found: dict[str, dict[str, Any]]) -> None:
         for name, record in found.items():
-            daemon = None if self.steps else name
+            daemon = None if self.one_host else name
             for key, part in sorted(record["parts"].items(), key=lambda kv: int(kv[0])):
                 history = part.get("history") or [{"state": part["state"]}]
                 for entry in history[self.printed.get(key, 0):]:
                     self.out.write(who(part, daemon) + progress_text({**part, "state": entry["state"]}) + "\n")
                 self.printed[key] = len(history)
-                step_text = recording_step(record, part) if self.steps else ""
+                step_text = recording_step(record, part) if self.one_host else ""
                 if step_text and self.shown_step.get(key) != step_text:
                     self.shown_step[key] = step_text
                     self.out.write(who(part) + step_text + "\n")

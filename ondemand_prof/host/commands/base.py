@@ -57,6 +57,12 @@ class Command:
         return EXIT_OK
 
 
+def add_job_flag(parser: argparse.ArgumentParser, only: bool = False) -> None:
+    """--job: a job id or any unique part of it (the first characters of torchrun's UUID do); a filter
+    (`only`), or the job a command acts on when several are live."""
+    parser.add_argument("--job", help="only this job" if only else "the job (needed when several are live)")
+
+
 def opt_str(msg: dict[str, Any], key: str) -> str | None:
     """An optional string field of a request; BadRequest when it is there and not a string."""
     value = msg.get(key)

@@ -29,7 +29,7 @@ from ..planning import capture_record, common_cap, fail_host, no_capture, no_win
 from ..records import CaptureRecord, new_capture_id
 from ..registry import plan_window, select_ranks, stall_text, stalls
 from ..service import MAX_WATCH_S, BadRequest, Service
-from .base import Command, opt_str, who, window_text
+from .base import Command, add_job_flag, opt_str, who, window_text
 from ..summaries import merge_summaries
 from .report import render_report, report_paths
 
@@ -49,7 +49,7 @@ class Capture(Command):
     fields = {"request": (dict,)}
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--job", help="the job (needed when several are live)")
+        add_job_flag(parser)
         parser.add_argument("--ranks", help="ranks: a list or ranges like 0-3,7; -1 = all (default: the ranks a "
                             "touched trigger file captures, --profile-ondemand-ranks, all unless the job set it)")
         where = parser.add_mutually_exclusive_group()

@@ -15,7 +15,7 @@ from ..multihost import ask
 from ..planning import exit_across, failures, merge_lists, merged_record, no_capture, one_capture, unanswered
 from ..registry import match_id
 from ..service import BadRequest, Service
-from .base import Command, nothing_found_here, opt_str, table, warn, window_text
+from .base import Command, add_job_flag, nothing_found_here, opt_str, table, warn, window_text
 from .capture import exit_for, progress_text, result_text
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ class List(Command):
     help = "past captures, newest first"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--job", help="only this job")
+        add_job_flag(parser, only=True)
         parser.add_argument("--limit", type=int, default=20, help="how many (default 20)")
 
     def message(self, args: argparse.Namespace) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from ..client import dumps
 from ..planning import exit_across, failures, no_live_job
 from ..registry import match_id, stall_text, stalls
 from ..service import BadRequest, Service
-from .base import Command, ms, opt_str, table, warn
+from .base import Command, add_job_flag, ms, opt_str, table, warn
 
 if TYPE_CHECKING:
     from ..fanout import Fanout
@@ -24,7 +24,7 @@ class Status(Command):
     help = "live ranks: job, rank, host, pid, current step, step time, state"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--job", help="only this job")
+        add_job_flag(parser, only=True)
 
     def message(self, args: argparse.Namespace) -> dict[str, Any]:
         return {"job": args.job} if args.job else {}

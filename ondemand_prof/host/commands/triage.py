@@ -16,7 +16,7 @@ from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, Ctl
 from ..records import new_capture_id
 from ..registry import select_ranks
 from ..service import BadRequest, Service
-from .base import Command, opt_str
+from .base import Command, add_job_flag, opt_str
 
 log = logging.getLogger("ondemand_prof.daemon")
 
@@ -29,9 +29,10 @@ class _TriageCommand(Command):
     action = ""
     default_ranks = "-1"
     default_timeout = 5.0
+    bulky: tuple[str, ...] = ()  # per-rank fields that fold() says once for all ranks: dropped from each rank
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--job", help="the job (needed when several are live)")
+        add_job_flag(parser)
         parser.add_argument("--ranks", default=self.default_ranks,
                             help=f"ranks: a list or ranges like 0-3,7; -1 = all (default {self.default_ranks})")
         parser.add_argument("--timeout", type=float, default=self.default_timeout,
@@ -104,8 +105,18 @@ class _TriageCommand(Command):
         return (service.registry.select(job, named) if named else []), silent
 
     def finish(self, pending: Any) -> dict[str, Any]:
-        return {"triage_id": pending.triage_id, "job": pending.job, "action": pending.action,
+        """The reply: each rank's answer, and what the command folds them into (`fold`); the per-rank bulk
+        that was folded (`bulky`) is dropped, so the reply says it once for all ranks."""
+        data = {"triage_id": pending.triage_id, "job": pending.job, "action": pending.action,
                 "ranks": {str(r): res for r, res in sorted(pending.results.items())}}
+        data.update(self.fold(pending))
+        for res in data["ranks"].values():
+            for key in self.bulky:
+                res.pop(key, None)
+        return data
+
+    def fold(self, pending: Any) -> dict[str, Any]:
+        return {}
 
     def exit_code(self, data: Any) -> int:
         results = list(data["ranks"].values())
@@ -127,15 +138,12 @@ class Stacks(_TriageCommand):
     help = ("the Python stack of every thread of each rank, collected in-process (no ptrace), identical stacks "
             "grouped across ranks; a rank that cannot answer gets a native dump (faulthandler)")
 
-    def finish(self, pending: Any) -> dict[str, Any]:
+    bulky = ("threads", "text")  # grouped across ranks; per rank only how it answered
+
+    def fold(self, pending: Any) -> dict[str, Any]:
         from ..triage import group_stacks
 
-        data = super().finish(pending)
-        data.update(group_stacks(pending.results))
-        for res in data["ranks"].values():  # grouped above; per rank only how it answered
-            res.pop("threads", None)
-            res.pop("text", None)
-        return data
+        return group_stacks(pending.results)
 
     def console(self, data: Any, args: argparse.Namespace) -> str:
         ranks = data["ranks"]
@@ -203,14 +211,12 @@ class FlightRecorder(_TriageCommand):
     help = ("dump the collective flight recorder of each rank into a capture folder, and say which collectives "
             "some ranks entered and others did not")
 
-    def finish(self, pending: Any) -> dict[str, Any]:
+    bulky = ("entries",)  # compared across ranks in the summary
+
+    def fold(self, pending: Any) -> dict[str, Any]:
         from ..triage import summarize_flight_recorder
 
-        data = super().finish(pending)
-        data["summary"] = summarize_flight_recorder({r: res for r, res in pending.results.items() if res.get("ok")})
-        for res in data["ranks"].values():
-            res.pop("entries", None)
-        return data
+        return {"summary": summarize_flight_recorder({r: res for r, res in pending.results.items() if res.get("ok")})}
 
     def console(self, data: Any, args: argparse.Namespace) -> str:
         text = f"flight-recorder {data['triage_id']}: job {data['job']}\n"

@@ -226,10 +226,10 @@ def test_a_partial_id_must_mean_one_capture_and_nothing_found_says_why() -> None
     assert one_capture({"a": shown["a"], "b": Reply("error", error="no capture 'c'")}) == {"a": shown["a"]}
     said = {"a": Reply("error", error="no capture 'c1' (ondemandctl list shows them)"),
             "b": Reply("error", error="capture c1 is already done")}
-    err = nothing_found(said)
-    assert str(err) == "capture c1 is already done" and err.code == EXIT_FAILED  # "no capture" said only if alone
-    err = nothing_found({**said, "c": Reply("timeout", error="c did not answer")})
-    assert err.code == EXIT_PARTIAL  # the capture may be on the host that did not answer
+    none = nothing_found(said)
+    assert str(none) == "capture c1 is already done" and none.code == EXIT_FAILED  # "no capture" said only if alone
+    none = nothing_found({**said, "c": Reply("timeout", error="c did not answer")})
+    assert none.code == EXIT_PARTIAL  # the capture may be on the host that did not answer
     assert str(nothing_found({"a": said["a"]})) == "no capture 'c1' (ondemandctl list shows them)"
 
 

@@ -162,7 +162,7 @@ def slowest_delivery(statuses: Replies, job: str, targets: dict[str, list[RankIn
     """The slowest target host's own delivery to its ranks, as its daemon learned it (a number a host sends:
     bounded; DELIVERY_S when none is known)."""
     learned = [(r.data.get("delivery_s") or {}).get(job) for name, r in statuses.items() if r.ok and name in targets]
-    return max([DELIVERY_S, *(d for d in learned if finite_number(d, 0.0, MAX_DELIVERY_S))])
+    return max([DELIVERY_S, *(d for d in learned if d is not None and finite_number(d, 0.0, MAX_DELIVERY_S))])
 
 
 def plan_across(targets: dict[str, list[RankInfo]], request: dict[str, Any], round_trip_s: float,

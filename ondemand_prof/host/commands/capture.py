@@ -347,7 +347,7 @@ def follow(fan: Fanout | OneHost, found: dict[str, dict[str, Any]], failed: dict
                               f"--timeout {timeout:g} s)\n")
 
 
-def _stall_of(fan: OneHost, record: dict[str, Any]) -> str:
+def _stall_of(fan: Fanout | OneHost, record: dict[str, Any]) -> str:
     """What status says of a stall among a capture's unfinished ranks ('' when none, or when it cannot say)."""
     waiting = {p["rank"] for p in record["parts"].values() if p["state"] not in FINAL_STATES}
     try:
@@ -493,9 +493,11 @@ def _part_result(p: dict[str, Any], here: str, across: bool) -> str:
     late = f"  late by {p['late_by']} step(s)" if across and p.get("late_by") else ""
     if p["state"] == "done":
         steps = p.get("steps")
-        # one host: the trace file (torch_npu writes a directory), checked here; across: the rank's folder
-        path = p.get("path") if across else p.get("trace") or p.get("path") or "?"
-        note = presence_note(path) if not across and p["host"] == here else ""
+        if across:  # the rank's folder, on its host
+            path, note = p.get("path"), ""
+        else:  # the trace file (torch_npu writes a directory), checked when it is on this host
+            path = p.get("trace") or p.get("path") or "?"
+            note = presence_note(path) if p["host"] == here else ""
         return start + f"{path}" + (f"  steps {steps[0]}..{steps[-1]}" if steps else "") + note + late + "\n"
     if p["state"] in ("failed", "rejected") or (across and p["state"] == "cancelled"):
         return start + f"{p['state']}: {p.get('error')}{late}\n"

@@ -44,11 +44,13 @@ def references(path: Path, source: str | None = None) -> set[str]:
     return {name for name in found if name == "ondemand_prof" or name.startswith("ondemand_prof.")}
 
 
-def crossings(layer: str, forbidden: tuple[str, ...], root_too: bool = True) -> list[str]:
+def crossings(layer: str, forbidden: tuple[str, ...]) -> list[str]:
+    """The imports (and module names) of `layer` that reach a `forbidden` layer or the package root."""
     out = []
     for path in sorted((PACKAGE / layer).rglob("*.py")):
         for name in sorted(references(path)):
-            if name.startswith(tuple(f"ondemand_prof.{f}" for f in forbidden)) or (root_too and name == "ondemand_prof"):
+            crossing = name.startswith(tuple(f"ondemand_prof.{f}" for f in forbidden))
+            if crossing or name == "ondemand_prof":
                 out.append(f"{path.relative_to(ROOT)} -> {name}")
     return out
 

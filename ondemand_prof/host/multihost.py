@@ -7,8 +7,8 @@ A capture across hosts is aligned by steps, not clocks: every daemon is first as
 steps and step times (status), one absolute window is planned from those, and the same window and one
 capture id go to every host. Each host's answer is anchored at the time it arrived, so a dead or slow host
 delays nobody else's window. A host that does not answer is named and the others proceed; while a capture is
-followed (host/commands/capture.py follow), a silent host is asked again until --timeout (a partition heals,
-a daemon restarts), then reported `unreachable` (apart from `failed`: it answered, and its ranks failed) and
+followed (host/commands/follow.py), a silent host is asked again until --timeout (a partition heals, a
+daemon restarts), then reported `unreachable` (apart from `failed`: it answered, and its ranks failed) and
 sent a cancel. A daemon that gets the window after its start has passed refuses it (host/alignment.py), so no
 host records other steps than the rest; a record whose ranks did record different steps anyway is
 `misaligned` (exit 6).

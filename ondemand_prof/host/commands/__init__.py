@@ -5,8 +5,9 @@ and its transport checks their messages against each command's `fields`."""
 from __future__ import annotations
 
 from .base import Command, Fields
-from .capture import Capture, Watch
+from .capture import Capture
 from .captures import Cancel, List, Show
+from .follow import Watch
 from .keygen import Keygen
 from .report import Report, Summaries
 from .status import Status

@@ -15,8 +15,8 @@ from ..multihost import ask
 from ..planning import exit_across, failures, merge_lists, merged_record, no_capture, one_capture, unanswered
 from ..registry import match_id
 from ..service import BadRequest, Service
-from .base import Command, add_job_flag, nothing_found_here, opt_str, table, warn, window_text
-from .capture import exit_for, progress_text, result_text
+from .base import Command, add_job_flag, nothing_found_here, opt_str, table, warn, who, window_text
+from .follow import exit_for, progress_text, result_text
 
 if TYPE_CHECKING:
     from ..fanout import Fanout
@@ -118,7 +118,7 @@ class Show(OneCapture):
         if (data.get("plan") or {}).get("note"):
             text += f"  note: {data['plan']['note']}\n"
         for part in sorted(data["parts"].values(), key=lambda p: p["rank"]):
-            text += f"  rank {part['rank']:<4} {progress_text(part)}\n"
+            text += who(part) + progress_text(part) + "\n"
         return text + result_text(data, data["status"] != "running", waited=False)
 
     def exit_code(self, data: Any) -> int:

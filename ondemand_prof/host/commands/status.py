@@ -115,9 +115,9 @@ def _vs_median(rank: dict[str, Any]) -> str:
 
 
 def _silent_text(job: str, ranks: list[dict[str, Any]]) -> str:
-    return "".join(f"SILENT: rank {r['rank']} (pid {r['pid']}, {r['host']}, last at step {r['step']}) sent no heartbeat "
-                   f"for {r['silent_s']:.0f} s but its process is alive: native code holding the GIL? ondemandctl "
-                   f"stacks --job {job} dumps its threads natively\n" for r in ranks)
+    return "".join(f"SILENT: rank {r['rank']} (pid {r['pid']}, {r['host']}, last at step {r['step']}) sent no "
+                   f"heartbeat for {r['silent_s']:.0f} s but its process is alive: native code holding the GIL? "
+                   f"ondemandctl stacks --job {job} dumps its threads natively\n" for r in ranks)
 
 
 def _state(rank: dict[str, Any]) -> str:

@@ -22,7 +22,8 @@ STAND_INS = Path(__file__).resolve().parent / "stand_ins"
 # this process (pure policy, parsers, reports on stored traces), with a few short subprocesses at most. The
 # full suite (no flag) is what CI runs.
 QUICK_MODULES = {"test_daemon_logic.py", "test_window_logic.py", "test_config.py", "test_scheduler.py",
-                 "test_report_synthetic.py", "test_report_real.py", "test_npu_backend.py", "test_fuzz.py"}
+                 "test_report_synthetic.py", "test_report_real.py", "test_report_sources.py", "test_npu_backend.py",
+                 "test_fuzz.py"}
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -6,6 +6,8 @@ import argparse
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -156,6 +158,22 @@ def test_profile_config_is_the_table_written_out_with_real_types() -> None:
         tuple[int, ...], int, float, bool, str)
     assert o.ProfileConfig().file_mode == 0o640 and list(typing.get_type_hints(o.WindowOptions)) == [
         opt.name for opt in o.window_options()]
+
+
+def test_the_docs_site_builds_strict_and_its_options_table_is_the_table(tmp_path: Path) -> None:
+    """docs/ is a MkDocs site: a broken link or a missing page fails the build (--strict); the configuration
+    reference in it is generated from OPTIONS and must be what the table says."""
+    from ondemand_prof.core import options as o
+
+    root = Path(o.__file__).resolve().parents[2]
+    assert (root / "docs" / "_generated" / "options.md").read_text() == o.render_config_reference(), \
+        "run: python scripts/generate.py"
+    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+                         cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ,
+                                                                                     "NO_MKDOCS_2_WARNING": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    page = (tmp_path / "site" / "configuration" / "index.html").read_text()
+    assert all(f"<code>{opt.flag}</code>" in page for opt in o.OPTIONS)  # every option, in the built page
 
 
 @pytest.mark.parametrize("data,message", [

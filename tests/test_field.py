@@ -204,3 +204,24 @@ def test_a_second_process_claiming_a_rank_is_refused_and_shown(env: dict[str, An
     wait_for(lambda: [r["pid"] for r in live_ranks(env["run"]) if r["rank"] == 1] == [second.pid], 30,
              "the second process to take rank 1")
     assert not ctl_json(env["run"], "status")["conflicts"]
+
+
+def test_the_readmes_ten_lines_run_as_written(env: dict[str, Any]) -> None:
+    """The README's loop, pasted into a script with a loader and a train_step of ours, run with the defaults
+    and no flags beyond a static window: it trains, prints the start-up line, and writes under ./profile."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Ten lines in a training loop", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    script = env["tmp"] / "train.py"
+    script.write_text("import torch\n"
+                      "model = torch.nn.Linear(8, 8)\n"
+                      "loader = [torch.randn(4, 8) for _ in range(12)]\n"
+                      "def train_step(batch):\n"
+                      "    model(batch).sum().backward()\n" + snippet)
+    res = subprocess.run([sys.executable, str(script), "--profile", "--profile-step-start", "3", "--profile-step-end",
+                          "5", "--profile-min-free-mb", "0"], cwd=env["tmp"], env=base_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "rank 0 of 1, job " in res.stderr and "capture with `touch " in res.stderr, res.stderr
+    (cap,) = captures(env["tmp"] / "profile")
+    assert trace_steps(cap) == [3, 4]

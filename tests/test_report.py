@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -87,10 +88,11 @@ def test_multi_rank_report_through_the_cli(tmp_path: Path) -> None:
         assert [s["step"] for s in r["steps"]] == [4, 5, 6, 7]
         expected = cpu_split_by_hand(load_trace(cap)["traceEvents"])
         for s in r["steps"]:  # against a plain recomputation from the trace's JSON
-            busy, comm = expected[s["step"]]
-            assert s["comm_ms"] == pytest.approx(comm / 1000, abs=1e-6), s
-            assert s["compute_ms"] == pytest.approx((busy - comm) / 1000, abs=1e-6), s
-            assert s["idle_ms"] == pytest.approx(s["dur_ms"] - busy / 1000, abs=1e-6), s
+            compute, exposed, overlap = expected[s["step"]]
+            assert (s["compute_ms"], s["comm_ms"], s["overlap_ms"]) == pytest.approx(
+                (compute / 1000, exposed / 1000, overlap / 1000), abs=1e-6), s
+            assert s["idle_ms"] == pytest.approx(s["dur_ms"] - (compute + exposed + overlap) / 1000, abs=1e-6), s
+        assert [lib["library"] for lib in r["comm_libraries"]] == ["gloo", "c10d"]  # gloo's threads, then c10d
         assert r["comm_pct"] > 0 and r["memory"]["devices"][0]["peak_allocated"] > 0
         assert r["memory"]["devices"][0]["device"] == "CPU"
     # one capture directory alone
@@ -101,29 +103,38 @@ def test_multi_rank_report_through_the_cli(tmp_path: Path) -> None:
     assert [r["rank"] for g in folder["captures"] for r in g["ranks"]] == [0, 1]
 
 
-def cpu_split_by_hand(events: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
-    """step -> (busy, collective) microseconds, from the JSON alone: the union of the cpu_op/user_annotation
-    events that start inside the step on its thread (clipped to the step), and of those that are collectives."""
+COLLECTIVE_PREFIXES = ("gloo:", "c10d::", "record_param_comms", "nccl:")
+
+
+def cpu_split_by_hand(events: list[dict[str, Any]]) -> dict[int, tuple[float, float, float]]:
+    """step -> (compute, exposed communication, overlap) microseconds, from the JSON alone, segment by segment:
+    a collective (gloo:*, c10d::*, record_param_comms) open on ANY thread; the step's thread inside a cpu_op that
+    starts in the step and is not inside one of its own collectives."""
     steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
     out = {}
     for st in steps:
         lo, hi = float(st["ts"]), float(st["ts"]) + float(st["dur"])
-        inside = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
-                  and (e.get("pid"), e.get("tid")) == (st.get("pid"), st.get("tid")) and e is not st
-                  and lo <= float(e["ts"]) < hi]
-        spans = [(float(e["ts"]), min(hi, float(e["ts"]) + float(e["dur"])), str(e["name"])) for e in inside]
-        comm = [(a, b, n) for a, b, n in spans if n.startswith(("gloo:", "c10d::", "record_param_comms", "nccl:"))]
-        out[int(st["name"].split("#")[1])] = (union_length(spans), union_length(comm))
+
+        def spans(keep: Any) -> list[tuple[float, float]]:
+            return [(max(lo, float(e["ts"])), min(hi, float(e["ts"]) + float(e["dur"]))) for e in events
+                    if e.get("ph") == "X" and e is not st and keep(e)]
+        same = (st.get("pid"), st.get("tid"))
+        comm = spans(lambda e: str(e["name"]).startswith(COLLECTIVE_PREFIXES))
+        own_comm = spans(lambda e: (e.get("pid"), e.get("tid")) == same and lo <= float(e["ts"]) < hi
+                         and str(e["name"]).startswith(COLLECTIVE_PREFIXES))
+        ops = spans(lambda e: e.get("cat") == "cpu_op" and (e.get("pid"), e.get("tid")) == same
+                    and lo <= float(e["ts"]) < hi)
+        cuts = sorted({lo, hi, *(x for a, b in comm + ops if b > a for x in (a, b))})
+        compute = exposed = overlap = 0.0
+        for a, b in zip(cuts, cuts[1:]):
+            mid = (a + b) / 2
+            inside = lambda ivs: any(x <= mid < y for x, y in ivs)  # noqa: E731
+            works, talks = inside(ops) and not inside(own_comm), inside(comm)
+            compute += (b - a) * (works and not talks)
+            exposed += (b - a) * (talks and not works)
+            overlap += (b - a) * (works and talks)
+        out[int(st["name"].split("#")[1])] = (compute, exposed, overlap)
     return out
-
-
-def union_length(spans: list[tuple[float, float, str]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b, _ in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
 
 
 def test_reads_db_gzip_and_simplified_exports(tmp_path: Path) -> None:
@@ -275,7 +286,10 @@ def test_bad_input_gets_a_message_and_the_rest_is_reported(tmp_path: Path) -> No
     assert "truncated or corrupt" in by_rank[1]["warnings"][0] and len(by_rank[1]["steps"]) >= 1
     failures = {Path(f["path"]).name: f["error"] for g in data["captures"] for f in g["failed"]}
     assert failures["vm_1_20261129000000000_pt"] == "RuntimeError: profiler exploded"
-    assert "no \"traceEvents\" array" in failures["garbage.json"] or "truncated" in failures["garbage.json"]
+    (garbage,) = [e for e in data["sources"] if e["path"].endswith("garbage.json")]  # searched: not a trace
+    assert garbage["status"] == "skipped" and 'without a "traceEvents" array' in garbage["reason"]
+    (r,) = build_report([good / "garbage.json"])["captures"][0]["failed"]  # named: read, and why it fails
+    assert "no \"traceEvents\" array" in r["error"]
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -290,31 +304,56 @@ def test_bad_input_gets_a_message_and_the_rest_is_reported(tmp_path: Path) -> No
 
 
 def test_html_report_renders_in_a_headless_browser(tmp_path: Path) -> None:
+    """Three captures in one page: a real 1-rank run with memory, four fixture GPU ranks of which one is 30 % slower
+    (it stands out: marked), MindStudio Insight's two torch_npu ranks (0.5 % apart: not marked; a memory_record.csv
+    whose timestamps were rounded to one value). Rendered by Chromium, looked at in screenshots."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
         pytest.skip("no chromium here (.ci/run installs it)")
-    fixture_gpu_trace(tmp_path / "fixture_rank0.json", 0)
-    fixture_gpu_trace(tmp_path / "fixture_rank1.json", 1, slow=300.0)
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    for rank, slow in enumerate((0.0, 10.0, 5.0, 300.0)):
+        fixture_gpu_trace(gpu / f"fixture_rank{rank}.json", rank, slow=slow)
+    shutil.copytree(Path(__file__).resolve().parent / "fixtures" / "real" / "msinsight_server", tmp_path / "npu")
     save = tmp_path / "profile"
     assert_ok(run_ranks(["--steps", "8", "--profile", "--profile-step-start", "2", "--profile-step-end", "5",
                          "--profile-with-memory", "--profile-save-path", str(save), "--profile-min-free-mb", "0"]))
     page = tmp_path / "report.html"
-    res = ctl(tmp_path, "report", str(save), str(tmp_path / "fixture_rank0.json"), str(tmp_path / "fixture_rank1.json"),
-              "--html", str(page), "--summary")
+    res = ctl(tmp_path, "report", str(save), str(gpu), str(tmp_path / "npu"), "--html", str(page), "--summary")
     assert res.returncode == 0 and f"HTML report: {page}" in res.stdout
+    data = json.loads(ctl(tmp_path, "report", str(save), str(gpu), str(tmp_path / "npu"), "--json").stdout)
     text = page.read_text()
     assert "<script src" not in text and "<link" not in text and "http://" not in text  # self-contained
-    run = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-                          "--virtual-time-budget=3000", "--dump-dom", page.as_uri()], capture_output=True, text=True,
-                         timeout=120)
+
+    def render(*flags: str, url: str = page.as_uri()) -> subprocess.CompletedProcess:
+        return subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+                               "--v=0", "--virtual-time-budget=3000", *flags, url], capture_output=True, text=True,
+                              timeout=120)
+    run = render("--dump-dom")
     dom = run.stdout
     assert "</html>" in dom, run.stderr[-2000:]
-    console = [line for line in run.stderr.splitlines() if "CONSOLE" in line]
-    assert console == [], console
+    assert [line for line in run.stderr.splitlines() if "CONSOLE" in line] == []
     for marker in ('id="split-chart"', 'id="op-chart-', 'id="kernel-chart-', 'id="mem-chart-', 'id="timeline-',
-                   "Open the traces", "(slowest)"):
+                   "Open the traces", "samples share one timestamp", "communication counted: NCCL/RCCL"):
         assert marker in dom, marker
-    shot = tmp_path / "shot.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,1600",
-                    f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=120)
+    assert dom.count("(slowest)") == 1 and "3 (slowest)" in dom and "not marked: fewer than 3 ranks" in dom
+    # a rank selector per multi-rank view (GPU operators; torch_npu operators and memory), one rank shown in each
+    assert dom.count('class="rank-select"') == 3 and dom.count('<div class="rank-view active"') == 3
+    # every stacked-bar tooltip is a measured mean of the per-step rows
+    captions = re.findall(r"<title>rank (\d+) ([a-z ()]+): ([\d.]+) ms per step \(mean of (\d+) steps\)", dom)
+    assert len(captions) == 4 * (1 + 4 + 2)
+    by_rank = {(g_i, r["rank"]): r for g_i, g in enumerate(data["captures"]) for r in g["ranks"]}
+    keys = {"compute": "compute_ms", "communication (exposed)": "comm_ms", "overlap": "overlap_ms", "idle": "idle_ms"}
+    for rank, label, ms, n in captions:
+        candidates = [r for (_, rk), r in by_rank.items() if rk == int(rank)]
+        means = [sum(s[keys[label]] for s in r["steps"]) / len(r["steps"]) for r in candidates]
+        assert any(abs(float(ms) - m) < 0.006 and int(n) == len(r["steps"]) for m, r in zip(means, candidates))
+    # a link opens a view and a rank: torch_npu's memory, rank 1 (the rounded timestamps' note)
+    (npu,) = [k for k, g in enumerate(data["captures"]) if "torch_npu" in g["grouped_by"]]
+    linked = render("--dump-dom", url=f"{page.as_uri()}#view=c{npu}-mem&rank=1").stdout
+    assert f'<div class="view active" id="c{npu}-mem">' in linked
+    view = linked[linked.index(f'id="c{npu}-mem"'):]
+    assert '<div class="rank-view" data-rank="0">' in view and '<div class="rank-view active" data-rank="1">' in view
+    shot = tmp_path / "shot.png"  # kept in the test's tmp_path for a person to look at
+    render("--window-size=1200,1600", f"--screenshot={shot}")
     assert shot.stat().st_size > 20_000  # a page with charts, not a blank one

@@ -10,38 +10,41 @@ from .configbase import ConfigMethods, WindowMethods
 
 @dataclass(frozen=True)
 class ProfileConfig(ConfigMethods):
-    """Everything the profiler hook needs to know (README 'Configuration reference')."""
+    """Everything the profiler hook needs to know (docs/configuration.md)."""
 
     enabled: bool = False  # Enable the static profiling window.
     step_start: int = 0  # First step recorded (inclusive).
     step_end: int = -1  # Step at which recording stops (exclusive); -1 = until close().
-    # Ranks the static window profiles: a list or ranges like 0-3,8; -1 anywhere = all ranks.
+    # Ranks the static window profiles: a list or ranges like 0 3, 0-3,8; -1 anywhere = all ranks (env: 0,1 or 0-3).
     ranks: tuple[int, ...] = (0,)
     level: str = 'level0'  # Collection level: level_none, level0, level1, level2.
     export_type: str = 'text'  # Export format: text or db.
-    data_simplification: bool = False  # Shrink the output (see README).
-    with_cpu: bool = False  # Also collect CPU activity (NPU; always on for torch).
+    data_simplification: bool = False  # Shrink the trace (docs: Levels and output).
+    with_cpu: bool = False  # NPU: add ProfilerActivity.CPU (torch: CPU activity is always on).
     with_stack: bool = False  # Record Python call stacks.
     with_memory: bool = False  # Record memory allocation and release events.
     record_shapes: bool = False  # Record operator input shapes.
     save_path: str = './profile'  # Directory the captures are written under.
-    warmup_steps: int = 1  # Warmup steps before a window (recorded, discarded).
+    warmup_steps: int = 1  # Warmup steps before a window (profiler running, data discarded).
     gzip: bool = False  # Write the trace gzipped (.json.gz).
     job_id: str = ''  # Job name in metadata and the default trigger dir.
-    max_window_steps: int = 200  # Cap on the length of an on-demand window, in steps.
+    # Cap on the length of an on-demand window, in steps (a request for more is capped and says so).
+    max_window_steps: int = 200
     ondemand: bool = True  # Listen for on-demand triggers (files, daemon).
     ondemand_steps: int = 2  # Length of a default on-demand window.
     # Ranks an on-demand request that names none captures (a touched trigger file, a signal, ondemandctl capture
     # without --ranks); -1 = all. --profile-ranks is the static window's.
     ondemand_ranks: tuple[int, ...] = (-1,)
     trigger_dir: str = ''  # Directory watched for trigger files.
-    # Poll the trigger dir every N s instead of inotify (0 = inotify, polling where it fails).
+    # Poll the trigger dir every N s instead of inotify (0 = inotify, 0.5 s polling on network filesystems or where
+    # inotify fails).
     trigger_poll_s: float = 0.0
     signal: str = ''  # Open the default window on this signal (e.g. SIGUSR2); off when empty.
-    daemon: bool = True  # Register with the host daemon (ondemand-profd) when one runs.
+    # Register with the host daemon (ondemand-profd) when one runs (nothing happens when none does).
+    daemon: bool = True
     runtime_dir: str = ''  # The daemon's runtime directory, where its socket is.
     export_timeout_s: float = 120.0  # How long close() waits for pending exports (s).
-    min_free_mb: int = 256  # Skip a window when less disk than this is free.
+    min_free_mb: int = 256  # Skip a window (with a log line) when less disk than this is free (MB).
     # Mode of the files a capture writes, in octal; its directories get the matching search bits (0640 -> 0750).
     file_mode: int = 0o640
     # Capture on its own when steps get this many times slower than their rolling median (e.g. 1.5; 0 = off).
@@ -59,8 +62,8 @@ class WindowOptions(WindowMethods):
 
     level: str = 'level0'  # Collection level: level_none, level0, level1, level2.
     export_type: str = 'text'  # Export format: text or db.
-    data_simplification: bool = False  # Shrink the output (see README).
-    with_cpu: bool = False  # Also collect CPU activity (NPU; always on for torch).
+    data_simplification: bool = False  # Shrink the trace (docs: Levels and output).
+    with_cpu: bool = False  # NPU: add ProfilerActivity.CPU (torch: CPU activity is always on).
     with_stack: bool = False  # Record Python call stacks.
     with_memory: bool = False  # Record memory allocation and release events.
     record_shapes: bool = False  # Record operator input shapes.

@@ -185,7 +185,7 @@ class Option:
     torch / npu: what the backend does with a window option. "kwarg:NAME" turns on that keyword of
     torch.profiler.profile / torch_npu.profiler.profile (or-ed with what the level turns on); "experimental:NAME"
     sets that field of torch_npu's _ExperimentalConfig; "activity:CPU" adds the CPU activity; "level" is the
-    level table (README "Levels"); "postprocess" is done by our post-processing child; "always" means the
+    level table (docs/levels-and-output.md); "postprocess" is done by our post-processing child; "always" means the
     backend always does it. bounds: (lo, hi) for numbers, inclusive.
     """
 
@@ -238,16 +238,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("step_end", "profile_step_end", parse_int, -1,
            "Step at which recording stops (exclusive); -1 = until close().", bounds=(-1, MAX_STEP)),
     Option("ranks", "profile_ranks", parse_rank_list, (0,),
-           "Ranks the static window profiles: a list or ranges like 0-3,8; -1 anywhere = all ranks.",
+           "Ranks the static window profiles: a list or ranges like 0 3, 0-3,8; -1 anywhere = all ranks (env: "
+           "0,1 or 0-3).",
            yaml_default=(-1,)),
     Option("level", "profile_level", choice(LEVELS), "level0", "Collection level: " + ", ".join(LEVELS) + ".",
            window=True, torch="level", npu="experimental:profiler_level"),
     Option("export_type", "profile_export_type", choice(EXPORT_TYPES), "text", "Export format: text or db.",
            window=True, torch="postprocess", npu="experimental:export_type"),
-    Option("data_simplification", "profile_data_simplification", _B, False, "Shrink the output (see README).",
-           window=True, torch="postprocess", npu="experimental:data_simplification"),
-    Option("with_cpu", "profile_with_cpu", _B, False, "Also collect CPU activity (NPU; always on for torch).",
-           window=True, torch="always", npu="activity:CPU"),
+    Option("data_simplification", "profile_data_simplification", _B, False,
+           "Shrink the trace (docs: Levels and output).", window=True, torch="postprocess",
+           npu="experimental:data_simplification"),
+    Option("with_cpu", "profile_with_cpu", _B, False, "NPU: add ProfilerActivity.CPU (torch: CPU activity is always "
+           "on).", window=True, torch="always", npu="activity:CPU"),
     Option("with_stack", "profile_with_stack", _B, False, "Record Python call stacks.",
            window=True, torch="kwarg:with_stack", npu="kwarg:with_stack"),
     Option("with_memory", "profile_with_memory", _B, False, "Record memory allocation and release events.",
@@ -256,14 +258,15 @@ OPTIONS: tuple[Option, ...] = (
            window=True, torch="kwarg:record_shapes", npu="kwarg:record_shapes"),
     Option("save_path", "profile_save_path", parse_str, "./profile", "Directory the captures are written under."),
     Option("warmup_steps", "profile_warmup_steps", parse_int, 1,
-           "Warmup steps before a window (recorded, discarded).", ours=True, bounds=(0, 100)),
+           "Warmup steps before a window (profiler running, data discarded).", ours=True, bounds=(0, 100)),
     Option("gzip", "profile_gzip", _B, False, "Write the trace gzipped (.json.gz).", ours=True),
     Option("job_id", "profile_job_id", parse_job_id, "", "Job name in metadata and the default trigger dir.",
            ours=True, default_doc="from `SLURM_JOB_ID` (`JOBID.STEPID` with `SLURM_STEP_ID`), `TORCHELASTIC_RUN_ID` "
            "(torchrun, `accelerate launch`), `MASTER_PORT` (Lightning's and Accelerate's own launchers, `mp.spawn` "
            "scripts), else the launcher's pid; once torch.distributed is up, rank 0's id for every rank"),
     Option("max_window_steps", "profile_max_window_steps", parse_int, 200,
-           "Cap on the length of an on-demand window, in steps.", ours=True, bounds=(1, 1_000_000)),
+           "Cap on the length of an on-demand window, in steps (a request for more is capped and says so).", ours=True,
+           bounds=(1, 1_000_000)),
     Option("ondemand", "profile_ondemand", _B, True, "Listen for on-demand triggers (files, daemon).", ours=True,
            negatable=True),
     Option("ondemand_steps", "profile_ondemand_steps", parse_int, 2, "Length of a default on-demand window.",
@@ -274,19 +277,21 @@ OPTIONS: tuple[Option, ...] = (
     Option("trigger_dir", "profile_trigger_dir", parse_str, "", "Directory watched for trigger files.", ours=True,
            default_doc="`$TMPDIR/ondemand_prof-<uid>/<job id>`"),
     Option("trigger_poll_s", "profile_trigger_poll", parse_float, 0.0,
-           "Poll the trigger dir every N s instead of inotify (0 = inotify, polling where it fails).", ours=True,
+           "Poll the trigger dir every N s instead of inotify (0 = inotify, 0.5 s polling on network filesystems or "
+           "where inotify fails).", ours=True,
            bounds=(0, 3600)),
     Option("signal", "profile_signal", parse_signal, "",
            "Open the default window on this signal (e.g. SIGUSR2); off when empty.", ours=True),
-    Option("daemon", "profile_daemon", _B, True, "Register with the host daemon (ondemand-profd) when one runs.",
+    Option("daemon", "profile_daemon", _B, True,
+           "Register with the host daemon (ondemand-profd) when one runs (nothing happens when none does).",
            ours=True, negatable=True),
     Option("runtime_dir", "profile_runtime_dir", parse_str, "", "The daemon's runtime directory, where its "
            "socket is.", ours=True, default_doc="`/run/ondemand_prof` for root, else "
            "`/tmp/ondemand_prof-<uid>/run`"),
     Option("export_timeout_s", "profile_export_timeout", parse_float, 120.0,
            "How long close() waits for pending exports (s).", ours=True, bounds=(0.001, 86400)),
-    Option("min_free_mb", "profile_min_free_mb", parse_int, 256, "Skip a window when less disk than this is free.",
-           ours=True, bounds=(0, MAX_STEP)),
+    Option("min_free_mb", "profile_min_free_mb", parse_int, 256,
+           "Skip a window (with a log line) when less disk than this is free (MB).", ours=True, bounds=(0, MAX_STEP)),
     Option("file_mode", "profile_file_mode", parse_mode, 0o640, "Mode of the files a capture writes, in octal; "
            "its directories get the matching search bits (0640 -> 0750).", ours=True),
     # captures on condition (rank/autocapture.py); env AUTO_RATIO: ONDEMAND_PROF_AUTO is the zero-code switch
@@ -348,7 +353,7 @@ def render_config_module(options: Sequence[Option] = OPTIONS) -> str:
             "from .configbase import ConfigMethods, WindowMethods\n\n\n"
             "@dataclass(frozen=True)\n"
             "class ProfileConfig(ConfigMethods):\n"
-            '    """Everything the profiler hook needs to know (README \'Configuration reference\')."""\n\n'
+            '    """Everything the profiler hook needs to know (docs/configuration.md)."""\n\n'
             f"{fields(options)}\n\n"
             "@dataclass(frozen=True)\n"
             "class WindowOptions(WindowMethods):\n"

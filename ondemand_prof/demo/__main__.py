@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
     print(f"[demo] training finished (exit {rc}). Captures under {save}:")
     rows = []
-    for d in sorted(save.glob("*/*/metadata.json")):  # {save}/{capture}/{rank directory}/ (README "Output")
+    for d in sorted(save.glob("*/*/metadata.json")):  # {save}/{capture}/{rank directory}/ (docs/levels-and-output.md)
         meta = json.loads(d.read_text())
         d = d.parent
         rows.append((meta["rank"], meta["trigger"]["source"], meta["steps_in_trace"], meta["status"], d))

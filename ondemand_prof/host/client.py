@@ -17,7 +17,7 @@ from ..core.protocol import MAX_REPLY_BYTES, ProtocolError, decode, encode, endp
 
 REPLIES: dict[str, dict[str, tuple[type, ...]]] = {"ok": {}, "error": {"error": (str,)}}
 
-# exit codes (README "ondemandctl")
+# exit codes (docs/daemon.md)
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2

@@ -1,5 +1,5 @@
 """ondemand-profd [--runtime-dir DIR] [--state-dir DIR] [--group NAME] [--listen tcp://HOST:PORT --keys DIR]
-[--tcp-per-peer N] [--log-level LEVEL]"""
+[--tcp-per-peer N] [--metrics HOST:PORT] [--log-level LEVEL]"""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "DIR/authorized/*.key, the clients allowed in")
     p.add_argument("--tcp-per-peer", type=int, default=32, metavar="N",
                    help="TCP connections one address may hold at once; more are closed at once (default 32)")
+    p.add_argument("--metrics", metavar="HOST:PORT", default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (off by default; a port alone binds "
+                   "127.0.0.1; 0.0.0.0:9464 serves every interface, unauthenticated); needs prometheus_client "
+                   "(pip install 'ondemand_prof[metrics]')")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="logging level (default INFO)")
     p.add_argument("--version", action="version", version=f"ondemand-profd {__version__}")
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from .transport import run
 
     return run(args.runtime_dir or default_runtime_dir(), args.state_dir or default_state_dir(), group=args.group,
-               listen=args.listen, keys=args.keys, tcp_per_peer=args.tcp_per_peer)
+               listen=args.listen, keys=args.keys, tcp_per_peer=args.tcp_per_peer, metrics=args.metrics)
 
 
 if __name__ == "__main__":

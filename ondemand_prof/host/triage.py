@@ -58,6 +58,11 @@ class Pending:
     finish: Callable[["Pending"], dict[str, Any]]
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
     native_sent: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> (file, offset)
+    folder: "StackFolder | None" = None  # stacks: answers folded as they arrive (their frames are not kept)
+
+    def __post_init__(self) -> None:
+        if self.action == "stacks" and self.folder is None:
+            self.folder = StackFolder()
 
     @property
     def complete(self) -> bool:
@@ -243,9 +248,10 @@ class TriageBook:
     def on_result(self, route: bytes, msg: dict[str, Any]) -> None:
         p = self.pending.get(msg["triage_id"])
         target = p.targets.get(route) if p else None
-        if p is None or target is None:
-            return None  # late (answered at its deadline) or not ours
-        p.results[target.rank] = clean_result(p.action, msg["result"])
+        if p is None or target is None or target.rank in p.results:
+            return None  # late (answered at its deadline), not ours, or said twice
+        result = clean_result(p.action, msg["result"])
+        p.results[target.rank] = p.folder.add(target.rank, result) if p.folder is not None else result
         if p.complete:
             self._answer(p)
         return None
@@ -442,29 +448,49 @@ def read_native(path: str, offset: int, uid: int | None) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------------
 # Folding many ranks' answers (pure)
 
-def group_stacks(results: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Identical thread stacks across ranks printed once, with their ranks; per thread name, the stack most
-    ranks share first, the odd ones after it. The collecting agent thread is left out (it is the same
-    everywhere and says nothing)."""
-    by_thread: dict[str, dict[tuple[Any, ...], list[int]]] = {}
-    frames_of: dict[tuple[Any, ...], list[Any]] = {}
-    for rank, res in sorted(results.items()):
+class StackFolder:
+    """Identical thread stacks across ranks, folded as the ranks' answers arrive: the frames of a stack are kept
+    once, with the ranks that have it, so a request's memory grows with the distinct stacks, not with the ranks
+    (4096 answers of up to 56 KiB each were all held until the last one came)."""
+
+    def __init__(self) -> None:
+        self.by_thread: dict[str, dict[tuple[Any, ...], list[int]]] = {}
+        self.frames_of: dict[tuple[Any, ...], list[Any]] = {}
+
+    def add(self, rank: int, res: dict[str, Any]) -> dict[str, Any]:
+        """Fold one rank's answer; returns what is kept of it per rank (how it answered, not its frames)."""
         if not res.get("ok") or res.get("method") != "python":
-            continue
+            return res
         for t in res.get("threads", []):
-            if t.get("collector"):
+            if t.get("collector"):  # the collecting agent thread: the same everywhere, it says nothing
                 continue
             key = tuple(tuple(f[:3]) for f in t["frames"])  # file, line, function: code text adds nothing
-            frames_of[key] = t["frames"]
+            self.frames_of.setdefault(key, t["frames"])
             name = t["name"] + (" (main)" if t.get("main") else "")
-            by_thread.setdefault(name, {}).setdefault(key, []).append(rank)
-    threads = []
-    for name, stacks in sorted(by_thread.items(), key=lambda kv: (not kv[0].endswith("(main)"), kv[0])):
-        ordered = sorted(stacks.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
-        top = len(ordered[0][1])
-        threads.append({"thread": name, "stacks": [  # odd: fewer ranks than the most common stack
-            {"ranks": ranks, "rank_spans": spans(ranks), "odd": len(ranks) < top, "frames": frames_of[key]}
-            for key, ranks in ordered]})
+            self.by_thread.setdefault(name, {}).setdefault(key, []).append(rank)
+        return {k: v for k, v in res.items() if k != "threads"}
+
+    def threads(self) -> list[dict[str, Any]]:
+        """Per thread name, the stack most ranks share first, the odd ones after it."""
+        out = []
+        for name, stacks in sorted(self.by_thread.items(), key=lambda kv: (not kv[0].endswith("(main)"), kv[0])):
+            ordered = sorted(((key, sorted(ranks)) for key, ranks in stacks.items()),
+                             key=lambda kv: (-len(kv[1]), kv[1][0]))
+            top = len(ordered[0][1])
+            out.append({"thread": name, "stacks": [  # odd: fewer ranks than the most common stack
+                {"ranks": ranks, "rank_spans": spans(ranks), "odd": len(ranks) < top, "frames": self.frames_of[key]}
+                for key, ranks in ordered]})
+        return out
+
+
+def group_stacks(results: dict[int, dict[str, Any]], folder: StackFolder | None = None) -> dict[str, Any]:
+    """Identical thread stacks across ranks printed once, with their ranks (folded by `folder` as they arrived,
+    or here from the full answers); per thread name, the stack most ranks share first, the odd ones after it."""
+    if folder is None:
+        folder = StackFolder()
+        for rank, res in sorted(results.items()):
+            folder.add(rank, res)
+    threads = folder.threads()
     native = {r: dict(res) for r, res in results.items() if res.get("method") == "native"}
     failed = {r: res.get("error", "") for r, res in results.items() if not res.get("ok")}
     return {"threads": threads, "native": {str(r): v for r, v in sorted(native.items())},

@@ -6,7 +6,7 @@
 or, with no edit at all, `ONDEMAND_PROF_AUTO=1 python train.py` (options from ONDEMAND_PROF_* variables; see
 ondemand_prof_auto.py for the start-up hook).
 
-What counts as a step (README "Zero-code"):
+What counts as a step (docs/training-stacks.md, "Zero-code"):
 - one step per `step()` of the *lead* optimizer: the first optimizer that steps in the process. A loop with
   several optimizers (a GAN's generator and discriminator, an optimizer per parameter group family) counts one
   step per iteration, at the lead's step; the others are ignored. When the lead is garbage-collected, the next
@@ -117,7 +117,7 @@ class StepCounter:
 
         say(log, self.profiler.config.quiet, f"ondemand_prof: rank {self.profiler.identity().rank}: no "
             f"optimizer.step() in {within:g} s; zero-code counts optimizer.step(): call prof.step() in loops that "
-            "update weights by hand (prof = ondemand_prof.OnDemandProfiler.from_env(), README 'Use')")
+            "update weights by hand (prof = ondemand_prof.OnDemandProfiler.from_env(), docs/getting-started.md)")
 
     def register(self) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook

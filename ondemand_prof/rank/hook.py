@@ -1,7 +1,7 @@
 """OnDemandProfiler: the hook inside each training rank.
 
-Threads: the training thread calls step(); with no window due, that is a C-level counter call (see README "Idle
-cost"). Everything that needs attention at a step boundary (a window to begin, advance or finish, a request
+Threads: the training thread calls step(); with no window due, that is one small function around a C-level
+counter (docs/benchmarks.md, "Idle cost"). Everything that needs attention at a step boundary (a window to begin, advance or finish, a request
 handed over by another thread) is signalled by lowering `_wake` and removing the idle counter, so the idle path
 never takes a lock. Which window runs when is the Scheduler's (rank/scheduler.py); this module keeps the idle
 fast path, the inbox from other threads, and the calls into backends, the layout and the exporter.
@@ -98,7 +98,7 @@ class OnDemandProfiler:
             self.signal_trigger.install()
 
     def _secure_save_root(self) -> None:
-        """Traces go only where nobody else controls the way to them (README "Security model")."""
+        """Traces go only where nobody else controls the way to them (docs/security.md)."""
         root, why = safe_save_root(self._save_root, dir_mode(self.config.file_mode))
         if why:
             log.warning("%s", why)
@@ -171,7 +171,7 @@ class OnDemandProfiler:
     def _enter_idle(self) -> None:
         # Nothing is due: count steps with a range iterator's C __next__ (its position is readable through
         # length_hint). next(counter, n) also accepts the loop's own number (prof.step(n)), which is then ignored
-        # until a window is pending. See README "Idle cost".
+        # until a window is pending. See docs/benchmarks.md, "Idle cost".
         self._counter = iter(range(self._step + 1, _COUNTER_END))
         self.step = _idle_step(self._counter) if self._auto is None else \
             self._auto.idle_step(self._counter)  # type: ignore[method-assign]

@@ -3,6 +3,10 @@
 
     build_report([Path("./profile")]) -> dict   (what --json prints; text.py and html.py render it)
 
+The paths are searched below (sources.discover: every capture found, and every candidate skipped with the
+reason, is in the report's "sources"), the ranks read, then grouped into captures (grouping.group_ranks: by job and
+capture id, or folder, format, world size and steps; never two jobs in one).
+
 Ranks are read in parallel, one process per core (each rank's analysis is streaming and bounded, so N workers
 hold N ranks' worth of arrays at most).
 """
@@ -18,35 +22,31 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
-from .sources import find_sources, read_source
+from .grouping import group_ranks, slowest_rank
+from .sources import discover, read_source
 
 log = logging.getLogger("ondemand_prof.report")
 
-__all__ = ["build_report", "summarize_group"]
+__all__ = ["build_report", "summarize_group", "discover"]
 
 
 def build_report(paths: Iterable[Path], top: int = 15, workers: int | None = None) -> dict[str, Any]:
     """Everything under `paths`, grouped by capture; `workers` processes read the ranks (default: one per core)."""
     t0 = time.monotonic()
-    problems: list[dict[str, str]] = []
-    todo: list[tuple[str, Path]] = []
-    seen: set[Path] = set()
-    for path in paths:
-        sources, missing = find_sources(Path(path))
-        problems.extend(missing)
-        for kind, src in sources:
-            if src.resolve() not in seen:
-                seen.add(src.resolve())
-                todo.append((kind, src))
-    ranks = read_all(todo, top, workers)
-    groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
-    for r in ranks:
-        key = (r.get("job_id"), r.get("capture_id")) if r.get("capture_id") else (None, r["kind"])
-        groups.setdefault(key, []).append(r)
-    captures = [summarize_group(key, members) for key, members in groups.items()]
-    captures.sort(key=lambda c: c.get("newest") or "", reverse=True)
-    return {"captures": captures, "problems": problems, "ranks_read": sum(len(c["ranks"]) for c in captures),
-            "seconds": round(time.monotonic() - t0, 3)}
+    found = discover(Path(p) for p in paths)
+    ranks = read_all(found.sources, top, workers)
+    captures = [summarize_group(key, members, why) for key, why, members in group_ranks(ranks)]
+    captures.sort(key=lambda c: (c.get("newest") or "", c.get("title_path") or ""), reverse=True)
+    where = {}  # which capture each source landed in, for the listing
+    for i, c in enumerate(captures):
+        for m in c["ranks"] + c["failed"]:
+            where[m["path"]] = i + 1
+    for entry in found.listing:
+        if entry["status"] == "found":
+            entry["capture"] = where.get(entry["path"])
+    return {"captures": captures, "problems": found.problems, "sources": found.listing,
+            "other_files": dict(found.others.most_common()),
+            "ranks_read": sum(len(c["ranks"]) for c in captures), "seconds": round(time.monotonic() - t0, 3)}
 
 
 def read_all(todo: list[tuple[str, Path]], top: int, workers: int | None = None) -> list[dict[str, Any]]:
@@ -72,22 +72,21 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def summarize_group(key: tuple[Any, Any], members: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize_group(key: tuple[Any, Any], members: list[dict[str, Any]], why: str | None = None) -> dict[str, Any]:
+    """One capture's figures across ranks: its ranks in rank order, the failed ones, the median step and the
+    slowest rank (grouping.slowest_rank: marked only when it stands out); `why` says what grouped them."""
     ok = sorted((m for m in members if not m.get("error")), key=lambda m: (m.get("rank") is None, m.get("rank") or 0))
     failed = [{"rank": m.get("rank"), "path": m["path"], "error": m["error"]} for m in members if m.get("error")]
     group: dict[str, Any] = {"job_id": key[0], "capture_id": key[1] if members[0].get("capture_id") else None,
-                             "ranks": ok, "failed": failed,
-                             "newest": max((m.get("published_at") or "") for m in members) or None}
+                             "ranks": ok, "failed": failed, "grouped_by": why,
+                             "newest": max((m.get("published_at") or "") for m in members) or None,
+                             "title_path": min((m.get("path") or "") for m in members)}
     first = ok[0] if ok else members[0]
     group["window"] = first.get("window")
     group["source"] = first.get("source")
     group["options"] = first.get("options")
     timed = [m for m in ok if m.get("step_ms_mean")]
     if timed:
-        median = statistics.median(m["step_ms_mean"] for m in timed)
-        slowest = max(timed, key=lambda m: m["step_ms_mean"])
-        group["median_step_ms"] = median
-        group["slowest"] = {"rank": slowest.get("rank"), "step_ms": slowest["step_ms_mean"],
-                            "vs_median_ms": slowest["step_ms_mean"] - median,
-                            "vs_median_pct": 100 * (slowest["step_ms_mean"] - median) / median if median else 0.0}
+        group["median_step_ms"] = statistics.median(m["step_ms_mean"] for m in timed)
+        group["slowest"] = slowest_rank([(m.get("rank"), m["step_ms_mean"]) for m in timed])
     return group

@@ -4,7 +4,7 @@ top device kernels, memory.
 Fed one event at a time (see tracefile.py). What must outlive the pass (the CPU operator tree, device kernels,
 launches, memory samples) is kept in typed arrays, a few dozen bytes an event, not as dicts.
 
-Definitions (the README's "Reports" section repeats them):
+Definitions (docs/reports.md repeats them):
   * self time of a CPU operator: its duration minus its direct children's, over the tree of cpu_op and
     user_annotation events of its thread (what torch's key_averages() calls self CPU time);
   * a device kernel belongs to the step whose CPU op launched it (its runtime call's correlation id, or torch_npu's
@@ -15,8 +15,14 @@ Definitions (the README's "Reports" section repeats them):
   * per step with device kernels, over the window: compute = some compute kernel or memcpy runs and no collective,
     communication = a collective runs and no compute (exposed), overlap = both, idle = neither; the four add up to
     the window;
-  * per step, CPU only: communication = time inside a collective call, compute = time inside any other operator,
-    idle = the rest of the step (Python, data loading, sleeping); the three add up to the step.
+  * per step, CPU only (gloo, CPU training): a collective runs = a collective operator or range is open on ANY
+    thread of the trace (gloo runs its all_reduce on its own worker threads while the training thread goes on);
+    the step's thread works = it is inside an operator (cpu_op; a record_function label is not work: the thread
+    may wait inside one) that is not (inside) a collective. compute = works and no
+    collective, communication = a collective and the thread does not work (exposed: it waits), overlap = both,
+    idle = neither (Python, data loading, sleeping); the four add up to the step;
+  * communication is what classify.COMM_LIBRARIES names; per library, the time some of its kernels (device) or
+    collectives (CPU) run inside the steps is reported too, so the split says what it counted.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..core.tracedefs import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
-from .classify import (CATEGORY_ALIASES, DEVICE_PROCESSES, LAUNCH_CATS, LAUNCH_FLOWS, device_name, is_comm,
-                       kernel_group)
+from .classify import (CATEGORY_ALIASES, DEVICE_PROCESSES, LAUNCH_CATS, LAUNCH_FLOWS, comm_library, device_name,
+                       is_comm, kernel_group)
 from .tracefile import TraceError, TraceReader
 
 MEMORY_POINTS = 1000
@@ -114,6 +120,8 @@ class RankAnalyzer:
         self.mem_ts, self.mem_alloc, self.mem_dev = array("d"), array("d"), array("i")
         self.mem_devices: list[tuple[Any, Any]] = []
         self.events = 0
+        # name id -> library, for communication known by where it runs rather than by name (torch_npu's HCCL tasks)
+        self.library_of: dict[int, str] = {}
 
     def _name_id(self, name: str) -> int:
         i = self.names.get(name)
@@ -172,6 +180,10 @@ class RankAnalyzer:
         """A kernel, memcpy or collective on the device; `correlation` joins it to its launch (-1: unknown)."""
         self.dev.add(ts, dur, self._name_id(kernel_group(name)), correlation, comm=comm)
 
+    def set_library(self, name: str, library: str) -> None:
+        """Count device events named `name` as `library`'s communication (torch_npu's COMMUNICATION_OP names)."""
+        self.library_of.setdefault(self._name_id(kernel_group(name)), library)
+
     def launch_event(self, ts: float, correlation: int) -> None:
         """A CPU-side call that launched device work, at `ts`."""
         if correlation >= 0:
@@ -223,7 +235,7 @@ class RankAnalyzer:
     def result(self, top: int = 15) -> dict[str, Any]:
         self._sort_loose()
         ops, annotations = self._operators()
-        steps, attribution = self._step_rows()
+        steps, attribution, libraries = self._step_rows()
         kernels = self._kernels()
         out: dict[str, Any] = {
             "events": self.events,
@@ -236,6 +248,7 @@ class RankAnalyzer:
             "annotations": sorted(annotations, key=lambda r: -r["total_us"])[:top],
             "basis": "device" if len(self.dev.ts) else "cpu",
             "kernel_steps": attribution,
+            "comm_libraries": libraries,
             "memory": self._memory_result(),
         }
         out.update(step_summary(steps))
@@ -260,8 +273,10 @@ class RankAnalyzer:
         for i in range(len(lo.ts)):
             process = by_index.get(lo.pid[i], "")
             if process in DEVICE_PROCESSES:
-                self.dev.add(lo.ts[i], lo.dur[i], lo.name[i], flow_at.get(lo.ts[i], -1),
-                             comm=DEVICE_PROCESSES[process] or lo.comm[i])
+                comm = DEVICE_PROCESSES[process] or bool(lo.comm[i])
+                if comm and not lo.comm[i]:  # Notify_Wait, Memcpy ... under the HCCL process
+                    self.library_of[lo.name[i]] = "HCCL"
+                self.dev.add(lo.ts[i], lo.dur[i], lo.name[i], flow_at.get(lo.ts[i], -1), comm=comm)
         self.loose = _Timed()
         self.flow_id, self.flow_ts, self.flow_at_task = array("q"), array("d"), array("b")
 
@@ -307,14 +322,29 @@ class RankAnalyzer:
                 by_step[s[0]] = s
         return sorted(by_step.values(), key=lambda s: s[1])
 
-    def _step_rows(self) -> tuple[list[StepRow], dict[str, int]]:
+    def _step_rows(self) -> tuple[list[StepRow], dict[str, int], list[dict[str, Any]]]:
         steps = self._ordered_steps()
         if not steps:
-            return [], {}
+            return [], {}, []
         if not len(self.dev.ts):
-            return self._cpu_rows(steps), {}
+            rows, libraries = self._cpu_rows(steps)
+            return rows, {}, libraries
         member, attribution = self._kernel_steps(steps)
-        return _device_rows(steps, self.dev, member), attribution
+        rows, bounds = _device_rows(steps, self.dev, member)
+        return rows, attribution, self._device_libraries(member, bounds)
+
+    def _library(self, nid: int) -> str:
+        return self.library_of.get(nid) or comm_library(self.name_list[nid]) or "other"
+
+    def _device_libraries(self, member: array, bounds: dict[int, tuple[float, float]]) -> list[dict[str, Any]]:
+        """Per communication library: kernels in the steps, and the time some of them run inside the windows."""
+        spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        d = self.dev
+        for i in range(len(d.ts)):
+            if d.comm[i] and member[i] >= 0:
+                spans[self._library(d.name[i])].append((d.ts[i], d.ts[i] + d.dur[i]))
+        windows = sorted(bounds.values())
+        return _library_rows(spans, windows, "kernels")
 
     def _kernel_steps(self, steps: list[tuple[int, float, float, Any]]) -> tuple[array, dict[str, int]]:
         """Index (into `steps`) of the step each device event belongs to, -1 for none; and how it was decided."""
@@ -338,39 +368,43 @@ class RankAnalyzer:
             counts["outside_steps"] += member[i] < 0
         return member, counts
 
-    def _cpu_rows(self, steps: list[tuple[int, float, float, Any]]) -> list[StepRow]:
-        parts = self._cpu_step_intervals(steps)
-        rows = []
-        for number, ts, dur, _ in steps:
-            busy_iv, comm_iv = parts.get(number, ([], []))
-            busy, comm = _length(_merge(busy_iv)), _length(_merge(comm_iv))
-            rows.append(StepRow(number, ts, dur, dur, max(0.0, busy - comm), comm, 0.0, max(0.0, dur - busy), comm))
-        return rows
-
-    def _cpu_step_intervals(self, steps: list[tuple[int, float, float, Any]]
-                            ) -> dict[int, tuple[list[tuple[float, float]], list[tuple[float, float]]]]:
-        """Per step: the intervals of operators on the step's thread, and of the collectives among them."""
-        out: dict[int, tuple[list[tuple[float, float]], list[tuple[float, float]]]] = {}
-        by_thread: dict[Any, list[tuple[float, float, int]]] = defaultdict(list)
-        for number, ts, dur, key in steps:
-            by_thread[key].append((ts, ts + dur, number))
-        comm_names = {i for i, n in enumerate(self.name_list) if is_comm(n)}
-        step_names = {i for i, n in enumerate(self.name_list) if n.startswith("ProfilerStep#")}
-        for key, spans in by_thread.items():
-            spans.sort()
-            starts = [a for a, _, _ in spans]
-            t = self.threads[key]
+    def _cpu_rows(self, steps: list[tuple[int, float, float, Any]]) -> tuple[list[StepRow], list[dict[str, Any]]]:
+        """The CPU-only split of each step (module docstring): collectives on every thread, work on the step's."""
+        comm_ids = {i for i, n in enumerate(self.name_list) if is_comm(n)}
+        step_ids = {i for i, n in enumerate(self.name_list) if n.startswith("ProfilerStep#")}
+        by_library: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for t in self.threads.values():
             for i in range(len(t.ts)):
-                a = t.ts[i]
-                k = bisect.bisect_right(starts, a) - 1
-                if k < 0 or a >= spans[k][1] or t.name[i] in step_names:
+                if t.name[i] in comm_ids:
+                    by_library[self._library(t.name[i])].append((t.ts[i], t.ts[i] + t.dur[i]))
+        comm_any = _merge(iv for spans in by_library.values() for iv in spans)
+        ordered: dict[Any, tuple[list[int], list[float]]] = {}
+        rows = []
+        for number, ts, dur, key in steps:
+            if key not in ordered:  # the thread's events by start time, once per thread
+                t = self.threads[key]
+                order = sorted(range(len(t.ts)), key=t.ts.__getitem__)
+                ordered[key] = (order, [t.ts[i] for i in order])
+            order, starts = ordered[key]
+            t = self.threads[key]
+            lo, hi = ts, ts + dur
+            busy, own_comm = [], []
+            for j in range(bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)):
+                i = order[j]
+                if t.name[i] in step_ids:
                     continue
-                busy, comm = out.setdefault(spans[k][2], ([], []))
-                iv = (a, min(spans[k][1], a + t.dur[i]))
-                busy.append(iv)
-                if t.name[i] in comm_names:
-                    comm.append(iv)
-        return out
+                iv = (t.ts[i], min(hi, t.ts[i] + t.dur[i]))
+                if t.name[i] in comm_ids:
+                    own_comm.append(iv)
+                elif t.is_op[i]:  # a record_function label is not work: the thread may wait inside one
+                    busy.append(iv)
+            work = _subtract(_merge(busy), _merge(own_comm))  # inside an operator, not (inside) a collective
+            comm = _clip(comm_any, lo, hi)
+            lw, lc = _length(work), _length(comm)
+            both = _length(_intersect(work, comm))
+            rows.append(StepRow(number, ts, dur, dur, lw - both, lc - both, both, max(0.0, dur - (lw + lc - both)), lc))
+        spans = sorted((ts, ts + dur) for _, ts, dur, _ in steps)
+        return rows, _library_rows(by_library, _merge(spans), "operators")
 
     def _memory_result(self) -> dict[str, Any] | None:
         if not self.mem:
@@ -399,9 +433,12 @@ def analyze_trace_file(trace: Path, out: dict[str, Any], top: int) -> None:
     if isinstance(base, (int, float)) and base > 0:  # ts relative to a base: make them wall-clock comparable
         for step in out.get("steps") or []:
             step["start_us"] += base / 1000
-    info = reader.header.get("distributedInfo") or {}
+    info = reader.header.get("distributedInfo")
+    info = info if isinstance(info, dict) else {}
     if out.get("rank") is None and isinstance(info.get("rank"), int):
         out["rank"] = info["rank"]
+    if out.get("world_size") is None and isinstance(info.get("world_size"), int):
+        out["world_size"] = info["world_size"]
 
 
 def _number(value: Any) -> float:
@@ -411,7 +448,8 @@ def _number(value: Any) -> float:
         return 0.0
 
 
-def _device_rows(steps: list[tuple[int, float, float, Any]], dev: _Timed, member: array) -> list[StepRow]:
+def _device_rows(steps: list[tuple[int, float, float, Any]], dev: _Timed, member: array
+                 ) -> tuple[list[StepRow], dict[int, tuple[float, float]]]:
     """The split of each step's device window (see the module docstring) into compute, comm, overlap, idle."""
     first: dict[int, float] = {}
     last_end: dict[int, float] = {}
@@ -438,7 +476,19 @@ def _device_rows(steps: list[tuple[int, float, float, Any]], dev: _Timed, member
         lc, lm = _length(c), _length(m)
         idle = max(0.0, (hi - lo) - (lc + lm - both))
         rows.append(StepRow(number, ts, dur, hi - lo, lc - both, lm - both, both, idle, lm, summed.get(k, 0.0)))
-    return rows
+    return rows, bounds
+
+
+def _library_rows(spans: dict[str, list[tuple[float, float]]], windows: list[tuple[float, float]],
+                  unit: str) -> list[dict[str, Any]]:
+    """[{library, ms, count, unit}]: the time some of the library's events run inside `windows` (merged, sorted),
+    longest first. Different libraries can overlap one another (c10d::allreduce_ around gloo:all_reduce)."""
+    out = []
+    for library, ivs in spans.items():
+        merged = _merge(ivs)
+        inside = sum(_length(_clip(merged, lo, hi)) for lo, hi in windows)
+        out.append({"library": library, "ms": inside / 1000, "count": len(ivs), "unit": unit})
+    return sorted(out, key=lambda r: -r["ms"])
 
 
 def step_summary(steps: list[StepRow]) -> dict[str, float]:
@@ -505,6 +555,23 @@ def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tu
         if b > a:
             out.append((a, b))
         i += 1
+    return out
+
+
+def _subtract(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of merged intervals `x` outside merged intervals `y`."""
+    out, j = [], 0
+    for a, b in x:
+        while j < len(y) and y[j][1] <= a:
+            j += 1
+        k = j
+        while a < b and k < len(y) and y[k][0] < b:
+            if y[k][0] > a:
+                out.append((a, y[k][0]))
+            a = max(a, y[k][1])
+            k += 1
+        if a < b:
+            out.append((a, b))
     return out
 
 

@@ -8,9 +8,15 @@ Text export (column names as torch_npu writes them), each used when present:
     COMMUNICATION core type or a known collective name;
   * memory_record.csv: one series per component (PTA: torch_npu's caching allocator, GE: the graph engine,
     PTA+GE: their sum, APP: the whole process on the device), kept apart; PTA's is drawn, the others are listed.
+    An empty column (APP has no Total Allocated) is "not recorded", never 0.
 Db export (ascend_pytorch_profiler_{rank}.db, tables as torch_npu's TableColumnsManager names them): STEP_TIME,
-PYTORCH_API, TASK + COMPUTE_TASK_INFO, COMMUNICATION_OP, CANN_API (launches), MEMORY_RECORD, STRING_IDS,
-RANK_DEVICE_MAP; nanoseconds and bytes.
+PYTORCH_API (its operators: the `op` rows of ENUM_API_TYPE; Enqueue/Dequeue and Python frames are left out),
+TASK + COMPUTE_TASK_INFO, COMMUNICATION_OP, CANN_API (launches), MEMORY_RECORD, STRING_IDS, RANK_DEVICE_MAP;
+nanoseconds (torch_npu writes PYTORCH_API's as text, to keep 64 bits) and bytes. analysis.db beside it holds
+StepTraceTime, the db twin of step_trace_time.csv. CANN's own msprof_*.db (TASK + COMPUTE_TASK_INFO, no steps)
+reads the same way.
+
+A file that cannot be read becomes one warning naming it and why; the rank is reported from the others.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import logging
 import sqlite3
 from array import array
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from .analyze import RankAnalyzer, StepRow, analyze_trace_file, peak_downsample, step_summary
 from .classify import COMM_CORE_TYPES, RANK_IN_NAME, is_comm, kernel_group
@@ -30,50 +36,105 @@ log = logging.getLogger("ondemand_prof.report")
 
 ASCEND_DIR = "ASCEND_PROFILER_OUTPUT"
 NPU_DB_GLOB = "ascend_pytorch_profiler*.db"
+ANALYSIS_DB = "analysis.db"
 ALLOCATOR = "PTA"  # torch_npu's caching allocator: the memory users manage from PyTorch
+KNOWN_FILES = ("trace_view.json", NPU_DB_GLOB, "step_trace_time.csv", ANALYSIS_DB, "op_statistic.csv",
+               "kernel_details.csv", "memory_record.csv")
 _MB = 2 ** 20
+# the split columns torch_npu writes (step_trace_time.csv headers -> analysis.db StepTraceTime columns)
+_SPLIT_COLUMNS = {"Step": "step", "Computing": "computing", "Communication(Not Overlapped)":
+                  "communication_not_overlapped", "Overlapped": "overlapped", "Communication": "communication",
+                  "Free": "free"}
+TableRow = dict[str, Any]
 
 
 def read_ascend(path: Path, top: int) -> dict[str, Any]:
     """One rank's report from a *_ascend_pt directory or its ASCEND_PROFILER_OUTPUT."""
     root = path if path.name == ASCEND_DIR else path / ASCEND_DIR
-    out: dict[str, Any] = {"path": str(root.parent), "kind": "ascend", "rank": _rank(root.parent), "warnings": []}
+    out: dict[str, Any] = {"path": str(root.parent), "kind": "ascend", "rank": _rank(root.parent), "warnings": [],
+                           "world_size": _world_size(root.parent)}
     used: list[str] = []
+    problems: list[str] = []
+
+    def attempt(name: str, read: Callable[[], None]) -> None:
+        try:
+            read()
+            used.append(name)
+        except Exception as exc:  # noqa: BLE001 - one unreadable file never hides the others
+            log.debug("cannot read %s", root / name, exc_info=True)
+            problems.append(f"{name}: {_why(exc)}")
+
     dbs = sorted(root.glob(NPU_DB_GLOB))
     if (root / "trace_view.json").exists():
-        used.append("trace_view.json")
-        analyze_trace_file(root / "trace_view.json", out, top)
-    elif dbs:
-        used.append(dbs[0].name)
-        out.update(npu_db_result(dbs[0], top))
-    _step_trace(root, out, used)
-    _kernel_tables(root, out, used, top)
+        attempt("trace_view.json", lambda: analyze_trace_file(root / "trace_view.json", out, top))
+    if dbs and "trace_view.json" not in used:
+        attempt(dbs[0].name, lambda: out.update(npu_db_result(dbs[0], top)))
+    if (root / "step_trace_time.csv").exists():
+        attempt("step_trace_time.csv", lambda: _use_split(root, out, _csv_rows(root / "step_trace_time.csv"),
+                                                          "step_trace_time.csv"))
+    elif (root / ANALYSIS_DB).exists():
+        attempt(ANALYSIS_DB, lambda: _use_split(root, out, _analysis_db_rows(root / ANALYSIS_DB),
+                                                f"{ANALYSIS_DB} StepTraceTime"))
+    for name, reader in (("op_statistic.csv", _op_statistic), ("kernel_details.csv", _kernel_details)):
+        if (root / name).exists():
+            attempt(name, lambda: out.__setitem__("top_kernels", sorted(reader(root / name),
+                                                                        key=lambda r: -r["total_us"])[:top]))
+            if name in used:
+                break
     if (root / "memory_record.csv").exists():
-        used.append("memory_record.csv")
-        out["memory"] = npu_memory(_memory_csv_rows(root / "memory_record.csv"))
+        attempt("memory_record.csv", lambda: out.__setitem__(
+            "memory", npu_memory(_memory_csv_rows(root / "memory_record.csv"))))
     out.setdefault("basis", "device")
-    if not used:
-        out["error"] = (f"{root} has none of trace_view.json, {NPU_DB_GLOB}, step_trace_time.csv, op_statistic.csv, "
-                        "kernel_details.csv, memory_record.csv")
     out["files_used"] = used
+    if not used:
+        present = ", ".join(sorted(p.name for p in root.iterdir())[:8]) if root.is_dir() else "nothing"
+        out["error"] = "; ".join(problems) if problems else (
+            f"{root} holds {present or 'nothing'}: none of {', '.join(KNOWN_FILES)}")
+    else:
+        out["warnings"].extend(f"skipped {p}" for p in problems)
     log.debug("%s: read %s", root, ", ".join(used) or "nothing")
     return out
 
 
+def _why(exc: Exception) -> str:
+    if isinstance(exc, sqlite3.Error):
+        return f"not a readable SQLite database ({exc})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _small_int(value: Any) -> int | None:
+    """A rank or world size written as a number or a numeric string ("rank_id": "2")."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+        return int(value) if 0 <= int(value) < 1 << 24 else None
+    return None
+
+
+def _world_size(top_dir: Path) -> int | None:
+    """torch_npu's profiler_metadata.json names the job's world size (distributed_args) when Megatron set it."""
+    args = _json_object(top_dir / "profiler_metadata.json").get("distributed_args")
+    return _small_int(args.get("world_size")) if isinstance(args, dict) else None
+
+
 def _rank(top_dir: Path) -> int | None:
-    info = top_dir / "profiler_info.json"
-    if info.exists():
-        try:
-            data = json.loads(info.read_text())
-            if isinstance(data, dict) and isinstance(data.get("rank_id"), int):
-                return data["rank_id"]
-        except ValueError:
-            pass
+    for info in (top_dir / "profiler_info.json", *sorted(top_dir.glob("profiler_info_*.json"))):
+        rank = _small_int(_json_object(info).get("rank_id")) if info.exists() else None
+        if rank is not None:
+            return rank
     for f in sorted(top_dir.glob("profiler_info_*.json")):
         suffix = f.stem.rsplit("_", 1)[1]
         if suffix.isdigit():
             return int(suffix)
-    m = RANK_IN_NAME.search(str(top_dir))
+    m = RANK_IN_NAME.search(top_dir.name)
     return int(m.group(1)) if m else None
 
 
@@ -86,32 +147,54 @@ def _csv_rows(path: Path) -> Iterator[dict[str, str]]:
 
 
 def _num(value: Any) -> float:
+    v = _opt_num(value)
+    return 0.0 if v is None else v
+
+
+def _opt_num(value: Any) -> float | None:
+    """A number from a CSV cell or a db column, None when empty (kernel_details' times end with a tab)."""
+    if value is None:
+        return None
     try:
-        return float(str(value).strip())  # kernel_details' times end with a tab
-    except (TypeError, ValueError):
-        return 0.0
+        return float(str(value).strip())
+    except ValueError:
+        return None
 
 
-def _step_trace(root: Path, out: dict[str, Any], used: list[str]) -> None:
-    """step_trace_time.csv's split replaces ours; start times come from the trace's steps or kernel_details."""
-    path = root / "step_trace_time.csv"
-    if not path.exists():
-        return
-    used.append("step_trace_time.csv")
+def _analysis_db_rows(db: Path) -> Iterator[dict[str, Any]]:
+    """analysis.db's StepTraceTime, as step_trace_time.csv's rows (the same columns, snake_cased)."""
+    con = _connect(db)
+    try:
+        if "StepTraceTime" not in sqlite_tables(con):
+            raise ValueError(f"no StepTraceTime table (its tables: {', '.join(sorted(sqlite_tables(con))) or 'none'})")
+        cur = con.execute("SELECT * FROM StepTraceTime")
+        cols = [c[0] for c in cur.description]
+        rows = [dict(zip(cols, r)) for r in cur.fetchall()]
+    finally:
+        con.close()
+    for row in rows:
+        yield {csv_name: row.get(col) for csv_name, col in _SPLIT_COLUMNS.items()}
+
+
+def _use_split(root: Path, out: dict[str, Any], table: Iterable[TableRow], source: str) -> None:
+    """torch_npu's split of each step replaces ours; start times come from the trace's steps or kernel_details."""
     starts = {s["step"]: s["start_us"] for s in out.get("steps") or []}
     if not starts and (root / "kernel_details.csv").exists():
         starts = _kernel_step_starts(root / "kernel_details.csv")
     rows = []
-    for i, row in enumerate(_csv_rows(path)):
-        step = int(_num(row.get("Step"))) if str(row.get("Step") or "").strip() else i
+    for i, row in enumerate(table):
+        step = _opt_num(row.get("Step"))
         compute, exposed = _num(row.get("Computing")), _num(row.get("Communication(Not Overlapped)"))
         overlap, free = _num(row.get("Overlapped")), _num(row.get("Free"))
         total = compute + exposed + free  # torch_npu's step: Computing (overlap included) + exposed comm + Free
-        rows.append(StepRow(step, starts.get(step), total, total, compute - overlap, exposed, overlap, free,
+        number = int(step) if step is not None else i
+        rows.append(StepRow(number, starts.get(number), total, total, compute - overlap, exposed, overlap, free,
                             _num(row.get("Communication"))))
+    if not rows:
+        raise ValueError("no step rows")
     out["steps"] = [r.as_dict() for r in rows]
     out["basis"] = "device"
-    out["split_from"] = "step_trace_time.csv"
+    out["split_from"] = source
     for key in ("step_ms_mean", "step_ms_max", "compute_pct", "comm_pct", "overlap_pct", "idle_pct"):
         out.pop(key, None)
     out.update(step_summary(rows))
@@ -125,18 +208,6 @@ def _kernel_step_starts(path: Path) -> dict[int, float]:
             t = _num(row.get("Start Time(us)"))
             starts[int(step)] = min(starts.get(int(step), t), t)
     return starts
-
-
-def _kernel_tables(root: Path, out: dict[str, Any], used: list[str], top: int) -> None:
-    if (root / "op_statistic.csv").exists():
-        used.append("op_statistic.csv")
-        kernels = _op_statistic(root / "op_statistic.csv")
-    elif (root / "kernel_details.csv").exists():
-        used.append("kernel_details.csv")
-        kernels = _kernel_details(root / "kernel_details.csv")
-    else:
-        return
-    out["top_kernels"] = sorted(kernels, key=lambda r: -r["total_us"])[:top]
 
 
 def _op_statistic(path: Path) -> list[dict[str, Any]]:
@@ -165,35 +236,44 @@ def _kernel_details(path: Path) -> list[dict[str, Any]]:
             for n, (c, t, comm, core) in agg.items()]
 
 
-def _memory_csv_rows(path: Path) -> Iterator[tuple[str, float, float, float, str]]:
+MemoryRow = tuple[str, float, "float | None", "float | None", str]
+
+
+def _memory_csv_rows(path: Path) -> Iterator[MemoryRow]:
     for row in _csv_rows(path):
+        alloc, reserved = _opt_num(row.get("Total Allocated(MB)")), _opt_num(row.get("Total Reserved(MB)"))
         yield ((row.get("Component") or ALLOCATOR).strip(), _num(row.get("Timestamp(us)")),
-               _num(row.get("Total Allocated(MB)")) * _MB, _num(row.get("Total Reserved(MB)")) * _MB,
+               None if alloc is None else alloc * _MB, None if reserved is None else reserved * _MB,
                (row.get("Device Type") or row.get("Device") or "NPU").strip())
 
 
-def npu_memory(rows: Iterable[tuple[str, float, float, float, str]]) -> dict[str, Any] | None:
-    """Memory per (device, component) from (component, ts_us, allocated B, reserved B, device) rows.
+def npu_memory(rows: Iterable[MemoryRow]) -> dict[str, Any] | None:
+    """Memory per (device, component) from (component, ts_us, allocated B, reserved B, device) rows; an empty
+    allocated or reserved value is "not recorded" (None), never 0.
 
     Components are separate series (mixing them made a zig-zag and an inflated peak); the series drawn is the
-    allocator's (PTA) on the device where it peaks, or the largest component when PTA is absent."""
+    allocator's (PTA) on the device where it peaks, or the largest component with allocated values."""
     stats: dict[tuple[str, str], dict[str, Any]] = {}
     series: dict[tuple[str, str], tuple[array, array]] = {}
     for component, ts, alloc, reserved, device in rows:
         key = (device, component)
         s = stats.get(key)
         if s is None:
-            s = stats[key] = {"device": device, "component": component, "peak_allocated": 0.0, "peak_reserved": 0.0,
-                              "samples": 0, "allocs": None, "alloc_bytes": None, "frees": None, "freed_bytes": None}
+            s = stats[key] = {"device": device, "component": component, "peak_allocated": None,
+                              "peak_reserved": None, "samples": 0, "allocs": None, "alloc_bytes": None,
+                              "frees": None, "freed_bytes": None}
             series[key] = (array("d"), array("d"))
         s["samples"] += 1
-        s["peak_allocated"] = max(s["peak_allocated"], alloc)
-        s["peak_reserved"] = max(s["peak_reserved"], reserved)
-        series[key][0].append(ts)
-        series[key][1].append(alloc)
+        if alloc is not None:
+            s["peak_allocated"] = max(s["peak_allocated"] or 0.0, alloc)
+            series[key][0].append(ts)
+            series[key][1].append(alloc)
+        if reserved is not None:
+            s["peak_reserved"] = max(s["peak_reserved"] or 0.0, reserved)
     if not stats:
         return None
-    devices = sorted(stats.values(), key=lambda s: (s["component"] != ALLOCATOR, -s["peak_allocated"]))
+    devices = sorted(stats.values(), key=lambda s: (s["peak_allocated"] is None, s["component"] != ALLOCATOR,
+                                                    -(s["peak_allocated"] or 0.0)))
     main = (devices[0]["device"], devices[0]["component"])
     ts, alloc = series[main]
     points = sorted(zip(ts, alloc))
@@ -203,14 +283,22 @@ def npu_memory(rows: Iterable[tuple[str, float, float, float, str]]) -> dict[str
 # ----------------------------------------------------------------------------------------------------------
 # db export
 
+def _connect(db: Path) -> sqlite3.Connection:
+    return sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+
+
 def sqlite_tables(con: sqlite3.Connection) -> set[str]:
     return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
 
 
+def _columns(con: sqlite3.Connection, table: str) -> set[str]:
+    return {r[1] for r in con.execute(f"PRAGMA table_info({table})")}  # table names come from NPU_TABLES only
+
+
 def is_npu_db(path: Path) -> bool:
-    """torch_npu's db export (as opposed to our profile.db or any other SQLite file)."""
+    """torch_npu's db export or CANN's msprof db (as opposed to our profile.db or any other SQLite file)."""
     try:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        con = _connect(path)
         try:
             tables = sqlite_tables(con)
         finally:
@@ -222,10 +310,10 @@ def is_npu_db(path: Path) -> bool:
 
 def npu_db_result(db: Path, top: int) -> dict[str, Any]:
     """torch_npu's db replayed through the same analysis as a trace (ns -> us)."""
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    con = _connect(db)
     try:
         tables = sqlite_tables(con)
-        strings = dict(con.execute("SELECT id, value FROM STRING_IDS"))
+        strings = {_int(k): str(v) for k, v in con.execute("SELECT id, value FROM STRING_IDS")}
         an = RankAnalyzer()
         _db_steps_and_ops(con, tables, strings, an)
         _db_device(con, tables, strings, an)
@@ -234,11 +322,38 @@ def npu_db_result(db: Path, top: int) -> dict[str, Any]:
         out["memory"] = _db_memory(con, tables, strings)
         if "RANK_DEVICE_MAP" in tables:
             row = con.execute("SELECT rankId FROM RANK_DEVICE_MAP LIMIT 1").fetchone()
-            if row and isinstance(row[0], int) and row[0] >= 0:
-                out["rank"] = row[0]
+            if row and _int(row[0]) >= 0:
+                out["rank"] = _int(row[0])
         return out
     finally:
         con.close()
+
+
+def _ns(value: Any) -> int | None:
+    """A nanosecond time from an INTEGER or TEXT column (torch_npu writes PYTORCH_API's as text)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        try:
+            return int(float(value))
+        except (TypeError, ValueError):
+            return None
+
+
+def _span(start: Any, end: Any) -> tuple[float, float] | None:
+    """(ts_us, dur_us) from two nanosecond columns; None for a row without them."""
+    a, b = _ns(start), _ns(end)
+    if a is None or b is None or b < a:
+        return None
+    return a / 1000, (b - a) / 1000
+
+
+def _api_types(con: sqlite3.Connection, tables: set[str]) -> tuple[set[int], set[int]] | None:
+    """PYTORCH_API's type ids of operators and of mstx ranges (ENUM_API_TYPE); None when the db has no enum."""
+    if "ENUM_API_TYPE" not in tables:
+        return None
+    names = {str(n): _int(i) for i, n in con.execute("SELECT id, name FROM ENUM_API_TYPE")}
+    return {names[n] for n in ("op",) if n in names}, {names[n] for n in ("mstx",) if n in names}
 
 
 def _db_steps_and_ops(con: sqlite3.Connection, tables: set[str], strings: dict[int, str],
@@ -247,19 +362,33 @@ def _db_steps_and_ops(con: sqlite3.Connection, tables: set[str], strings: dict[i
     has_steps = "STEP_TIME" in tables and con.execute("SELECT COUNT(*) FROM STEP_TIME").fetchone()[0] > 0
     if has_steps:
         for sid, start, end in con.execute("SELECT id, startNs, endNs FROM STEP_TIME"):
-            events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{sid}", "pid": "steps",
-                           "tid": "steps", "ts": start / 1000, "dur": (end - start) / 1000})
+            span = _span(start, end)
+            if span is not None and _ns(sid) is not None:
+                events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{_ns(sid)}",
+                               "pid": "steps", "tid": "steps", "ts": span[0], "dur": span[1]})
     an.feed(events)
     if "PYTORCH_API" not in tables:
         return
+    types = _api_types(con, tables)
+    typed = types is not None and "type" in _columns(con, "PYTORCH_API")
+    query = "SELECT startNs, endNs, globalTid, name" + (", type" if typed else ", NULL") + " FROM PYTORCH_API"
 
     def ops() -> Iterator[dict[str, Any]]:
-        for start, end, tid, name in con.execute("SELECT startNs, endNs, globalTid, name FROM PYTORCH_API"):
-            text = strings.get(name, str(name))
-            if has_steps and text.startswith("ProfilerStep#"):
-                continue  # STEP_TIME has them
-            yield {"ph": "X", "cat": "cpu_op", "name": text, "pid": "host", "tid": tid, "ts": start / 1000,
-                   "dur": (end - start) / 1000}
+        for start, end, tid, name, kind in con.execute(query):
+            if typed and types is not None:
+                if _int(kind) in types[0]:
+                    cat = "cpu_op"
+                elif _int(kind) in types[1]:
+                    cat = "user_annotation"
+                else:  # the task queue's Enqueue/Dequeue, Python frames (with_stack): not operators
+                    continue
+            else:
+                cat = "cpu_op"
+            text = strings.get(_int(name), str(name))
+            span = _span(start, end)
+            if span is None or (has_steps and text.startswith("ProfilerStep#")):
+                continue  # STEP_TIME has the steps
+            yield {"ph": "X", "cat": cat, "name": text, "pid": "host", "tid": tid, "ts": span[0], "dur": span[1]}
     an.feed(ops())
 
 
@@ -268,21 +397,29 @@ def _db_device(con: sqlite3.Connection, tables: set[str], strings: dict[int, str
         for name, start, end, conn in con.execute(
                 "SELECT c.name, t.startNs, t.endNs, t.connectionId FROM COMPUTE_TASK_INFO c "
                 "JOIN TASK t ON t.globalTaskId = c.globalTaskId"):
-            text = strings.get(name, str(name))
-            an.device_event(start / 1000, (end - start) / 1000, text, _int(conn), is_comm(text))
+            span = _span(start, end)
+            if span is not None:
+                text = strings.get(_int(name), str(name))
+                an.device_event(span[0], span[1], text, _int(conn), is_comm(text))
     if "COMMUNICATION_OP" in tables:
         for name, start, end, conn in con.execute("SELECT opName, startNs, endNs, connectionId FROM COMMUNICATION_OP"):
-            an.device_event(start / 1000, (end - start) / 1000, strings.get(name, str(name)), _int(conn), True)
+            span = _span(start, end)
+            if span is not None:
+                text = strings.get(_int(name), str(name))
+                an.device_event(span[0], span[1], text, _int(conn), True)
+                an.set_library(text, "HCCL")
     if "CANN_API" in tables:
         for start, conn in con.execute("SELECT startNs, connectionId FROM CANN_API"):
-            an.launch_event(start / 1000, _int(conn))
+            t = _ns(start)
+            if t is not None:
+                an.launch_event(t / 1000, _int(conn))
 
 
 def _db_memory(con: sqlite3.Connection, tables: set[str], strings: dict[int, str]) -> dict[str, Any] | None:
     if "MEMORY_RECORD" not in tables:
         return None
     rows = con.execute("SELECT component, timestamp, totalAllocated, totalReserved, deviceId FROM MEMORY_RECORD")
-    return npu_memory((strings.get(c, str(c)), ts / 1000, float(a or 0), float(r or 0), f"NPU:{d}")
+    return npu_memory((strings.get(_int(c), str(c)), (_ns(ts) or 0) / 1000, _opt_num(a), _opt_num(r), f"NPU:{d}")
                       for c, ts, a, r, d in rows)
 
 

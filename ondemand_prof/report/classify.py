@@ -1,12 +1,15 @@
-"""Names and vocabularies of the trace formats we read: event categories across Kineto versions, the collective
-kernels and operators of NCCL/RCCL, HCCL (hcom), gloo and c10d, and device names as users write them.
+"""Names and vocabularies of the trace formats we read: event categories across Kineto versions, the
+communication libraries' kernels and operators, and device names as users write them.
 
-Communication is recognised by what the libraries are known to emit, anchored at the start of the name, never by
-a substring: `BroadcastTo` (an Ascend vector op) and `aten::broadcast_tensors` are compute.
+Communication is recognised by what each library is known to emit (COMM_LIBRARIES: one entry per library, the
+patterns taken from the libraries' sources and from public traces), anchored at the start of the name, never by
+a substring: `BroadcastTo` (an Ascend vector op), `aten::broadcast_tensors`, DeepEP's layout kernel
+`get_dispatch_layout` and the CUB scans in DeepSeek's `cdpsk::ep::` namespace are compute.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -20,14 +23,46 @@ DEVICE_PROCESSES = {"Ascend Hardware": False, "HCCL": True}
 # ... and links each to the operator that launched it by a flow of this category (start: the op, finish: the task)
 LAUNCH_FLOWS = frozenset({"async_npu"})
 
-_COMM = re.compile(
-    r"(?:void )?(?:nccl|rccl)"           # NCCL/RCCL kernels (ncclDevKernel_*, ncclKernel_*) and ProcessGroupNCCL ranges
-    r"|hcom_|hccl[:_]|Hccl[A-Z]"         # HCCL kernels (hcom_allReduce_*), ranges and API calls (HcclAllReduce)
-    r"|gloo:"                            # ProcessGroupGloo ranges (gloo:all_reduce)
-    r"|_?c10d(?:_functional)?::"         # c10d ops (c10d::allreduce_) and functional collectives
-    r"|record_param_comms$"              # torch's annotation around every collective
-    r"|ProcessGroup[A-Za-z]*::",         # ProcessGroupNCCL::allreduce and friends (older torch)
-    re.IGNORECASE)
+_V = r"(?:void )?"  # Kineto writes a CUDA kernel's demangled signature: `void ns::kernel<...>(args)`
+# library -> what it emits (device kernels, CPU operators, record_function ranges), matched at the name's start
+COMM_LIBRARIES: dict[str, str] = {
+    # ncclDevKernel_AllReduce_Sum_f32_RING_LL, ncclKernel_* (older NCCL, RCCL), ncclSymk* (NCCL 2.27 symmetric
+    # kernels), the nccl:all_reduce ranges ProcessGroupNCCL records
+    "NCCL/RCCL": _V + r"(?:nccl|rccl)",
+    # hcom_allReduce__885_0_1 (kernels), HcclAllReduce (API), hccl:... ranges
+    "HCCL": r"hcom_|hccl[:_]|Hccl[A-Z]",
+    # ProcessGroupGloo's ranges: gloo:all_reduce, gloo:broadcast ...
+    "gloo": r"gloo:",
+    # torch.distributed's operators: c10d::allreduce_, _c10d_functional::all_reduce and ::wait_tensor (the wait for
+    # one), their autograd variants, record_param_comms (around every collective), ProcessGroupNCCL::allreduce
+    # (older torch)
+    "c10d": r"_?c10d(?:_functional(?:_autograd)?)?::(?!symmetric_memory::|nvshmem_extension::)"
+            r"|record_param_comms$|ProcessGroup[A-Za-z]*::",
+    # DeepEP's expert-parallel all-to-all: deep_ep::intranode::dispatch<8, 768, 8192>(...), ::combine,
+    # ::notify_dispatch, ::cached_notify_combine, internode::cached_notify, internode_ll:: (low latency), the
+    # same under deep_ep::legacy:: (DeepEP V2), V2's deep_ep::elastic::dispatch_impl / combine_impl / barrier_impl
+    # / pp_send_impl / engram_fetch_impl, and DeepSeek's own dpsk::ep::internode:: (its published training
+    # trace). Not deep_ep::layout:: / dpsk::ep::cuda::get_dispatch_layout (routing arithmetic, no transfer).
+    "DeepEP": _V + r"(?:deep_ep::(?:legacy::)?|dpsk::ep::)(?:intranode|internode|internode_ll)::"
+              r"|" + _V + r"deep_ep::elastic::(?:hybrid_)?(?:dispatch_impl|combine_impl|barrier_impl|pp_send_impl"
+              r"|pp_recv_impl|engram_fetch\w*_impl)\b",
+    # NVSHMEM's own kernels: nvshmemi_reduce_kernel<...>, nvshmemi_proxy_quiet_entrypoint, *_on_stream_kernel
+    "NVSHMEM": _V + r"nvshmem[ix]?_",
+    # torch SymmetricMemory (torch.ops.symm_mem): its operators, its kernels (anonymous namespace in
+    # CUDASymmetricMemoryOps.cu: multimem_all_reduce_kernel, one_shot_/two_shot_all_reduce_kernel[_inplace],
+    # multimem_all_gather_kernel ...), c10d::symmetric_memory:: barriers and signals, the NVSHMEM backend's
+    # c10d::nvshmem_extension:: all-to-all
+    "SymmetricMemory": r"symm_mem::"
+                       r"|" + _V + r"\(anonymous namespace\)::(?:multimem|one_shot|two_shot)_\w*"
+                       r"(?:all_reduce|all_gather|reduce|reduce_scatter)\w*_kernel"
+                       r"|" + _V + r"c10d::(?:symmetric_memory|nvshmem_extension)::",
+    # MSCCL++: mscclpp::executionKernel<...> and mscclpp::collective::allreduceRsAg<...> (its NCCL-compatible
+    # collectives), and the older apps/nccl kernels in the global namespace (allreduce7<...>, allgather6, ...),
+    # told apart by their parameters: MSCCL++ channel handles (mscclpp::DeviceHandle<mscclpp::MemoryChannel>*)
+    "MSCCL++": _V + r"mscclpp::|" + _V + r"[A-Za-z_]\w*(?:<[^()]*>)?\([^()]*mscclpp::DeviceHandle<",
+}
+_COMM_RE = [(library, re.compile(pattern)) for library, pattern in COMM_LIBRARIES.items()]
+
 # torch_npu's kernel_details.csv / op_statistic.csv core types of communication tasks
 COMM_CORE_TYPES = frozenset({"HCCL", "COMMUNICATION"})
 # per-call suffix HCCL puts on a kernel name: hcom_allReduce__885_0_1 -> hcom_allReduce_
@@ -41,9 +76,18 @@ DEVICE_TYPES = {0: "CPU", 1: "cuda", 2: "mkldnn", 6: "hip", 9: "xla", 12: "xpu",
                 20: "npu"}
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a trace repeats a few thousand names millions of times
+def comm_library(name: str) -> str | None:
+    """The communication library a kernel, operator or range belongs to (a COMM_LIBRARIES key), or None."""
+    for library, pattern in _COMM_RE:
+        if pattern.match(name):
+            return library
+    return None
+
+
 def is_comm(name: str) -> bool:
-    """A collective (or point-to-point) kernel, operator or range of a known communication library."""
-    return _COMM.match(name) is not None
+    """A collective, point-to-point or all-to-all kernel, operator or range of a known communication library."""
+    return comm_library(name) is not None
 
 
 def kernel_group(name: str) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .analyze import SHARES
-from .text import shares_text, short_name
+from .text import comm_counted, shares_text, short_names
 
 PALETTE = {"compute": "#4e79a7", "comm": "#e15759", "overlap": "#b07aa1", "idle": "#bab0ac", "slow": "#e15759",
            "bar": "#4e79a7", "mem": "#59a14f"}
@@ -29,20 +29,39 @@ border-radius:0 4px 4px 4px}.view.active{display:block}.problem{color:#b00020}.m
 code{background:#f3f3f3;padding:1px 4px;border-radius:3px}svg text{font:11px system-ui,sans-serif}
 .legend span{display:inline-block;width:10px;height:10px;margin:0 4px 0 12px;vertical-align:middle}
 td.name{max-width:36em;overflow-wrap:anywhere}nav.index{background:#fff;border:1px solid #ddd;border-radius:6px;
-padding:8px 16px;margin:16px 0}nav.index ol{margin:4px 0;padding-left:24px}
+padding:8px 16px;margin:16px 0}nav.index ol{margin:4px 0;padding-left:24px}.rank-view{display:none}
+.rank-view.active{display:block}.note{background:#fff8e1;border-left:3px solid #f9a825;padding:4px 8px}
+details.sources{background:#fff;border:1px solid #ddd;border-radius:6px;padding:6px 16px;margin:16px 0}
 """
 
 JS = """
-document.querySelectorAll('.tabs').forEach(function(tabs){
-  tabs.querySelectorAll('button').forEach(function(b){
-    b.addEventListener('click',function(){
-      var sec=tabs.parentElement;
-      sec.querySelectorAll(':scope > .view').forEach(function(v){v.classList.remove('active');});
-      tabs.querySelectorAll('button').forEach(function(x){x.classList.remove('active');});
-      document.getElementById(b.dataset.view).classList.add('active');b.classList.add('active');
-    });
-  });
+function showView(id){
+  var v=document.getElementById(id);
+  if(!v||!v.classList.contains('view'))return false;
+  var sec=v.parentElement;
+  sec.querySelectorAll(':scope > .view').forEach(function(x){x.classList.remove('active');});
+  sec.querySelectorAll(':scope > .tabs button').forEach(function(b){b.classList.toggle('active',b.dataset.view===id);});
+  v.classList.add('active');return true;
+}
+document.querySelectorAll('.tabs button').forEach(function(b){
+  b.addEventListener('click',function(){showView(b.dataset.view);});
 });
+function showRank(sel,value){
+  sel.value=value;
+  sel.closest('.view').querySelectorAll(':scope > .rank-view').forEach(function(v){
+    v.classList.toggle('active',v.dataset.rank===value);
+  });
+}
+document.querySelectorAll('select.rank-select').forEach(function(sel){
+  sel.addEventListener('change',function(){showRank(sel,sel.value);});
+});
+// a link can open a view and a rank in it: report.html#view=c0-mem&rank=1 (not an element id: no jump)
+(function(){
+  var args={};location.hash.slice(1).split('&').forEach(function(kv){var p=kv.split('=');args[p[0]]=p[1];});
+  if(args.view&&showView(args.view)&&args.rank!==undefined){
+    var sel=document.getElementById(args.view).querySelector('select.rank-select');if(sel)showRank(sel,args.rank);
+  }
+})();
 document.querySelectorAll('table.sortable th').forEach(function(th,i){
   th.addEventListener('click',function(){
     var table=th.closest('table'),body=table.tBodies[0],rows=Array.prototype.slice.call(body.rows);
@@ -71,7 +90,7 @@ def _num(x: float | None, d: int = 2) -> str:
 
 
 def render_html(report: dict[str, Any]) -> str:
-    body = []
+    body = [_sources(report)]
     for p in report["problems"]:
         body.append(f'<p class="problem">Cannot report on <code>{_e(p["path"])}</code>: {_e(p["error"])}</p>')
     if not report["captures"]:
@@ -86,6 +105,25 @@ def render_html(report: dict[str, Any]) -> str:
             f"<body><header><h1>{title}</h1><div class=\"muted\" style=\"color:#cfd8dc\">{report['ranks_read']} rank "
             f"capture(s) from {len(report['captures'])} capture(s)</div></header><main>{''.join(body)}</main>"
             f"<script>{JS}</script></body></html>")
+
+
+def _sources(report: dict[str, Any]) -> str:
+    """What the search found and skipped (each with the reason), folded unless something was skipped."""
+    listing = report.get("sources") or []
+    skipped = [e for e in listing if e["status"] != "found"]
+    found = [e for e in listing if e["status"] == "found"]
+    if len(found) <= 1 and not skipped:
+        return ""
+    rows = [f'<tr><td>found</td><td><code>{_e(e["path"])}</code></td><td>{_e(e["format"])}'
+            + (f' → <a href="#c{e["capture"] - 1}">capture {e["capture"]}</a>' if e.get("capture") else "")
+            + "</td></tr>" for e in found]
+    rows += [f'<tr><td class=problem>skipped</td><td><code>{_e(e["path"])}</code></td><td>{_e(e["reason"])}</td></tr>'
+             for e in skipped]
+    others = report.get("other_files") or {}
+    extra = (f'<p class=muted>{sum(others.values())} other file(s) of no profile format: '
+             + ", ".join(f"{_e(k)} {n}" for k, n in others.items()) + "</p>") if others else ""
+    return (f'<details class="sources"{" open" if skipped else ""}><summary>Sources: {len(found)} found, '
+            f'{len(skipped)} skipped</summary><table><tbody>{"".join(rows)}</tbody></table>{extra}</details>')
 
 
 def _title(group: dict[str, Any]) -> str:
@@ -113,6 +151,8 @@ def _index(groups: list[dict[str, Any]]) -> str:
 def _group(group: dict[str, Any], gid: str) -> str:
     title = _title(group)
     meta = []
+    if group.get("grouped_by"):
+        meta.append(f"grouped by {_e(group['grouped_by'])}")
     if group.get("job_id"):
         meta.append(f"job <code>{_e(group['job_id'])}</code>")
     if group.get("source"):
@@ -145,88 +185,128 @@ def _ranks_table(group: dict[str, Any]) -> str:
     ranks = group["ranks"]
     if not ranks:
         return "<p>No rank could be read.</p>"
-    slow = (group.get("slowest") or {}).get("rank")
+    slowest = group.get("slowest") or {}
     median = group.get("median_step_ms")
     rows = []
     for r in ranks:
         vs = "-"
         if median and r.get("step_ms_mean"):
             vs = f"{100 * (r['step_ms_mean'] - median) / median:+.1f}%"
-        is_slow = len(ranks) > 1 and r.get("rank") == slow
+        is_slow = bool(slowest.get("stands_out")) and r.get("rank") == slowest.get("rank")
         rows.append(f'<tr{" class=slowest" if is_slow else ""}><td>{_rank(r)}'
                     f'{" (slowest)" if is_slow else ""}</td><td class=num>{len(r.get("steps") or [])}</td>'
                     f'<td class=num>{_num(r.get("step_ms_mean"))}</td><td class=num>{_num(r.get("step_ms_max"))}</td>'
                     + "".join(f"<td class=num>{v}</td>" for v in shares_text(r)) + f'<td class=num>{vs}</td></tr>')
     note = ""
-    if group.get("slowest") and len(ranks) > 1:
-        s = group["slowest"]
+    if slowest and len(ranks) > 1:
+        s = slowest
         note = (f'<p>Slowest: rank {_e(s["rank"])}, {s["step_ms"]:.2f} ms per step, {s["vs_median_ms"]:+.2f} ms '
-                f'({s["vs_median_pct"]:+.1f}%) from the median {median:.2f} ms.</p>')
+                f'({s["vs_median_pct"]:+.1f}%) from the median {median:.2f} ms'
+                + (": it stands out" if s.get("stands_out") else f"; not marked: {_e(s.get('why_not'))}")
+                + f'. <span class=muted>The slowest rank is {_e(s.get("rule"))}.</span></p>')
     return ('<h3>Across ranks</h3><table class="sortable"><thead><tr><th>Rank</th><th>Steps</th><th>Step ms</th>'
             '<th>Max ms</th><th>Compute %</th><th>Comm % (exposed)</th><th>Overlap %</th><th>Idle %</th>'
             '<th>vs median</th></tr></thead><tbody>'
             + "".join(rows) + "</tbody></table>" + note + _split_chart(ranks))
 
 
+def _mean_split(r: dict[str, Any]) -> dict[str, float] | None:
+    """Each share's mean ms per step and the mean window, from the per-step rows (what was measured)."""
+    steps = [s for s in r.get("steps") or [] if s.get("window_ms")]
+    if not steps:
+        return None
+    out = {key: sum(s[f"{key}_ms"] for s in steps) / len(steps) for key in SHARES}
+    out["window"] = sum(s["window_ms"] for s in steps) / len(steps)
+    out["cpu"] = sum(s["dur_ms"] for s in steps) / len(steps)
+    out["steps"] = len(steps)
+    return out
+
+
 def _split_chart(ranks: list[dict[str, Any]]) -> str:
-    """Stacked bars: each rank's mean step, split by the four shares (which add up to the bar)."""
-    timed = [r for r in ranks if r.get("step_ms_mean")]
+    """Stacked bars: each rank's mean step window split into the four shares, each segment the mean of the
+    per-step rows (ms measured, not a share of another mean)."""
+    timed = [(r, m) for r in ranks if (m := _mean_split(r))]
     if not timed:
+        if any(r.get("steps") for r in ranks):
+            return ('<p class="note">No step has a split to draw: its window is empty (no device kernel in the '
+                    'steps, or steps of zero length).</p>')
         return ""
-    width, row_h, left, right = 720, 20, 70, 80
-    scale = (width - left - right) / max(r["step_ms_mean"] for r in timed)
+    width, row_h, left, right = 760, 20, 70, 190
+    scale = (width - left - right) / (max(m["window"] for _, m in timed) or 1.0)
     parts = []
-    for i, r in enumerate(timed):
+    for i, (r, m) in enumerate(timed):
         y, x = 6 + i * row_h, float(left)
-        bar = r["step_ms_mean"] * scale
         for key in SHARES:
-            w = bar * (r.get(f"{key}_pct") or 0) / 100
-            ms = r["step_ms_mean"] * (r.get(f"{key}_pct") or 0) / 100
+            w = m[key] * scale
+            pct = 100 * m[key] / m["window"] if m["window"] else 0.0
             parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row_h - 6}" fill="{PALETTE[key]}">'
-                         f'<title>rank {_rank(r)} {SHARE_LABELS[key]}: {ms:.2f} ms '
-                         f'({r.get(f"{key}_pct") or 0:.1f}%)</title></rect>')
+                         f'<title>rank {_rank(r)} {SHARE_LABELS[key]}: {m[key]:.2f} ms per step (mean of '
+                         f'{m["steps"]} steps), {pct:.1f}% of the window</title></rect>')
             x += w
+        label = f'{m["window"]:.2f} ms'
+        if abs(m["window"] - m["cpu"]) > 0.005:
+            label += f' (CPU step {m["cpu"]:.2f} ms)'
         parts.append(f'<text x="4" y="{y + 11}">rank {_rank(r)}</text>'
-                     f'<text x="{left + bar + 4:.1f}" y="{y + 11}">{r["step_ms_mean"]:.1f} ms</text>')
+                     f'<text x="{x + 4:.1f}" y="{y + 11}">{_e(label)}</text>')
     height = 12 + len(timed) * row_h
     legend = "".join(f'<span style="background:{PALETTE[k]}"></span>{SHARE_LABELS[k]}' for k in SHARES)
-    return (f'<div class="legend">mean step split{legend}</div><svg class="chart" id="split-chart" width="{width}" '
+    device = any(r.get("basis") == "device" for r, _ in timed)
+    what = "mean device window per step" if device else "mean step"
+    return (f'<div class="legend">{what}, split{legend}</div><svg class="chart" id="split-chart" width="{width}" '
             f'height="{height}" viewBox="0 0 {width} {height}" role="img">{"".join(parts)}</svg>')
 
 
+def _rank_views(group: dict[str, Any], gid: str, kind: str, render: Any) -> str:
+    """One block per rank, one shown at a time, chosen with a rank selector (all of them when one rank)."""
+    blocks = [(r, render(r, f"{gid}-r{r.get('rank')}")) for r in group["ranks"]]
+    blocks = [(r, b) for r, b in blocks if b]
+    if not blocks:
+        return ""
+    if len(blocks) == 1:
+        return blocks[0][1]
+    options = "".join(f'<option value="{k}">rank {_rank(r)}</option>' for k, (r, _) in enumerate(blocks))
+    select = (f'<p><label>Rank <select class="rank-select" id="{gid}-{kind}-select">{options}</select></label> '
+              f'<span class=muted>({len(blocks)} ranks)</span></p>')
+    return select + "".join(f'<div class="rank-view{" active" if k == 0 else ""}" data-rank="{k}">{b}</div>'
+                            for k, (_, b) in enumerate(blocks))
+
+
 def _operator_view(group: dict[str, Any], gid: str) -> str:
-    out = []
-    for r in group["ranks"]:
-        rid = f"{gid}-r{r.get('rank')}"
-        ops = r.get("top_self") or []
-        kernels = r.get("top_kernels") or []
-        out.append(f"<h3>Rank {_rank(r)}</h3>")
-        if ops:
-            out.append(_bar_chart([(o["name"], o["self_us"] / 1000) for o in ops], f"op-chart-{rid}",
-                                  "self time, ms"))
-            out.append(_ops_table(ops))
-        if kernels:
-            out.append(_bar_chart([(k["name"], k["total_us"] / 1000) for k in kernels], f"kernel-chart-{rid}",
-                                  "device time, ms"))
-            out.append('<table class="sortable"><thead><tr><th>Kernel</th><th>Calls</th><th>Total ms</th>'
-                       '<th>Avg us</th><th>Kind</th></tr></thead><tbody>' + "".join(
-                           f'<tr><td class=name title="{_e(k["name"])}">{_e(short_name(k["name"]))}</td>'
-                           f'<td class=num>{k["calls"]}</td>'
-                           f'<td class=num>{k["total_us"] / 1000:.3f}</td><td class=num>{k["avg_us"]:.1f}</td>'
-                           f'<td>{"communication" if k["comm"] else "compute"}</td></tr>' for k in kernels)
-                       + "</tbody></table>")
-        if not ops and not kernels:
-            out.append("<p class=muted>No operators in this capture.</p>")
+    out = _rank_views(group, gid, "ops", _rank_operators)
+    return out or "<p class=muted>No operators in this capture.</p>"
+
+
+def _rank_operators(r: dict[str, Any], rid: str) -> str:
+    ops = r.get("top_self") or []
+    kernels = r.get("top_kernels") or []
+    out = [f"<h3>Rank {_rank(r)}</h3><p class=muted>{_e(comm_counted(r))}</p>"]
+    if ops:
+        out.append(_bar_chart([(o["name"], o["self_us"] / 1000) for o in ops], f"op-chart-{rid}", "self time, ms"))
+        out.append(_ops_table(ops))
+    if kernels:
+        labels = short_names([k["name"] for k in kernels])
+        out.append(_bar_chart([(k["name"], k["total_us"] / 1000) for k in kernels], f"kernel-chart-{rid}",
+                              "device time, ms"))
+        out.append('<table class="sortable"><thead><tr><th>Kernel</th><th>Calls</th><th>Total ms</th>'
+                   '<th>Avg us</th><th>Kind</th></tr></thead><tbody>' + "".join(
+                       f'<tr><td class=name title="{_e(k["name"])}">{_e(label)}</td><td class=num>{k["calls"]}</td>'
+                       f'<td class=num>{k["total_us"] / 1000:.3f}</td><td class=num>{k["avg_us"]:.1f}</td>'
+                       f'<td>{"communication" if k["comm"] else "compute"}</td></tr>' for k, label in zip(kernels, labels))
+                   + "</tbody></table>")
+    if not ops and not kernels:
+        out.append("<p class=muted>No operators for this rank.</p>")
     return "".join(out)
 
 
 def _ops_table(ops: list[dict[str, Any]]) -> str:
+    labels = short_names([o["name"] for o in ops])
     return ('<table class="sortable"><thead><tr><th>Operator</th><th>Calls</th><th>Self ms</th><th>Total ms</th>'
             '<th>Avg us</th><th>Kind</th></tr></thead><tbody>' + "".join(
-                f'<tr><td class=name title="{_e(o["name"])}">{_e(short_name(o["name"]))}</td><td class=num>{o["calls"]}'
+                f'<tr><td class=name title="{_e(o["name"])}">{_e(label)}</td><td class=num>{o["calls"]}'
                 f'</td><td class=num>{o["self_us"] / 1000:.3f}'
                 f'</td><td class=num>{o["total_us"] / 1000:.3f}</td><td class=num>{o["avg_us"]:.1f}</td>'
-                f'<td>{"communication" if o["comm"] else "compute"}</td></tr>' for o in ops) + "</tbody></table>")
+                f'<td>{"communication" if o["comm"] else "compute"}</td></tr>' for o, label in zip(ops, labels))
+            + "</tbody></table>")
 
 
 def _bar_chart(items: list[tuple[str, float]], cid: str, unit: str) -> str:
@@ -237,9 +317,9 @@ def _bar_chart(items: list[tuple[str, float]], cid: str, unit: str) -> str:
     top = max(v for _, v in items) or 1.0
     scale = (width - label_w - 80) / top
     parts = []
-    for i, (name, value) in enumerate(items):
+    labels = short_names([name for name, _ in items], label_chars)
+    for i, ((name, value), label) in enumerate(zip(items, labels)):
         y = 4 + i * row_h
-        label = short_name(name, label_chars)
         parts.append(f'<text x="{label_w - 6}" y="{y + 12}" text-anchor="end"><title>{_e(name)}</title>{_e(label)}'
                      '</text>'
                      f'<rect x="{label_w}" y="{y + 2}" width="{max(1.0, value * scale):.1f}" height="{row_h - 5}" '
@@ -250,46 +330,57 @@ def _bar_chart(items: list[tuple[str, float]], cid: str, unit: str) -> str:
 
 
 def _memory_view(group: dict[str, Any], gid: str) -> str:
-    out = []
-    for r in group["ranks"]:
-        mem = r.get("memory")
-        if not mem or not mem.get("series"):
-            continue
-        series = mem["series"]
-        rid = f"{gid}-r{r.get('rank')}"
-        width, height, pad = 860, 220, 50
-        t0, t1 = series[0][0], series[-1][0]
-        peak = max(v for _, v in series) or 1.0
-        sx = (width - 2 * pad) / ((t1 - t0) or 1.0)
-        sy = (height - 2 * 20) / peak
-        pts = " ".join(f"{pad + (t - t0) * sx:.1f},{height - 20 - v * sy:.1f}" for t, v in series)
-        out.append(f"<h3>Rank {_rank(r)}: allocated memory on {_e(mem.get('series_device'))}</h3>"
-                   + _memory_summary(mem) +
-                   f'<svg class="chart" id="mem-chart-{_e(rid)}" width="{width}" height="{height}" role="img">'
-                   f'<line x1="{pad}" y1="{height - 20}" x2="{width - pad}" y2="{height - 20}" stroke="#999"/>'
-                   f'<line x1="{pad}" y1="20" x2="{pad}" y2="{height - 20}" stroke="#999"/>'
-                   f'<text x="4" y="24">{peak / 2**20:.1f} MiB</text><text x="4" y="{height - 22}">0</text>'
-                   f'<text x="{width - pad}" y="{height - 4}" text-anchor="end">{(t1 - t0) / 1000:.1f} ms</text>'
-                   f'<polyline fill="none" stroke="{PALETTE["mem"]}" stroke-width="1.5" points="{pts}"/></svg>')
-    if not out:
-        return ("<p class=muted>No memory events in these captures. Capture with <code>--with-memory</code> "
-                "(ondemandctl) or <code>--profile-with-memory</code>.</p>")
-    return "".join(out)
+    out = _rank_views(group, gid, "mem", _rank_memory)
+    return out or ("<p class=muted>No memory events in these captures. Capture with <code>--with-memory</code> "
+                   "(ondemandctl) or <code>--profile-with-memory</code>.</p>")
+
+
+def _rank_memory(r: dict[str, Any], rid: str) -> str:
+    mem = r.get("memory")
+    if not mem:
+        return ""
+    head = f"<h3>Rank {_rank(r)}: allocated memory on {_e(mem.get('series_device'))}</h3>" + _memory_summary(mem)
+    series = mem.get("series") or []
+    if not series:
+        return head + ('<p class="note">No allocated-memory values recorded (the columns are empty): no curve to '
+                       'draw; the peaks above are what the file holds.</p>')
+    t0, t1 = series[0][0], series[-1][0]
+    if t1 <= t0:
+        return head + (f'<p class="note">All {len(series)} samples share one timestamp (the file\'s times are '
+                       f'rounded, e.g. by a spreadsheet): no curve over time to draw. Highest value '
+                       f'{max(v for _, v in series) / 2**20:.1f} MiB.</p>')
+    width, height, pad = 860, 220, 50
+    peak = max(v for _, v in series) or 1.0
+    sx = (width - 2 * pad) / (t1 - t0)
+    sy = (height - 2 * 20) / peak
+    pts = " ".join(f"{pad + (t - t0) * sx:.1f},{height - 20 - v * sy:.1f}" for t, v in series)
+    return (head + f'<svg class="chart" id="mem-chart-{_e(rid)}" width="{width}" height="{height}" role="img">'
+            f'<line x1="{pad}" y1="{height - 20}" x2="{width - pad}" y2="{height - 20}" stroke="#999"/>'
+            f'<line x1="{pad}" y1="20" x2="{pad}" y2="{height - 20}" stroke="#999"/>'
+            f'<text x="4" y="24">{peak / 2**20:.1f} MiB</text><text x="4" y="{height - 22}">0</text>'
+            f'<text x="{width - pad}" y="{height - 4}" text-anchor="end">{(t1 - t0) / 1000:.1f} ms</text>'
+            f'<polyline fill="none" stroke="{PALETTE["mem"]}" stroke-width="1.5" points="{pts}"/></svg>')
+
+
+def _mib(value: float | None) -> str:
+    return "not recorded" if value is None else f"{value / 2**20:.1f} MiB"
 
 
 def _memory_summary(mem: dict[str, Any]) -> str:
     d = mem["devices"][0]
-    text = f'<p>Peak allocated {d["peak_allocated"] / 2**20:.1f} MiB'
+    text = f'<p>Peak allocated {_mib(d.get("peak_allocated"))}'
     if d.get("peak_reserved") is not None:
-        text += f', peak reserved {d["peak_reserved"] / 2**20:.1f} MiB'
+        text += f', peak reserved {_mib(d["peak_reserved"])}'
     if d.get("allocs") is not None:
-        text += f', {d["allocs"]} allocations ({d["alloc_bytes"] / 2**20:.1f} MiB), {d["frees"]} frees'
+        text += f', {d["allocs"]} allocations ({_mib(d.get("alloc_bytes"))}), {d["frees"]} frees'
     if d.get("derived"):
         text += " (the trace records only allocation sizes: the curve starts at 0 where the capture began)"
     others = [o for o in mem["devices"][1:] if o.get("component")]
     if others:  # torch_npu's other memory components, listed beside the allocator's
         text += ". Other components: " + ", ".join(
-            f'{_e(o["component"])} on {_e(o["device"])} peak {o["peak_allocated"] / 2**20:.1f} MiB' for o in others)
+            f'{_e(o["component"])} on {_e(o["device"])} peak allocated {_mib(o.get("peak_allocated"))}'
+            + (f', reserved {_mib(o["peak_reserved"])}' if o.get("peak_reserved") is not None else "")
+            for o in others)
     return text + ".</p>"
 
 

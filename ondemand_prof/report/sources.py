@@ -1,22 +1,30 @@
-"""Find what can be reported on under a path, and read each kind:
+"""Find what can be reported on under the paths a user gives, and read each kind:
 
   * our capture directories ({host}_{pid}_{ts}_pt/ with metadata.json): the trace (.json or .json.gz, plain or
     simplified), or profile.db when the trace is gone (export_type db);
   * torch_npu's output ({host}_{pid}_{ts}_ascend_pt/ASCEND_PROFILER_OUTPUT/), text or db export (ascend.py);
-  * a bare Chrome/Kineto trace file (torch.profiler's export_chrome_trace, tensorboard_trace_handler, any Kineto
-    version, JSON Object or Array Format), our profile.db, or torch_npu's ascend_pytorch_profiler_{rank}.db.
+  * a Chrome/Kineto trace file (torch.profiler's export_chrome_trace, tensorboard_trace_handler, any Kineto
+    version, JSON Object or Array Format), our profile.db, torch_npu's ascend_pytorch_profiler_{rank}.db, CANN's
+    msprof_*.db.
 
-Each source becomes one rank report, or a problem saying what could not be read. Nothing here raises for bad
-input: a report covers everything that can be read.
+A folder is searched below (discover()): every directory down to MAX_DEPTH levels, symbolic links followed once;
+hidden entries (our staging directories, .git) are not searched. Each capture found is listed, and so is each
+candidate that is not read, with the reason (a JSON file that is not a trace, another kind of SQLite database, a
+torch_npu directory not analysed yet); other files are counted by extension on one line. Nothing here raises for
+bad input: a report covers everything that can be read.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
+import os
 import sqlite3
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from .analyze import RankAnalyzer, analyze_trace_file
 from .ascend import ASCEND_DIR, is_npu_db, npu_db_result, read_ascend, sqlite_tables
@@ -25,39 +33,183 @@ from .classify import RANK_IN_NAME
 log = logging.getLogger("ondemand_prof.report")
 
 TRACE_GLOBS = ("trace/*.json", "trace/*.json.gz", "*.pt.trace.json", "*.pt.trace.json.gz")
+MAX_DEPTH = 12          # levels below a given folder: deeper than any save-path layout we know
+MAX_ENTRIES = 200_000   # directory entries looked at in one search, so that `report /` ends
+SNIFF_BYTES = 64 << 10  # a Kineto trace names "traceEvents" after its header: schema, devices, distributedInfo
+SQLITE_MAGIC = b"SQLite format 3\x00"
+# JSON files torch_npu and we write beside traces, which are not traces
+NOT_TRACES = {"metadata.json": "capture metadata without its capture directory",
+              "summary.json": "a rank summary (ondemand_prof), not a trace",
+              "profiler_info.json": "torch_npu's profiler settings", "profiler_metadata.json": "torch_npu's metadata",
+              "communication.json": "torch_npu's communication statistics",
+              "communication_matrix.json": "torch_npu's communication matrix"}
+FORMATS = {"capture": "capture directory", "trace": "Kineto/Chrome trace", "db": "profile database",
+           "ascend": "torch_npu output"}
 
 
-def find_sources(path: Path) -> tuple[list[tuple[str, Path]], list[dict[str, str]]]:
-    """(kind, path) for everything reportable under `path`, newest first; problems for what is not."""
-    if not path.exists():
-        return [], [{"path": str(path), "error": "does not exist"}]
-    if path.is_file():
-        if path.name.endswith((".json", ".json.gz")):
-            return [("trace", path)], []
-        if path.suffix == ".db":
-            return [("db", path)], []
-        return [], [{"path": str(path), "error": "not a trace (.json, .json.gz), a profile.db, or a capture directory"}]
-    kind = _kind(path)
-    if kind:
-        return [(kind, path)], []
-    found: list[tuple[str, Path]] = []
-    for child in _children(path):
-        k = _kind(child)
-        if k:
-            found.append((k, child))
-        elif child.is_dir():  # one more level: a rank directory per host, a job directory...
-            found.extend((k2, c2) for c2 in _children(child) if (k2 := _kind(c2)))
+@dataclass
+class Discovery:
+    """What a search found: (kind, path) to read, and one listing entry per candidate, found or skipped."""
+    sources: list[tuple[str, Path]] = field(default_factory=list)
+    listing: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[dict[str, str]] = field(default_factory=list)  # a given path with nothing to report on
+    others: Counter = field(default_factory=Counter)  # files that are no profile format, by extension
+    seen: set[Path] = field(default_factory=set)
+    entries: int = 0
+
+    def found(self, kind: str, path: Path) -> None:
+        real = path.resolve()
+        if real in self.seen:
+            return
+        self.seen.add(real)
+        self.sources.append((kind, path))
+        self.listing.append({"path": str(path), "status": "found", "format": FORMATS[kind]})
+
+    def skipped(self, path: Path, reason: str) -> None:
+        self.listing.append({"path": str(path), "status": "skipped", "reason": reason})
+
+
+def discover(paths: Iterable[Path]) -> Discovery:
+    """Everything reportable under `paths` (files, capture or torch_npu directories, folders searched below)."""
+    d = Discovery()
+    for path in paths:
+        path = Path(path)
+        before = len(d.sources)
+        if not path.exists():
+            d.problems.append({"path": str(path), "error": "does not exist"})
+            continue
+        if path.is_file():
+            _given_file(d, path)
+            continue
+        listed = len(d.listing)
+        _directory(d, path, 0, frozenset())
+        if len(d.sources) == before:
+            skipped = len(d.listing) - listed
+            d.problems.append({"path": str(path), "error": "no captures here (searched below for capture "
+                               "directories with metadata.json, *_ascend_pt directories, trace files and profile "
+                               "databases" + (f"; {skipped} skipped, listed with the reason" if skipped else "") + ")"})
     # a capture folder holds its ranks' traces beside their directories (rank/layout.py): those are read through
     # their rank directory, with its metadata, not a second time as loose files
-    owned = {t for k, d in found if k == "capture" and (t := _trace_of(d)) is not None}
-    loose = sorted(p for pattern in ("*.json", "*.json.gz") for p in path.glob(pattern)
-                   if p.name != "metadata.json" and p.resolve() not in owned)
-    found.extend(("trace", p) for p in loose)
-    if not found:
-        return [], [{"path": str(path), "error": "no captures here (expected capture directories with "
-                                                 "metadata.json, *_ascend_pt directories or trace files)"}]
-    found.sort(key=lambda kp: kp[1].stat().st_mtime, reverse=True)
-    return found, []
+    owned = {t for kind, p in d.sources if kind == "capture" and (t := _trace_of(p)) is not None}
+    if owned:
+        d.sources = [(k, p) for k, p in d.sources if not (k == "trace" and p.resolve() in owned)]
+        d.listing = [e for e in d.listing if Path(e["path"]).resolve() not in owned or e["status"] != "found"]
+    return d
+
+
+def _given_file(d: Discovery, path: Path) -> None:
+    """A file named by the user is read as what it claims to be; only a file of no known format is refused."""
+    if path.name.endswith((".json", ".json.gz")):
+        d.found("trace", path)
+    elif _is_sqlite(path):
+        d.found("db", path)
+    else:
+        d.problems.append({"path": str(path), "error": "not a trace (.json, .json.gz), a profile database, or a "
+                                                       "capture directory"})
+
+
+def _directory(d: Discovery, path: Path, depth: int, visiting: frozenset[Path]) -> None:
+    """Search `path` and below; `visiting` holds the real paths above it (a symbolic link back up is not taken)."""
+    kind = _dir_kind(path)
+    if kind:
+        d.found(kind, path)
+        return
+    if path.name.endswith("_ascend_pt"):
+        d.skipped(path, f"torch_npu output without {ASCEND_DIR}: not analysed yet (run "
+                        "torch_npu.profiler.profiler.analyse on it, or profile with analyse_flag=True)")
+        return
+    if path.name.endswith("_ascend_ms"):
+        d.skipped(path, "MindSpore's profiler output: not read")
+        return
+    real = path.resolve()
+    if real in visiting:
+        return
+    if depth > MAX_DEPTH:
+        d.skipped(path, f"more than {MAX_DEPTH} levels below the folder given: not searched")
+        return
+    try:
+        children = sorted(os.scandir(path), key=lambda e: e.name)
+    except OSError as exc:
+        d.skipped(path, f"cannot list: {exc.strerror}")
+        return
+    d.entries += len(children)
+    if d.entries > MAX_ENTRIES:
+        d.skipped(path, f"search stopped after {MAX_ENTRIES} entries: give a smaller folder")
+        return
+    for entry in children:
+        if entry.name.startswith("."):  # our staging directories, .git, editors' files
+            continue
+        child = Path(entry.path)
+        try:
+            if entry.is_dir():
+                _directory(d, child, depth + 1, visiting | {real})
+            elif entry.is_file():
+                _file(d, child)
+        except OSError as exc:
+            d.skipped(child, f"cannot read: {exc.strerror}")
+
+
+def _file(d: Discovery, path: Path) -> None:
+    name = path.name
+    if name.endswith((".json", ".json.gz")):
+        base = name[:-3] if name.endswith(".gz") else name
+        if base in NOT_TRACES or base.startswith(("profiler_info_", "profiler_info.")):
+            d.skipped(path, NOT_TRACES.get(base, "torch_npu's profiler settings") + ": not a trace")
+        elif base.endswith(".pt.trace.json") or (why := _not_a_trace(path)) is None:
+            d.found("trace", path)
+        else:
+            d.skipped(path, why)
+    elif name.endswith((".db", ".sqlite", ".sqlite3")):
+        why = _not_a_profile_db(path)
+        if why is None:
+            d.found("db", path)
+        else:
+            d.skipped(path, why)
+    else:
+        d.others[Path(name).suffix or "(no extension)"] += 1
+
+
+def _not_a_trace(path: Path) -> str | None:
+    """None when the file's start looks like a Chrome/Kineto trace, else why not."""
+    try:
+        with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as fh:
+            head = fh.read(SNIFF_BYTES)
+    except (OSError, EOFError) as exc:
+        return f"cannot read: {exc}"
+    text = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if not text:
+        return "empty file"
+    if b'"traceEvents"' in head:
+        return None
+    if text.startswith(b"[") and b'"ph"' in head:  # JSON Array Format (torch_npu's trace_view.json)
+        return None
+    return f'JSON without a "traceEvents" array in its first {SNIFF_BYTES >> 10} KiB: not a Chrome/Kineto trace'
+
+
+def _is_sqlite(path: Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+    except OSError:
+        return False
+
+
+def _not_a_profile_db(path: Path) -> str | None:
+    if not _is_sqlite(path):
+        return "not a SQLite database"
+    if is_npu_db(path):
+        return None
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            tables = sqlite_tables(con)
+        finally:
+            con.close()
+    except sqlite3.Error as exc:
+        return f"unreadable SQLite database ({exc})"
+    if {"events", "meta"} <= tables:
+        return None
+    return f"a SQLite database of another kind (tables: {', '.join(sorted(tables)[:6]) or 'none'})"
 
 
 def _trace_of(rank_dir: Path) -> Path | None:
@@ -68,21 +220,10 @@ def _trace_of(rank_dir: Path) -> Path | None:
     return (rank_dir / name).resolve() if isinstance(name, str) and name else None
 
 
-def _children(path: Path) -> list[Path]:
-    try:
-        return sorted(p for p in path.iterdir() if not p.name.startswith("."))  # hidden: staging dirs
-    except OSError:
-        return []
-
-
-def _kind(path: Path) -> str | None:
-    if not path.is_dir():
-        return None
+def _dir_kind(path: Path) -> str | None:
     if (path / "metadata.json").is_file():
         return "capture"
-    if path.name == ASCEND_DIR:
-        return "ascend"
-    if (path / ASCEND_DIR).is_dir():
+    if path.name == ASCEND_DIR or (path / ASCEND_DIR).is_dir():
         return "ascend"
     return None
 
@@ -93,10 +234,21 @@ def read_source(kind: str, path: Path, top: int) -> dict[str, Any]:
     """One rank's report; "error" is set when nothing could be read, "warnings" when only part could."""
     reader = {"capture": _read_capture, "trace": _read_trace_file, "db": _read_db_file, "ascend": read_ascend}[kind]
     try:
-        return reader(path, top)
+        out = reader(path, top)
     except Exception as exc:  # noqa: BLE001 - one unreadable capture never stops the report
         log.debug("cannot read %s", path, exc_info=True)
-        return {"path": str(path), "kind": kind, "rank": None, "error": f"{type(exc).__name__}: {exc}"}
+        out = {"path": str(path), "kind": kind, "rank": None, "error": f"{type(exc).__name__}: {exc}"}
+    out.setdefault("folder", str(_folder(kind, path)))
+    return out
+
+
+def _folder(kind: str, path: Path) -> Path:
+    """The folder a source sits in, as grouping sees it: a rank directory's or torch_npu directory's parent."""
+    if kind == "ascend" and path.name == ASCEND_DIR:
+        return path.parent.parent
+    if kind == "db" and path.parent.name == ASCEND_DIR:
+        return path.parent.parent.parent
+    return path.parent
 
 
 def _base(path: Path, kind: str) -> dict[str, Any]:
@@ -110,14 +262,18 @@ def _read_capture(path: Path, top: int) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         out["error"] = f"unreadable metadata.json: {exc}"
         return out
+    if not isinstance(meta, dict):
+        out["error"] = "metadata.json is not a JSON object"
+        return out
     out.update({"rank": meta.get("rank"), "host": meta.get("host"), "pid": meta.get("pid"),
                 "capture_id": meta.get("capture_id"), "status": meta.get("status"), "window": meta.get("window"),
                 "options": meta.get("options"), "source": (meta.get("trigger") or {}).get("source"),
-                "published_at": meta.get("published_at"), "job_id": meta.get("job_id")})
+                "published_at": meta.get("published_at"), "job_id": meta.get("job_id"),
+                "world_size": meta.get("world_size")})
     if meta.get("status") == "failed":
         out["error"] = meta.get("error") or "the capture failed"
         return out
-    trace = path / meta["trace_file"] if meta.get("trace_file") else None
+    trace = path / meta["trace_file"] if isinstance(meta.get("trace_file"), str) else None
     if trace is None or not trace.exists():
         found = [p for pattern in TRACE_GLOBS for p in sorted(path.glob(pattern))]
         trace = found[0] if found else None
@@ -143,7 +299,10 @@ def _read_db_file(path: Path, top: int) -> dict[str, Any]:
     out = _base(path, "db")
     if is_npu_db(path):
         out["kind"] = "ascend"
+        m = RANK_IN_NAME.search(path.name)
         out.update(npu_db_result(path, top))
+        if out.get("rank") is None and m:
+            out["rank"] = int(m.group(1))
         return out
     out.update(_db_result(path, top))
     return out
@@ -173,8 +332,11 @@ def _db_result(db: Path, top: int) -> dict[str, Any]:
         out = an.result(top)
         out["db"] = str(db)
         for key, value in con.execute("SELECT key, value FROM meta"):
-            if key == "rank":
-                out["rank"] = json.loads(value)
+            if key in ("rank", "world_size"):
+                try:
+                    out[key] = json.loads(value)
+                except (TypeError, ValueError):
+                    pass
         return out
     finally:
         con.close()

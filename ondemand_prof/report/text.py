@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import defaultdict
 from typing import Any
 
 from .analyze import SHARES, round_shares
@@ -59,6 +60,44 @@ def short_name(name: str, n: int = 60) -> str:
     return text[: keep - keep // 3] + "…" + text[len(text) - keep // 3:]
 
 
+def short_names(names: list[str], n: int = 60) -> list[str]:
+    """short_name of each, made distinct: names that shorten to the same text (template kernels that differ only
+    in the middle, or in the folded parameters) show the part where they differ; if that is not enough, a number
+    (`#2`) in the order of their full names."""
+    out = [short_name(x, n) for x in names]
+    for idx in _clashes(names, out):
+        for i in idx:
+            out[i] = _differing_part(names[i], [names[j] for j in idx if names[j] != names[i]], n)
+    for idx in _clashes(names, out):  # still alike (or alike another name's label): number them
+        full = sorted({names[i] for i in idx})
+        for i in idx:
+            out[i] = f"{out[i]} #{full.index(names[i]) + 1}"
+    return out
+
+
+def _clashes(names: list[str], labels: list[str]) -> list[list[int]]:
+    """Index groups whose labels are equal while their full names are not."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, text in enumerate(labels):
+        groups[text].append(i)
+    return [idx for idx in groups.values() if len({names[i] for i in idx}) > 1]
+
+
+def _differing_part(name: str, others: list[str], n: int) -> str:
+    """The start of `name` and, after an ellipsis, the stretch around the first character where it differs from
+    the closest of `others`."""
+    text = re.sub(r"^void ", "", name.strip())
+    rest = [re.sub(r"^void ", "", o.strip()) for o in others]
+    at = max(next((k for k, (a, b) in enumerate(zip(text, o)) if a != b), min(len(text), len(o))) for o in rest)
+    if len(text) <= n:
+        return text
+    head = n // 3
+    width = n - head - 2
+    lo = max(head, at - width // 3)
+    hi = min(len(text), lo + width)
+    return text[:head] + "…" + text[lo:hi] + ("…" if hi < len(text) else "")
+
+
 def _fold_params(text: str) -> str:
     """`f<T>(int, T)` -> `f<T>(…)`: the last balanced (...) at the end of the name (unbalanced: unchanged)."""
     depth = 0
@@ -78,35 +117,58 @@ def shares_text(r: dict[str, Any]) -> list[str]:
 
 
 def render_text(report: dict[str, Any], top: int = 10, per_rank: bool = True) -> str:
-    out: list[str] = []
+    out: list[str] = [sources_text(report, per_rank)]
     for p in report["problems"]:
         out.append(f"cannot report on {p['path']}: {p['error']}\n")
     if not report["captures"]:
         out.append("nothing to report\n")
         return "".join(out)
-    for group in report["captures"]:
-        out.append(_group_text(group, top, per_rank))
+    for i, group in enumerate(report["captures"]):
+        out.append(_group_text(group, top, per_rank, i + 1))
     out.append(f"({report['ranks_read']} rank capture(s) read in {report['seconds']:.2f} s)\n")
     return "".join(out)
 
 
-def _group_text(group: dict[str, Any], top: int, per_rank: bool) -> str:
-    title = f"capture {group['capture_id']}" if group.get("capture_id") else "traces"
+def sources_text(report: dict[str, Any], all_found: bool = True) -> str:
+    """What the search found (each, with the capture it went to; only counted with all_found=False) and what it
+    skipped, each with the reason; other files counted by extension."""
+    listing = report.get("sources") or []
+    found = [e for e in listing if e["status"] == "found"]
+    skipped = [e for e in listing if e["status"] != "found"]
+    if len(found) <= 1 and not skipped and not report.get("other_files"):
+        return ""  # one capture asked for, one read: nothing to explain
+    lines = [f"sources: {len(found)} found, {len(skipped)} skipped"]
+    if all_found:
+        width = max((len(e["path"]) for e in found), default=0)
+        lines += [f"  found    {e['path'].ljust(width)}  {e['format']}"
+                  + (f" -> [{e['capture']}]" if e.get("capture") else "") for e in found]
+    lines += [f"  skipped  {e['path']}: {e['reason']}" for e in skipped]
+    others = report.get("other_files") or {}
+    if others:
+        lines.append(f"  ({sum(others.values())} other file(s), no profile format: "
+                     + ", ".join(f"{ext} {n}" for ext, n in others.items()) + ")")
+    return "\n".join(lines) + "\n"
+
+
+def _group_text(group: dict[str, Any], top: int, per_rank: bool, number: int = 1) -> str:
+    title = f"[{number}] " + (f"capture {group['capture_id']}" if group.get("capture_id") else "traces")
     if group.get("job_id"):
         title += f"  job {group['job_id']}"
     if group.get("source"):
         title += f"  ({group['source']})"
     lines = ["=" * 100, title]
+    if group.get("grouped_by"):
+        lines.append(f"grouped by {group['grouped_by']}")
     if group.get("window"):
         lines.append(f"window {_window(group['window'])}   options " +
                      ", ".join(f"{k}={v}" for k, v in (group.get("options") or {}).items()))
     text = "\n".join(lines) + "\n"
     ranks = group["ranks"]
     if ranks:
-        slow = (group.get("slowest") or {}).get("rank")
+        slowest = group.get("slowest") or {}
         rows = []
         for r in ranks:
-            mark = "<- slowest" if len(ranks) > 1 and r.get("rank") == slow else ""
+            mark = "<- slowest" if slowest.get("stands_out") and r.get("rank") == slowest.get("rank") else ""
             vs = ""
             if group.get("median_step_ms") and r.get("step_ms_mean"):
                 vs = f"{100 * (r['step_ms_mean'] - group['median_step_ms']) / group['median_step_ms']:+.1f}%"
@@ -115,10 +177,11 @@ def _group_text(group: dict[str, Any], top: int, per_rank: bool) -> str:
         text += "\nacross ranks (mean over the recorded steps; the shares add up to 100%)\n"
         text += _table(rows, ["RANK", "STEPS", "STEP MS", "MAX MS", "COMPUTE %", "COMM %", "OVERLAP %", "IDLE %",
                               "VS MEDIAN", ""])
-        if group.get("slowest") and len(ranks) > 1:
-            s = group["slowest"]
-            text += (f"  slowest: rank {s['rank']}, {s['step_ms']:.2f} ms per step, {s['vs_median_ms']:+.2f} ms "
-                     f"({s['vs_median_pct']:+.1f}%) from the median {group['median_step_ms']:.2f} ms\n")
+        if slowest and len(ranks) > 1:
+            text += (f"  slowest: rank {slowest['rank']}, {slowest['step_ms']:.2f} ms per step, "
+                     f"{slowest['vs_median_ms']:+.2f} ms ({slowest['vs_median_pct']:+.1f}%) from the median "
+                     f"{group['median_step_ms']:.2f} ms")
+            text += ": stands out\n" if slowest.get("stands_out") else f"; not marked: {slowest.get('why_not')}\n"
     for f in group["failed"]:
         text += f"  rank {f['rank'] if f['rank'] is not None else '?'}: FAILED {f['error']}  ({f['path']})\n"
     if per_rank:
@@ -139,8 +202,9 @@ def _rank_text(r: dict[str, Any], top: int) -> str:
         text += _ops_table(r["top_total"][:top])
     if r.get("top_kernels"):
         text += "  top device kernels\n"
-        rows = [[short_name(k["name"]), str(k["calls"]), _f(k["total_us"] / 1000, 3), _f(k["avg_us"], 1),
-                 "comm" if k["comm"] else ""] for k in r["top_kernels"][:top]]
+        kernels = r["top_kernels"][:top]
+        rows = [[label, str(k["calls"]), _f(k["total_us"] / 1000, 3), _f(k["avg_us"], 1), "comm" if k["comm"] else ""]
+                for k, label in zip(kernels, short_names([k["name"] for k in kernels]))]
         text += _table(rows, ["KERNEL", "CALLS", "TOTAL MS", "AVG US", ""], "    ")
     return text + _memory_text(r.get("memory"))
 
@@ -159,9 +223,24 @@ def _steps_text(r: dict[str, Any]) -> str:
                  "next step's" + (f"; {how['by_time']} kernel(s) without a launch in the file placed by time"
                                   if how.get("by_time") else ""))
     else:
-        basis = "CPU operators on the step's thread; IDLE: outside any operator"
+        basis = ("CPU: COMPUTE = the step's thread in an operator, COMM = a collective on any thread (gloo runs on its "
+                 "own threads), OVERLAP = both, IDLE = neither")
     text = f"  steps (split by {basis})\n"
-    return text + _table(rows, ["STEP", "MS", "WINDOW MS", "COMPUTE MS", "COMM MS", "OVERLAP MS", "IDLE MS"], "    ")
+    text += _table(rows, ["STEP", "MS", "WINDOW MS", "COMPUTE MS", "COMM MS", "OVERLAP MS", "IDLE MS"], "    ")
+    return text + "  " + comm_counted(r) + "\n"
+
+
+def comm_counted(r: dict[str, Any]) -> str:
+    """What the split counted as communication: each library with its time inside the steps."""
+    libraries = r.get("comm_libraries") or []
+    if r.get("split_from"):
+        return f"communication: as torch_npu's {r['split_from']} counts it (HCCL)"
+    if not libraries:
+        return ("communication: none recognised (NCCL/RCCL, HCCL, gloo, c10d, DeepEP, NVSHMEM, SymmetricMemory, "
+                "MSCCL++ names; see the README)")
+    return "communication counted: " + ", ".join(
+        f"{lib['library']} {lib['ms']:.2f} ms ({lib['count']} {lib['unit'] if lib['count'] != 1 else lib['unit'][:-1]})"
+        for lib in libraries)
 
 
 def _memory_text(mem: dict[str, Any] | None) -> str:
@@ -181,6 +260,6 @@ def _memory_text(mem: dict[str, Any] | None) -> str:
 
 
 def _ops_table(ops: list[dict[str, Any]]) -> str:
-    rows = [[short_name(o["name"]), str(o["calls"]), _f(o["self_us"] / 1000, 3), _f(o["total_us"] / 1000, 3),
-             _f(o["avg_us"], 1), "comm" if o["comm"] else ""] for o in ops]
+    rows = [[label, str(o["calls"]), _f(o["self_us"] / 1000, 3), _f(o["total_us"] / 1000, 3),
+             _f(o["avg_us"], 1), "comm" if o["comm"] else ""] for o, label in zip(ops, short_names([o["name"] for o in ops]))]
     return _table(rows, ["OPERATOR", "CALLS", "SELF MS", "TOTAL MS", "AVG US", ""], "    ")

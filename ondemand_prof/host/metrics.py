@@ -1,0 +1,428 @@
+"""ondemand-profd's Prometheus endpoint (`--metrics HOST:PORT`): every local rank's step, step time, stall and
+distance from its job's median, the captures and the daemon's own health, in Prometheus's text format at
+/metrics, for the dashboards and alerts a cluster already has (dynolog exports its host metrics the same way).
+
+Scraping never touches the daemon's state or slows its loop. The loop publishes an immutable Snapshot (plain
+tuples it copies: 5 ms at 4096 ranks), at most once a second and only when a scrape asked for one since the
+last. A scrape is served on this module's one thread from the newest Snapshot, rendered once per Snapshot (the
+per-rank gauges here, the rest by prometheus_client) and kept, so a scraper in a loop costs the daemon nothing
+more than the bytes. When the loop cannot publish (it is stuck), scrapes still answer with the last Snapshot,
+and ondemand_prof_snapshot_age_seconds says how old it is: alert on it.
+
+prometheus_client is an optional dependency (the `metrics` extra): it is imported only with --metrics.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from .triage import stragglers
+
+if TYPE_CHECKING:
+    from .records import RecordStore
+    from .registry import RankInfo
+
+log = logging.getLogger("ondemand_prof.host.profd")
+
+PUBLISH_EVERY_S = 1.0  # the loop builds at most one Snapshot a second
+WAIT_FOR_LOOP_S = 1.0  # a scrape waits this long for a fresh Snapshot, then serves the newest it has
+MAX_JOBS = 256  # jobs whose automatic captures are counted (the oldest are forgotten beyond this)
+METRICS_FILE = "profd.metrics"  # in the runtime dir: the HOST:PORT actually bound (port 0 picks a free one)
+REQUEST_TIMEOUT_S = 5.0  # a client that sends nothing for this long is dropped (requests are served one at a time)
+
+
+class MetricsError(RuntimeError):
+    """--metrics cannot be served; the message says why and what to do."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What the loop publishes (pure: built from the daemon's objects, read by the server thread)
+
+class RankRow(NamedTuple):
+    """What the loop copies of a rank (a plain tuple: 4096 of them cost the loop about a millisecond); what
+    is derived from it (stalled, time in step, distance from the median) is computed on the server thread.
+    Its field names are RankInfo's, so RankInfo.stalled_s reads it as it reads a rank."""
+    job: str
+    rank: int
+    host: str
+    step: int
+    step_time: float | None
+    step_began_at: float | None
+
+
+@dataclass(frozen=True)
+class Health:
+    messages: dict[str, int]  # by message type ("hb": heartbeats)
+    invalid_messages: int
+    refused: dict[str, int]  # error replies by message type ("register": a rank refused)
+    tcp_clients_refused: int
+    open_fds: int
+    fd_limit: int
+    accepting: bool
+    running_captures: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    wall: float
+    ranks: tuple[RankRow, ...]
+    world_sizes: dict[str, int]
+    captures: dict[tuple[str, str], int]  # (source, outcome) -> count since the daemon started
+    auto_captures: dict[str, int]  # job -> count since the daemon started
+    health: Health
+    host: str
+    version: str
+    serial: int = 0
+
+
+def rank_rows(ranks: Iterable["RankInfo"]) -> tuple[RankRow, ...]:
+    return tuple(RankRow(i.job, i.rank, i.host, i.step, i.step_time, i.step_began_at) for i in ranks)
+
+
+def capture_source(request: Any) -> str:
+    """Who asked: an automatic capture (a rank slowed down) or ondemandctl (any host's)."""
+    return "auto" if isinstance(request, dict) and "auto" in request else "ondemandctl"
+
+
+class CaptureCounts:
+    """Captures since the daemon started, by source and outcome, and automatic ones by job, counted from the
+    capture records as they change (records the daemon loaded at start are not counted again).
+
+    A record that is created and pruned between two updates is missed: only with more than the store's
+    1000 records in one second."""
+
+    def __init__(self, store: "RecordStore") -> None:
+        self.seen: dict[str, str] = {cid: r.status for cid, r in store.records.items()}
+        self.outcomes: dict[tuple[str, str], int] = {}
+        self.auto: dict[str, int] = {}  # least recently counted first
+
+    def update(self, store: "RecordStore") -> None:
+        seen = self.seen
+        for cid, record in store.records.items():
+            status, before = record.status, seen.get(cid)
+            if status == before:
+                continue
+            request = record.data.get("request")
+            if before is None and capture_source(request) == "auto":
+                job = record.data.get("job", "")
+                self.auto[job] = self.auto.pop(job, 0) + 1
+                while len(self.auto) > MAX_JOBS:
+                    del self.auto[next(iter(self.auto))]
+            if status != "running":
+                key = (capture_source(request), status)
+                self.outcomes[key] = self.outcomes.get(key, 0) + 1
+            seen[cid] = status
+        if len(seen) > len(store.records):
+            for cid in [c for c in seen if c not in store.records]:
+                del seen[cid]
+
+
+def build_snapshot(daemon: Any, counts: CaptureCounts, wall: float, serial: int) -> Snapshot:
+    """What the loop publishes (host/transport.py Daemon): a copy, so that the server thread reads nothing the
+    loop changes."""
+    service = daemon.service
+    counts.update(service.store)
+    outcomes = dict(counts.outcomes)
+    refused = dict(service.refused)
+    if refused.get("capture"):  # refused before any record existed (a stalled job, a bad request)
+        outcomes[("ondemandctl", "refused")] = refused["capture"]
+    world: dict[str, int] = {}
+    for info in service.registry.by_route.values():
+        world[info.job] = max(world.get(info.job, 0), info.world_size)
+    listener = daemon.listener
+    zap = daemon.tcp.zap if daemon.tcp is not None else None
+    messages = dict(daemon.messages)  # heartbeats on the fast path are counted apart (at each tick)
+    messages["hb"] = messages.get("hb", 0) + daemon.heartbeats_total
+    health = Health(messages=messages,
+                    invalid_messages=daemon.invalid_messages, refused=refused,
+                    tcp_clients_refused=zap.refused if zap is not None else 0,
+                    open_fds=listener.estimate if listener is not None else 0,
+                    fd_limit=listener.limit if listener is not None else 0,
+                    accepting=bool(listener is not None and listener.lent),
+                    running_captures=len(service.store.running()))
+    return Snapshot(wall, rank_rows(service.registry.by_route.values()), world, outcomes, dict(counts.auto),
+                    health, daemon.host, daemon.version, serial)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Snapshot -> Prometheus metric families (prometheus_client's types, rendered by its generate_latest)
+
+RANK_FAMILIES = (  # (name, help) of the per-rank gauges, labelled job, rank, host
+    ("ondemand_prof_step_seconds", "Recent median step time the rank reports (seconds)"),
+    ("ondemand_prof_step", "Last step the rank reported"),
+    ("ondemand_prof_rank_stalled", "1 while the rank is STALLED in ondemandctl status: its step has run max(10 s, "
+     "20 median steps)"),
+    ("ondemand_prof_rank_in_step_seconds", "How long the rank's current step has run (seconds)"),
+    ("ondemand_prof_rank_vs_median", "The rank's step time as a multiple of its job's median on this host "
+     "(ondemandctl status VS MEDIAN)"),
+)
+
+
+def _label(value: str) -> str:
+    """A label value in the text format: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def rank_text(snap: Snapshot, wall: float) -> str:
+    """The per-rank gauges in Prometheus's text format (version 0.0.4).
+
+    Written here rather than through prometheus_client's metric families, whose renderer spends about 10 us a
+    sample: at 4096 ranks and five gauges that was 200 ms with the GIL held, per scrape. The rest of the
+    endpoint is prometheus_client's (tests/test_metrics.py reads the whole of it with its parser)."""
+    from .registry import RankInfo
+
+    by_job: dict[str, list[dict[str, Any]]] = {}
+    for row in snap.ranks:
+        by_job.setdefault(row.job, []).append({"rank": row.rank, "step_time_s": row.step_time, "row": row})
+    lines: list[list[str]] = [[] for _ in RANK_FAMILIES]
+    step_seconds, step, stalled, in_step, vs_median = lines
+    for job_ranks in by_job.values():
+        stragglers(job_ranks)  # the job's median step time, as ondemandctl status computes it: adds vs_median
+        for r in job_ranks:
+            row = r["row"]
+            labels = f'{{job="{_label(row.job)}",rank="{row.rank}",host="{_label(row.host)}"}} '
+            step.append(labels + str(row.step))
+            stalled.append(labels + ("1" if RankInfo.stalled_s(row, wall) is not None else "0"))  # type: ignore[arg-type]
+            if row.step_time is not None:
+                step_seconds.append(labels + repr(row.step_time))
+            if row.step_began_at is not None:
+                in_step.append(labels + repr(round(max(0.0, wall - row.step_began_at), 3)))
+            if r["vs_median"] is not None:
+                vs_median.append(labels + repr(r["vs_median"]))
+    out = []
+    for (name, text), samples in zip(RANK_FAMILIES, lines):
+        out.append(f"# HELP {name} {text}\n# TYPE {name} gauge\n")
+        out.extend(f"{name}{sample}\n" for sample in samples)
+    return "".join(out)
+
+
+def families(snap: Snapshot, now_wall: float) -> Iterator[Any]:
+    """The job-level, capture and health metrics, as prometheus_client metric families."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    ranks = GaugeMetricFamily("ondemand_prof_ranks", "Ranks of the job registered with this host's daemon",
+                              labels=["job"])
+    world = GaugeMetricFamily("ondemand_prof_world_size", "The job's world size (all hosts)", labels=["job"])
+    count: dict[str, int] = {}
+    for r in snap.ranks:
+        count[r.job] = count.get(r.job, 0) + 1
+    for job in sorted(count):
+        ranks.add_metric([job], count[job])
+        world.add_metric([job], snap.world_sizes.get(job, 0))
+    yield ranks
+    yield world
+
+    captures = CounterMetricFamily("ondemand_prof_captures", "Captures finished since the daemon started, by who "
+                                   "asked (ondemandctl, auto) and outcome (done, partial, failed, cancelled; "
+                                   "refused: the daemon turned the request down)", labels=["source", "outcome"])
+    for (source, outcome), n in sorted(snap.captures.items()):
+        captures.add_metric([source, outcome], n)
+    yield captures
+    auto = CounterMetricFamily("ondemand_prof_auto_captures", "Automatic captures opened since the daemon started "
+                               "(a rank slowed down: --profile-auto)", labels=["job"])
+    for job, n in sorted(snap.auto_captures.items()):
+        auto.add_metric([job], n)
+    yield auto
+
+    h = snap.health
+    yield GaugeMetricFamily("ondemand_prof_captures_running", "Captures in progress", value=h.running_captures)
+    messages = CounterMetricFamily("ondemand_prof_messages", "Messages the daemon received and decoded, by "
+                                   "type (hb: heartbeats)", labels=["type"])
+    for kind, n in sorted(h.messages.items()):
+        messages.add_metric([kind], n)
+    yield messages
+    yield CounterMetricFamily("ondemand_prof_invalid_messages", "Messages refused by the decoder (malformed, "
+                              "oversize, unknown type, several frames)", value=h.invalid_messages)
+    refused = CounterMetricFamily("ondemand_prof_refused", "Requests refused with an error reply, by type "
+                                  "(register: a rank was refused, e.g. another user's job or a rank a live "
+                                  "process holds)", labels=["type"])
+    for kind, n in sorted(h.refused.items()):
+        refused.add_metric([kind], n)
+    yield refused
+    yield CounterMetricFamily("ondemand_prof_tcp_clients_refused", "TCP clients whose CurveZMQ key is not "
+                              "authorised (--listen --keys)", value=h.tcp_clients_refused)
+    yield GaugeMetricFamily("ondemand_prof_open_fds", "File descriptors the daemon holds (its own count, as its "
+                            "connection gate sees it)", value=h.open_fds)
+    yield GaugeMetricFamily("ondemand_prof_fd_limit", "The daemon's open-file limit", value=h.fd_limit)
+    yield GaugeMetricFamily("ondemand_prof_accepting_connections", "1 while the daemon accepts connections; 0 "
+                            "when descriptors ran low and new clients wait", value=1.0 if h.accepting else 0.0)
+    yield GaugeMetricFamily("ondemand_prof_snapshot_age_seconds", "Age of the data this scrape shows (grows when "
+                            "the daemon's loop is stuck)", value=max(0.0, now_wall - snap.wall))
+    info = GaugeMetricFamily("ondemand_prof_daemon_info", "ondemand-profd's version and host",
+                             labels=["version", "host"])
+    info.add_metric([snap.version, snap.host], 1.0)
+    yield info
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The endpoint: one thread, one request at a time, the body rendered once per Snapshot
+
+def preflight(address: str) -> tuple[str, int]:
+    """Before the daemon creates anything: prometheus_client is there and the address parses."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise MetricsError("--metrics needs the prometheus_client package, which is not installed: pip install "
+                           "'ondemand_prof[metrics]' (or prometheus_client), or start without --metrics") from None
+    return parse_address(address)
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """HOST:PORT, [v6]:PORT, or PORT alone (then loopback: 127.0.0.1). MetricsError says what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "", text
+    host = host.strip("[]") if host.startswith("[") else host
+    if not port.isdigit() or int(port) > 65535 or (sep and not host and text.startswith("[")):
+        raise MetricsError(f"--metrics {text!r}: expected HOST:PORT (e.g. 127.0.0.1:9464, or 0.0.0.0:9464 for "
+                           "every interface) or a port alone (loopback)")
+    return host or "127.0.0.1", int(port)
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = REQUEST_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        log.debug("ondemand-profd metrics: %s", format % args)
+
+
+class MetricsServer:
+    """The Prometheus endpoint of one daemon. tick() runs on the daemon's loop; everything else on the server
+    thread."""
+
+    def __init__(self, address: str, daemon: Any) -> None:
+        host, port = preflight(address)
+        from prometheus_client import CollectorRegistry, ProcessCollector
+
+        self.daemon = daemon
+        self.counts = CaptureCounts(daemon.service.store)
+        self._snapshot: Snapshot | None = None
+        self._wanted = threading.Event()
+        self._fresh = threading.Condition()
+        self._last_publish = 0.0
+        self.published = 0  # Snapshots the loop built
+        self._cache: tuple[int, bytes, bytes | None] | None = None  # (serial, text, gzipped text)
+        self._render_lock = threading.Lock()
+        self.rendering: Snapshot | None = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, _resident_memory_bytes, _open_fds
+        self.registry.register(_Collector(self))
+        self.server = self._bind(host, port)
+        self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.5},
+                                       name="ondemand-profd-metrics", daemon=True)
+        self.thread.start()
+        if not _is_loopback(host):
+            log.warning("ondemand-profd: metrics on %s are readable by anyone who can reach that address (job ids, "
+                        "host names, steps); keep it to the monitoring network", self.address)
+        log.info("ondemand-profd: Prometheus metrics at http://%s/metrics", self.address)
+
+    def _bind(self, host: str, port: int) -> WSGIServer:
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        except socket.gaierror as exc:
+            raise MetricsError(f"--metrics {host}:{port}: cannot resolve {host!r}: {exc.strerror}") from None
+
+        class Server(WSGIServer):
+            address_family = family
+
+            def handle_error(self, request: Any, client_address: Any) -> None:  # no traceback per dropped client
+                log.debug("ondemand-profd metrics: request from %s failed", client_address, exc_info=True)
+
+        try:
+            return make_server(host, port, self._app, Server, handler_class=_Handler)
+        except OSError as exc:
+            raise MetricsError(f"--metrics {host}:{port}: cannot listen: {exc.strerror or exc}") from None
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    # the daemon's loop ---------------------------------------------------------------------------------------
+
+    def tick(self, wall: float) -> None:
+        """Publish a Snapshot when a scrape wants one and the last is a second old. Cheap otherwise."""
+        if not self._wanted.is_set() or wall - self._last_publish < PUBLISH_EVERY_S:
+            return
+        self._wanted.clear()
+        self.published += 1
+        snap = build_snapshot(self.daemon, self.counts, wall, self.published)
+        self._last_publish = wall
+        with self._fresh:
+            self._snapshot = snap
+            self._fresh.notify_all()
+
+    def close(self) -> None:
+        self.server.shutdown()  # returns once serve_forever has stopped
+        self.server.server_close()
+
+    # the server thread ---------------------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot | None:
+        """The newest Snapshot; asks the loop for a new one when it is a second old and waits a little for it."""
+        snap = self._snapshot
+        if snap is not None and time.time() - snap.wall < PUBLISH_EVERY_S:
+            return snap
+        self._wanted.set()
+        with self._fresh:
+            self._fresh.wait_for(lambda: self._snapshot is not snap, WAIT_FOR_LOOP_S)
+            return self._snapshot
+
+    def body(self, gzipped: bool) -> bytes:
+        from prometheus_client import generate_latest
+
+        with self._render_lock:  # one render at a time; every scrape of the same Snapshot reuses it
+            snap = self.snapshot()
+            serial = snap.serial if snap is not None else -1
+            if self._cache is None or self._cache[0] != serial:
+                self.rendering = snap  # what _Collector shows: the same Snapshot as the per-rank text
+                ranks = rank_text(snap, time.time()).encode() if snap is not None else b""
+                self._cache = (serial, generate_latest(self.registry) + ranks, None)
+            if gzipped and self._cache[2] is None:
+                self._cache = (serial, self._cache[1], gzip.compress(self._cache[1], 6))
+            return self._cache[2] if gzipped else self._cache[1]  # type: ignore[return-value]
+
+    def _app(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        from prometheus_client import exposition
+
+        # the classic text format (0.0.4), which is what this endpoint writes (our names need no UTF-8 escaping)
+        content_type = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", exposition.CONTENT_TYPE_LATEST)
+        if environ.get("PATH_INFO") not in ("/metrics", "/"):
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: the metrics are at /metrics\n"]
+        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
+            return [b""]
+        gzipped = "gzip" in environ.get("HTTP_ACCEPT_ENCODING", "")
+        data = self.body(gzipped)
+        headers = [("Content-Type", content_type), ("Content-Length", str(len(data)))]
+        if gzipped:
+            headers.append(("Content-Encoding", "gzip"))
+        start_response("200 OK", headers)
+        return [b"" if environ["REQUEST_METHOD"] == "HEAD" else data]
+
+
+class _Collector:
+    """prometheus_client's collector interface over the server's newest Snapshot."""
+
+    def __init__(self, server: MetricsServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Any]:
+        snap = self.server.rendering
+        if snap is not None:
+            yield from families(snap, time.time())
+
+
+def _is_loopback(host: str) -> bool:
+    from .transport import is_loopback
+
+    return is_loopback(host)
+

@@ -143,7 +143,7 @@ class Stacks(_TriageCommand):
     def fold(self, pending: Any) -> dict[str, Any]:
         from ..triage import group_stacks
 
-        return group_stacks(pending.results)
+        return group_stacks(pending.results, pending.folder)
 
     def console(self, data: Any, args: argparse.Namespace) -> str:
         ranks = data["ranks"]

@@ -166,7 +166,8 @@ def test_service_handlers_without_sockets(tmp_path) -> None:
     from heartbeats ("recording step k of N"), cancel, and typed errors for bad requests."""
     from ondemand_prof.core.options import ProfileConfig
     from ondemand_prof.core.requests import WindowDefaults, window_from_wire
-    from ondemand_prof.host.commands import DAEMON_COMMANDS, recording_step
+    from ondemand_prof.host.commands import DAEMON_COMMANDS
+    from ondemand_prof.host.commands.follow import recording_step
     from ondemand_prof.host.records import RecordStore
     from ondemand_prof.host.service import Service
 

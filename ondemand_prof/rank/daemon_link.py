@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from .. import __version__
+from ..core.version import __version__
 from ..core.protocol import HEARTBEAT_S, ProtocolError, decode, default_runtime_dir, encode, endpoint, socket_path
 from ..core.safedir import daemon_socket_problem
 from ..core.requests import WindowDefaults, window_from_wire

@@ -4,8 +4,9 @@ is the real rank-side DaemonLink driven by bench_daemon.py's stand-in agent (a c
 accepts every window at once and reports "done" right after "scheduled"), so what is measured is the fan-out,
 the authenticated TCP hops, the daemons and the links, not torch.
 
-Each capture is what `ondemandctl --hosts ... capture` does (host/multihost.py launch + follow): status from
-every daemon, one planned window, the capture with one id to every daemon, then long-polls until
+Each capture is what `ondemandctl --hosts ... capture` does (host/multihost.py launch, then
+host/commands/follow.py): status from every daemon, one planned window, the capture with one id to
+every daemon, then long-polls until
   * "scheduled": every one of the 512 ranks has reported the window scheduled back to its daemon and the CLI
     has seen it;
   * "complete": every host's record is final (with the stand-in, right after scheduling: this measures the
@@ -36,7 +37,8 @@ from ondemand_prof.host.client import CtlError  # noqa: E402
 from ondemand_prof.host.fanout import Fanout  # noqa: E402
 from ondemand_prof.host.hosts import Target  # noqa: E402
 from ondemand_prof.host.keys import keygen  # noqa: E402
-from ondemand_prof.host.multihost import follow, launch  # noqa: E402
+from ondemand_prof.host.commands.follow import follow  # noqa: E402
+from ondemand_prof.host.multihost import launch  # noqa: E402
 
 SCHEDULED = ("scheduled", "recording", "writing", "done")
 

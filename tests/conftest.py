@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gzip
 import json
 import os
@@ -27,6 +28,7 @@ QUICK_MODULES = {"test_daemon_logic.py", "test_window_logic.py", "test_config.py
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _become_subreaper()
     config.addinivalue_line("markers", "quick: the quick tier, in-process tests (scripts/test.sh --quick)")
 
 
@@ -34,6 +36,64 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.name in QUICK_MODULES:
             item.add_marker(pytest.mark.quick)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# No test leaves processes behind. A launcher killed by a fixture (torchrun, an example that starts workers in
+# sessions of their own) orphans its ranks, and each orphan then trains for the rest of the run: two of them took
+# 70% of a core for the next 20 minutes, which slowed every later test and made timing-sensitive ones fail.
+# pytest is made a child subreaper, so orphans of every depth come back to it, and whatever a test module started
+# is gone when the module ends (its module-scoped fixtures first).
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: leftovers of a killed launcher are then the OS's
+        pass
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """End a process and every process under it, then reap it (its descendants may be in other sessions)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    for p in [proc, *tree]:
+        try:
+            os.kill(p.pid, 9)
+        except OSError:
+            pass
+    proc.wait()
+    _reap([p.pid for p in tree])
+
+
+def _reap(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)  # an orphan that came back to us (subreaper): nobody else waits for it
+        except ChildProcessError:
+            pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_processes_outlive_their_module() -> Any:
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    left = [p for p in me.children(recursive=True) if p.pid not in before]
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    _reap([p.pid for p in left])
 
 
 def free_port() -> int:

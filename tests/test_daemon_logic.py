@@ -67,6 +67,19 @@ def test_a_hung_rank_is_stalled_not_extrapolated() -> None:
     assert "ondemandctl stacks --job j" in stall_text("j", stall)
 
 
+def test_a_heartbeat_read_late_is_not_a_stall() -> None:
+    """A daemon starved of CPU reads a heartbeat 13 s after the rank sent it (the step had run 0.1 s then):
+    the rank is not stalled; its time in the step is what it measured plus the time since we read it."""
+    reg = Registry()
+    msg = {"job": "j", "world_size": 1, "host": "h", "rank": 0, "pid": 1, "step": 500, "step_time": 0.05,
+           "began": 100.0, "at": 100.1}
+    reg.register(b"r0", msg, 0.0, 113.1, lambda pid, t: True)
+    info = reg.heartbeat(b"r0", msg, 1.0, 113.1)
+    assert info is not None and info.in_step_s(113.3) == pytest.approx(0.3) and info.stalled_s(113.3) is None
+    reg.heartbeat(b"r0", {**msg, "at": 112.0}, 2.0, 113.2)  # the same step, sent at 112: stalled for 12 s
+    assert info.stalled_s(113.2) == pytest.approx(12.0)
+
+
 def test_a_long_step_is_not_extrapolated_past_the_last_heartbeat() -> None:
     """A step that has run 3 s (median 0.1 s) is not 30 steps on: the rank said step 50 0.2 s ago, so now it is
     at most the step after 50 plus what 0.2 s of steps adds."""
@@ -153,7 +166,8 @@ def test_service_handlers_without_sockets(tmp_path) -> None:
     from heartbeats ("recording step k of N"), cancel, and typed errors for bad requests."""
     from ondemand_prof.core.options import ProfileConfig
     from ondemand_prof.core.requests import WindowDefaults, window_from_wire
-    from ondemand_prof.host.commands import DAEMON_COMMANDS, recording_step
+    from ondemand_prof.host.commands import DAEMON_COMMANDS
+    from ondemand_prof.host.commands.follow import recording_step
     from ondemand_prof.host.records import RecordStore
     from ondemand_prof.host.service import Service
 

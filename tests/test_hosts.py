@@ -3,8 +3,8 @@ directory and TCP port on 127.0.0.1, all with CurveZMQ keys), the 4 ranks of one
 the first four of them (one rank each; the other 12 daemons have no ranks of the job), and the real
 ondemandctl fanning out over TCP, under faults: a dead host in the list, a daemon stopped (SIGSTOP) right
 after the status round or mid-capture, a daemon killed and restarted. Plus the pure parts: host lists, SLURM
-nodelists and job steps, key files, the alignment checks. The same faults in real network namespaces, with a
-link taken down: tests/test_netns.py."""
+nodelists, key files, the alignment checks, summaries (the planning across hosts: tests/test_planning.py). The
+same faults in real network namespaces, with a link taken down: tests/test_netns.py."""
 
 from __future__ import annotations
 
@@ -26,12 +26,9 @@ from conftest import ROOT, base_env, captures, free_port, short_dir, trace_steps
 from ondemand_prof.host import ctl as ctl_main
 from ondemand_prof.host import fanout
 from ondemand_prof.host.alignment import late_refusal, mark_misaligned, misalignment
-from ondemand_prof.host.client import CtlError
 from ondemand_prof.host.commands import DAEMON_COMMANDS
-from ondemand_prof.host.fanout import Reply
 from ondemand_prof.host.hosts import HostSpecError, expand_nodelist, parse_hosts, read_hostfile, slurm_nodelist
 from ondemand_prof.host.keys import KeyFileError, authorized_keys, keygen, load_pair
-from ondemand_prof.host.multihost import merge_status, pick_job, rank_infos, stalled_refusal
 from ondemand_prof.host.records import RecordStore
 from ondemand_prof.host.service import Service
 from ondemand_prof.host.summaries import MAX_SUMMARY_BYTES, merge_summaries, part_summaries, read_summary
@@ -90,58 +87,6 @@ def test_slurm_nodelist_from_the_job_environment_or_squeue() -> None:
         slurm_nodelist("456", env, run=never, which=lambda _: None)
     with pytest.raises(HostSpecError, match="job id"):
         slurm_nodelist("12; rm -rf /", env, run=never, which=lambda _: None)
-
-
-def test_the_job_is_found_by_its_slurm_id_its_step_or_a_prefix() -> None:
-    live = ["4242.0", "e595abed-da99-4f2e-9d1b-2a0c7c1c7f00", "port29500"]
-    assert pick_job(live, None, "4242") == "4242.0"  # --slurm 4242 finds its step while other jobs are live
-    assert pick_job(["4242", "port1"], None, "4242") == "4242"
-    assert pick_job(["42.0", "4242.0"], None, "42") == "42.0"  # 4242.0 is not a step of job 42
-    assert pick_job(live, "e595abed", None) == live[1]  # a torchrun UUID by its first characters
-    assert pick_job(live, "4242.0", "4242") == "4242.0"
-    with pytest.raises(CtlError, match=r"SLURM job 4242 has 2 live steps \(4242.0, 4242.1\)"):
-        pick_job(["4242.0", "4242.1"], None, "4242")
-    with pytest.raises(CtlError, match="3 jobs are live"):
-        pick_job(live, None, "999")  # none of them is that SLURM job: as without --slurm
-    with pytest.raises(CtlError, match="'port' begins 2 live jobs"):
-        pick_job(["port1", "port2"], "port", None)
-    with pytest.raises(CtlError, match="no live job 'x'"):
-        pick_job(live, "x", None)
-
-
-def _status_reply(received_at: float, ranks: list[dict[str, Any]], job: str = "j") -> Reply:
-    """A synthetic status reply, shaped as a daemon's (host/commands.py Status)."""
-    return Reply("ok", data={"jobs": {job: ranks}}, seconds=0.001, received_at=received_at)
-
-
-def _rank(rank: int, step: int, **kw: Any) -> dict[str, Any]:
-    return {"rank": rank, "world_size": 2, "host": f"n{rank}", "pid": 100 + rank, "step": step,
-            "step_time_s": 0.02, "windows": [], **kw}
-
-
-def test_each_hosts_steps_are_anchored_at_its_own_answer() -> None:
-    """Host a answered at once; host b's answer came 5 s later (the round ended after a dead host's timeout).
-    Planned 5 s after a's answer, a's rank has gone on 250 steps; b's has not moved."""
-    t0 = time.time() - 5
-    statuses = {"a": _status_reply(t0, [_rank(0, 1000, step_estimate=1010)]),
-                "b": _status_reply(t0 + 5, [_rank(1, 1250, step_estimate=1260)], )}
-    job, infos = rank_infos(statuses, None)
-    a, b = infos["a"][0], infos["b"][0]
-    assert job == "j" and (a.step, b.step) == (1010, 1260)  # the daemons' estimates, not the last reports
-    assert abs(a.estimated_step(t0 + 5) - 1260) <= 1 and b.estimated_step(t0 + 5) == 1260
-
-
-def test_stalled_ranks_get_no_window_and_say_since_when() -> None:
-    now = time.time()
-    statuses = {"a": _status_reply(now, [_rank(0, 1074, stalled_s=None)]),
-                "b": _status_reply(now, [_rank(1, 1074, stalled_s=42.0)])}
-    job, infos = rank_infos(statuses, None)
-    text = stalled_refusal(statuses, job, infos)
-    since = time.strftime("%H:%M:%S", time.localtime(now - 42))
-    assert text is not None and "job j is STALLED: rank(s) 1 on b have not finished a step for 42 s" in text, text
-    assert f"(since {since}, at step 1074)" in text and "ondemandctl stacks --job j" in text
-    assert text.endswith("No window can start until they step again")
-    assert stalled_refusal(statuses, job, {"a": infos["a"]}) is None  # rank 0 alone is not stalled
 
 
 def test_a_daemon_that_was_paused_reads_its_queue_before_it_expires_ranks(tmp_path: Path) -> None:
@@ -206,8 +151,6 @@ def test_summaries_are_read_safely_and_merged_with_the_failed_parts(tmp_path: Pa
     group = merged["captures"][0]
     assert merged["ranks_read"] == 1 and [r["rank"] for r in group["ranks"]] == [0]
     assert sorted(f["rank"] for f in group["failed"]) == [1, 2, 3]
-    assert merge_status(["done", "done"]) == "done" and merge_status(["done", "failed"]) == "partial"
-    assert merge_status(["running", "done"]) == "running" and merge_status(["failed", "cancelled"]) == "failed"
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 import sys
@@ -17,7 +16,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import NO_DAEMON_DIR, ROOT, base_env, captures, ctl, free_port, live_ranks, load_trace, short_dir, \
+from conftest import NO_DAEMON_DIR, ROOT, base_env, kill_tree, captures, ctl, free_port, live_ranks, load_trace, short_dir, \
     start_daemon, trace_steps, wait_for
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -31,10 +30,8 @@ def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
     daemons: list[subprocess.Popen] = []
     yield {"run": run_dir, "state": state_dir, "save": tmp_path / "profile", "tmp": tmp_path, "procs": procs,
            "daemons": daemons}
-    for p in procs:
-        if p.poll() is None:  # each in a session of its own (examples start children: torchrun, Lightning)
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    for p in procs:  # examples start children (torchrun, Lightning), some in sessions of their own
+        kill_tree(p)
     for p in daemons:
         p.kill()
         p.wait()

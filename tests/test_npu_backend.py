@@ -27,7 +27,11 @@ def stand_in(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     module = importlib.import_module("torch_npu")
     module.profiler.CALLS.clear()
-    return module
+    yield module
+    # the stand-in must not outlive the test: find_spec answers from sys.modules, so a left-over torch_npu would make
+    # every later in-process profiler in the run select the NPU backend
+    for name in [m for m in sys.modules if m == "torch_npu" or m.startswith("torch_npu.")]:
+        del sys.modules[name]
 
 
 def test_nothing_imports_torch_npu_when_absent():

@@ -1231,8 +1231,11 @@ def test_a_capture_far_ahead_does_not_make_later_captures_wait_for_it() -> None:
 
 
 def test_export_sched_is_a_known_variable(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ondemand_prof.core import options
     from ondemand_prof.core.options import config_from_env
 
+    # each unknown name is warned once per process: another test may have warned this typo already
+    monkeypatch.setattr(options, "_warned_env", set())
     monkeypatch.setenv("ONDEMAND_PROF_EXPORT_SCHED", "nice")  # read by rank/trace_save.py, was warned as unknown
     monkeypatch.setenv("ONDEMAND_PROF_LEVLE", "level1")
     with caplog.at_level("WARNING"):

@@ -284,12 +284,19 @@ def test_the_daemon_adds_a_reference_rank_and_status_marks_the_straggler(env: di
                         env={"ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])})
     env["procs"].extend(procs)
     # status: rank 1's step time is well above the job's median, and marked
-    data = poll(lambda: (lambda d: d if d.get("stragglers", {}).get("auto", {}).get("slow_ranks") == [1]
-                         else None)(json.loads(ctl(env["run"], "status", "--json").stdout or "{}")),
+    # (past step 84: rank 1 is then slow for good; a loaded machine can make either rank look slow for a moment
+    # while it starts, and status measures again on every call)
+    def slow_for_good(d: dict[str, Any]) -> dict[str, Any] | None:
+        rank1 = [r for r in d.get("jobs", {}).get("auto", []) if r["rank"] == 1]
+        return d if (d.get("stragglers", {}).get("auto", {}).get("slow_ranks") == [1] and rank1
+                     and rank1[0]["step"] >= 84) else None
+
+    data = poll(lambda: slow_for_good(json.loads(ctl(env["run"], "status", "--json").stdout or "{}")),
                 "rank 1 marked slow")
     rank1 = next(r for r in data["jobs"]["auto"] if r["rank"] == 1)
     assert rank1["slow"] and rank1["vs_median"] > 1.2
-    assert "SLOW" in ctl(env["run"], "status").stdout
+    text = ctl(env["run"], "status").stdout
+    assert re.search(r"^1 .*SLOW", text, re.M) and not re.search(r"^0 .*SLOW", text, re.M), text
     caps = poll(lambda: (lambda c: c if c and c[0]["states"].get("done") == 2 else None)(
         ctl_json(env["run"], "list")["captures"]), "the automatic capture on both ranks")
     assert len(caps) == 1 and caps[0]["capture_id"].startswith("auto-")

@@ -17,12 +17,13 @@ from typing import Any, Mapping
 from .ids import check_id
 from .options import MAX_STEP, OPTIONS, ConfigError, Option, WindowOptions, window_options
 from .ranks import RankSpecError, parse_ranks, selects
+from .triagedefs import ACTIONS as TRIAGE_ACTIONS
 from .window import Window, _step
 
 MAX_START_OFFSET = 1_000_000
 MAX_REQUEST_STEPS = 1_000_000_000
 MAX_ID_CHARS = 128
-ACTIONS = ("capture", "stacks", "memory", "flight_recorder")  # what a trigger file may ask for (rank/triage.py)
+ACTIONS = ("capture", *TRIAGE_ACTIONS)  # what a trigger file may ask for
 
 
 class RequestError(ValueError):

@@ -1,10 +1,12 @@
-"""A short-lived connection from ondemandctl to the daemon: one request, exactly one reply, bounded waits."""
+"""A short-lived connection from ondemandctl to the daemon: one request, exactly one reply, bounded waits; the
+exit codes; and the shape of one host's answer (Reply) that the fan-out across hosts gives for each host."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,24 @@ class CtlError(Exception):
     def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
         super().__init__(message)
         self.code = code
+
+
+@dataclass
+class Reply:
+    """One host's answer: `kind` is ok, error (the daemon refused the request), timeout or refused (our key)."""
+
+    kind: str
+    data: Any = None
+    error: str = ""
+    seconds: float = 0.0
+    received_at: float = 0.0  # wall time this reply arrived: what it says is anchored here, not at the round's end
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == "ok"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ok": True, "data": self.data} if self.ok else {"ok": False, "kind": self.kind, "error": self.error}
 
 
 class Client:
@@ -90,6 +110,24 @@ class Client:
             if reply["type"] == "error":
                 raise CtlError(reply["error"])
             return reply.get("data")
+
+
+class OneHost:
+    """This host's daemon behind the fan-out's request() (host/fanout.py), so that what is written for many hosts
+    (following a capture) serves one. The daemon's errors and silence are raised as CtlError, as one host's
+    commands always did, rather than returned as a Reply."""
+
+    name = "local"
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.timeout_s = client.timeout_s
+
+    def request(self, msg_type: str, fields: dict[str, Any] | None = None,
+                per_host: dict[str, dict[str, Any]] | None = None, wait_s: float | None = None,
+                hosts: list[str] | None = None) -> dict[str, Reply]:
+        more = (per_host or {}).get(self.name) or {}
+        return {self.name: Reply("ok", self.client.request(msg_type, wait_s=wait_s, **(fields or {}), **more))}
 
 
 def dumps(data: Any) -> str:

@@ -7,12 +7,12 @@ import logging
 import sys
 from pathlib import Path
 
-from .. import __version__
+from ..core.version import __version__
 from ..core.protocol import RUNTIME_ENV, default_runtime_dir
 from ..core.text import printable_streams
 from .client import EXIT_FAILED, EXIT_USAGE, Client, CtlError
-from .commands import COMMANDS
-from .multihost import EXTRA_COMMANDS, add_global_flags, run_multi, targets_from
+from .commands import CLI_COMMANDS
+from .multihost import add_global_flags, run_across, targets_from
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ondemandctl {__version__}")
     add_global_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for cmd in [*COMMANDS, *EXTRA_COMMANDS]:
+    for cmd in CLI_COMMANDS:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         cmd.add_arguments(p)
         p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -46,9 +46,9 @@ def _main(argv: list[str] | None) -> int:
         args.subparser.error(f"unrecognized arguments: {' '.join(extra)}")
     cmd = args.cmd
     try:
-        targets = targets_from(args) if cmd in COMMANDS else None
+        targets = targets_from(args) if cmd.takes_hosts else None
         if targets is not None:  # across hosts: every host's daemon over TCP, in parallel
-            return run_multi(cmd, args, targets, sys.stdout)
+            return run_across(cmd, args, targets, sys.stdout)
         if not cmd.needs_daemon:
             return cmd.run(None, args, sys.stdout)
         with Client(args.runtime_dir or default_runtime_dir(), args.connect_timeout) as client:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -18,7 +17,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..core.protocol import MAX_REPLY_BYTES, ProtocolError, decode, encode
-from .client import REPLIES, CtlError, EXIT_USAGE
+from .client import EXIT_USAGE, REPLIES, CtlError, Reply
 from .hosts import Target
 from .keys import CLIENT, KeyFileError, load_pair, server_public_key
 from .listener import open_fds, raise_nofile_limit
@@ -29,24 +28,6 @@ AUTH_FAILED = int(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 HANDSHAKE_FAILED = AUTH_FAILED | int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL) | \
     int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 SPARE_FDS = 64  # descriptors kept for the rest of the process (files, the report)
-
-
-@dataclass
-class Reply:
-    """One host's answer: `kind` is ok, error (the daemon refused the request), timeout or refused (our key)."""
-
-    kind: str
-    data: Any = None
-    error: str = ""
-    seconds: float = 0.0
-    received_at: float = 0.0  # wall time this reply arrived: what it says is anchored here, not at the round's end
-
-    @property
-    def ok(self) -> bool:
-        return self.kind == "ok"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"ok": True, "data": self.data} if self.ok else {"ok": False, "kind": self.kind, "error": self.error}
 
 
 class _Peer:

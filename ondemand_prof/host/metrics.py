@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from .registry import stalled_for, time_in_step
 from .triage import stragglers
 
 if TYPE_CHECKING:
@@ -48,13 +49,16 @@ class MetricsError(RuntimeError):
 class RankRow(NamedTuple):
     """What the loop copies of a rank (a plain tuple: 4096 of them cost the loop about a millisecond); what
     is derived from it (stalled, time in step, distance from the median) is computed on the server thread.
-    Its field names are RankInfo's, so RankInfo.stalled_s reads it as it reads a rank."""
+    Its field names are RankInfo's, so registry.stalled_for reads it as it reads a rank."""
     job: str
     rank: int
     host: str
     step: int
     step_time: float | None
     step_began_at: float | None
+    observed_step_time: float | None = None
+    sent_at: float | None = None
+    heard_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,8 @@ class Snapshot:
 
 
 def rank_rows(ranks: Iterable["RankInfo"]) -> tuple[RankRow, ...]:
-    return tuple(RankRow(i.job, i.rank, i.host, i.step, i.step_time, i.step_began_at) for i in ranks)
+    return tuple(RankRow(i.job, i.rank, i.host, i.step, i.step_time, i.step_began_at, i.observed_step_time,
+                         i.sent_at, i.heard_at) for i in ranks)
 
 
 def capture_source(request: Any) -> str:
@@ -176,7 +181,6 @@ def rank_text(snap: Snapshot, wall: float) -> str:
     Written here rather than through prometheus_client's metric families, whose renderer spends about 10 us a
     sample: at 4096 ranks and five gauges that was 200 ms with the GIL held, per scrape. The rest of the
     endpoint is prometheus_client's (tests/test_metrics.py reads the whole of it with its parser)."""
-    from .registry import RankInfo
 
     by_job: dict[str, list[dict[str, Any]]] = {}
     for row in snap.ranks:
@@ -189,11 +193,12 @@ def rank_text(snap: Snapshot, wall: float) -> str:
             row = r["row"]
             labels = f'{{job="{_label(row.job)}",rank="{row.rank}",host="{_label(row.host)}"}} '
             step.append(labels + str(row.step))
-            stalled.append(labels + ("1" if RankInfo.stalled_s(row, wall) is not None else "0"))  # type: ignore[arg-type]
+            stalled.append(labels + ("1" if stalled_for(row, wall) is not None else "0"))
             if row.step_time is not None:
                 step_seconds.append(labels + repr(row.step_time))
-            if row.step_began_at is not None:
-                in_step.append(labels + repr(round(max(0.0, wall - row.step_began_at), 3)))
+            ran = time_in_step(row, wall)
+            if ran is not None:
+                in_step.append(labels + repr(round(ran, 3)))
             if r["vs_median"] is not None:
                 vs_median.append(labels + repr(r["vs_median"]))
     out = []

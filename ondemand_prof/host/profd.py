@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .. import __version__
+from ..core.version import __version__
 from ..core.protocol import RUNTIME_ENV, STATE_ENV, default_runtime_dir, default_state_dir
 
 

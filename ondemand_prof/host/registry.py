@@ -88,6 +88,28 @@ class DeliveryBook:
         return {job: seconds for job, seconds in out.items() if seconds > DELIVERY_S}
 
 
+def time_in_step(rank: Any, wall: float) -> float | None:
+    """How long a rank's current step has run at `wall` (a RankInfo, or anything with its step fields: the
+    metrics' snapshot rows): as the rank measured it when it sent its last heartbeat, plus the time since we read
+    that heartbeat. A daemon that read its queue late (a starved CPU) thus never takes a heartbeat's age for time
+    in the step."""
+    if rank.step_began_at is None:
+        return None
+    if rank.sent_at is not None and rank.heard_at is not None:
+        return max(0.0, rank.sent_at - rank.step_began_at) + max(0.0, wall - rank.heard_at)
+    return max(0.0, wall - rank.step_began_at)
+
+
+def stalled_for(rank: Any, wall: float) -> float | None:
+    """How long the rank has been in its current step, once that is a stall (STALL_STEPS of its median step,
+    at least STALL_MIN_S); None while it steps, and before it finished a step (a job starting up: rendezvous,
+    loading data, compiling; status says 'starting')."""
+    ran = time_in_step(rank, wall)
+    if ran is None or not (rank.step_time or rank.observed_step_time):
+        return None
+    return ran if ran > max(STALL_MIN_S, STALL_STEPS * (rank.step_time or 0.0)) else None
+
+
 class RankConflict(ValueError):
     """A registration refused because another live process holds the rank; `new`: the first refusal of it."""
 
@@ -122,15 +144,13 @@ class RankInfo:
     native_dump: dict[str, Any] | None = None  # {"file"}: faulthandler's stack dump, checked by host/triage.py
     process: Any = None  # core.files.ProcessIdentity at registration (host/triage.py): pid reuse is told apart
     heard_at: float | None = None  # wall time of the rank's last heartbeat (or registration), when known
+    sent_at: float | None = None  # the rank's wall time when it sent that heartbeat (same host: same clock)
+
+    def in_step_s(self, wall: float) -> float | None:
+        return time_in_step(self, wall)
 
     def stalled_s(self, wall: float) -> float | None:
-        """How long the rank has been in its current step, once that is a stall (STALL_STEPS of its median step,
-        at least STALL_MIN_S); None while it steps, and before it finished a step (a job starting up: rendezvous,
-        loading data, compiling; status says 'starting')."""
-        if self.step_began_at is None or not (self.step_time or self.observed_step_time):
-            return None
-        ran = wall - self.step_began_at
-        return ran if ran > max(STALL_MIN_S, STALL_STEPS * (self.step_time or 0.0)) else None
+        return stalled_for(self, wall)
 
     def estimated_step(self, wall: float) -> int:
         """The step this rank is probably running at wall time `wall`: what windows are planned from (what users
@@ -152,7 +172,8 @@ class RankInfo:
 
     def as_dict(self, now: float, wall: float) -> dict[str, Any]:
         stalled = self.stalled_s(wall)
-        in_step = None if self.step_began_at is None else round(max(0.0, wall - self.step_began_at), 3)
+        in_step = self.in_step_s(wall)
+        in_step = None if in_step is None else round(in_step, 3)
         return {"job": self.job, "rank": self.rank, "world_size": self.world_size, "host": self.host,
                 "pid": self.pid, "step": self.step, "step_estimate": self.estimated_step(wall),
                 "in_step_s": in_step, "stalled_s": None if stalled is None else round(stalled, 1),
@@ -261,6 +282,8 @@ class Registry:
         info.step_time = float(st) if finite_number(st, MIN_STEP_TIME_S, MAX_STEP_TIME_S) else None
         began = msg.get("began")
         info.step_began_at = float(began) if finite_number(began, 0.0, MAX_WALL) else None
+        sent = msg.get("at")
+        info.sent_at = float(sent) if finite_number(sent, 0.0, MAX_WALL) else None
         if prev_began is not None and info.step_began_at is not None and info.step > prev_step and \
                 info.step_began_at > prev_began:
             observed = (info.step_began_at - prev_began) / (info.step - prev_step)

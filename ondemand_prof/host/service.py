@@ -2,7 +2,7 @@
 
 The transport (host/transport.py) hands each decoded message to Service.handle(route, msg) and sends what
 comes back, plus whatever the service queued in `outbox` (windows for ranks, delayed watch replies). Handlers
-of ondemandctl's commands live with their command (host/commands.py, one class per command: both ends); a bad
+of ondemandctl's commands live with their command (host/commands/, one class per command: both ends); a bad
 request raises BadRequest, whose text goes back to the sender; anything else is a bug, logged with its traceback.
 Tested without sockets (tests/test_daemon_logic.py).
 """
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .. import __version__
+from ..core.version import __version__
 from ..core.files import iso_time, pid_alive
 from ..core.protocol import FINAL_STATES, HEARTBEAT_S, RANK_TIMEOUT_S, encode, reply_error, reply_ok
 from ..core.ids import valid_id
@@ -36,7 +36,7 @@ class BadRequest(Exception):
 class Service:
     def __init__(self, store: RecordStore, commands: Mapping[str, Any], *, host: str, runtime_dir: Path,
                  state_dir: Path, pid_check: Callable[[int, bool], bool] = pid_alive) -> None:
-        """`commands`: message type -> an object whose execute(service, route, msg) serves it (host/commands.py)."""
+        """`commands`: message type -> an object whose execute(service, route, msg) serves it (host/commands/)."""
         self.store = store
         self.host = host
         self.runtime_dir = runtime_dir

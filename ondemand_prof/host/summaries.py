@@ -1,7 +1,7 @@
 """Reports that scale with the cluster: each rank's post-processing writes summary.json beside its trace
-(rank/postprocess.py); the daemon command `summaries` (host/commands.py) returns those of one capture's parts
-on its host, read here from the paths in its record (bounded in size); ondemandctl merges them across hosts
-(`merge_summaries`) without ever reading a trace over the network."""
+(rank/postprocess.py); the daemon command `summaries` (host/commands/report.py) returns those of one
+capture's parts on its host, read here from the paths in its record (bounded in size); ondemandctl merges them
+across hosts (`merge_summaries`) without ever reading a trace over the network."""
 
 from __future__ import annotations
 

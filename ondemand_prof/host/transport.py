@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import zmq
 
-from .. import __version__
+from ..core.version import __version__
 from ..core.options import MAX_STEP
 from ..core.protocol import PROTOCOL_VERSION, RANK_MESSAGES, ProtocolError, decode, encode, endpoint, reply_error, \
     socket_path

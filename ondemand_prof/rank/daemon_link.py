@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from .. import __version__
+from ..core.version import __version__
 from ..core.protocol import HEARTBEAT_S, ProtocolError, decode, default_runtime_dir, encode, endpoint, socket_path
 from ..core.safedir import daemon_socket_problem
 from ..core.requests import WindowDefaults, window_from_wire
@@ -160,6 +160,7 @@ class DaemonLink:
         # (the training thread may have moved on since; a step behind is harmless, no "began" is not)
         out: dict[str, Any] = {"step": prof.current_step} if began is None else \
             {"step": began[0], "began": round(began[1], 6)}
+        out["at"] = round(time.time(), 3)  # when sent: the daemon tells time in a step from a heartbeat's age
         out["state"] = prof.state
         windows = prof.scheduler.windows() if hasattr(prof, "scheduler") else []
         if windows:  # the daemon plans new captures after these (file-triggered ones too)

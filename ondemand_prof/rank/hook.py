@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .. import __version__
+from ..core.version import __version__
 from ..core.files import iso_time
 from ..core.options import ConfigError, ProfileConfig, WindowOptions, config_from_args, config_from_env, \
     config_from_mapping, default_job_id

@@ -32,16 +32,13 @@ from typing import Any, Callable
 from ..core.files import write_atomic
 from ..core.protocol import native_dump_signal
 from ..core.safedir import make_dirs
+from ..core.triagedefs import check_args, format_thread
 
 log = logging.getLogger("ondemand_prof.rank.triage")
 
-ACTIONS = ("stacks", "memory", "flight_recorder")
 MAX_RESULT_BYTES = 56 * 1024  # a rank's reply must fit the daemon's 64 KiB message cap
 MAX_THREADS = 64
 MAX_FRAMES = 48  # innermost frames kept per thread
-MAX_MEMORY_STEPS = 100
-DEFAULT_MAX_ENTRIES = 100_000
-MAX_ENTRIES = 10_000_000
 FR_SUMMARY_ENTRIES = 256  # newest flight-recorder entries a rank sends for the cross-rank comparison
 FR_ENV_HINT = ("set TORCH_FR_BUFFER_SIZE=2000 (TORCH_NCCL_TRACE_BUFFER_SIZE=2000 for NCCL on older torch) in the "
                "job's environment before it starts")
@@ -83,22 +80,6 @@ def fit_stacks(threads: list[dict[str, Any]], limit: int = MAX_RESULT_BYTES) -> 
         cut = True
         threads = [{**t, "frames": t["frames"][-keep:]} for t in threads]
     return threads, cut
-
-
-def format_thread(thread: dict[str, Any]) -> str:
-    """One thread as Python prints a traceback (most recent call last)."""
-    tags = [x for x, on in (("main", thread.get("main")), ("daemon", thread.get("daemon")),
-                            ("this collector", thread.get("collector"))) if on]
-    head = f'Thread "{thread["name"]}"' + (f" ({', '.join(tags)})" if tags else "")
-    hidden = thread.get("depth", len(thread["frames"])) - len(thread["frames"])
-    lines = [head + " (most recent call last):"]
-    if hidden > 0:
-        lines.append(f"  ... {hidden} outer frame(s) not shown")
-    for filename, lineno, name, code in thread["frames"]:
-        lines.append(f'  File "{filename}", line {lineno}, in {name}')
-        if code:
-            lines.append(f"    {code}")
-    return "\n".join(lines) + "\n"
 
 
 def stacks_text(threads: list[dict[str, Any]]) -> str:
@@ -306,24 +287,6 @@ def write_private(path: Path, data: bytes) -> None:
     directories made without the umask's say."""
     make_dirs(path.parent, 0o700)
     write_atomic(path, data)
-
-
-def check_args(action: str, args: Any) -> dict[str, Any]:
-    """A request's arguments, bounded; ValueError says what is wrong."""
-    if action not in ACTIONS:
-        raise ValueError(f"unknown triage action {action!r}; accepted: {', '.join(ACTIONS)}")
-    args = dict(args or {}) if isinstance(args, dict) else {}
-    if action != "memory":
-        return {}
-    out = {"steps": args.get("steps", 3), "max_entries": args.get("max_entries", DEFAULT_MAX_ENTRIES),
-           "stacks": args.get("stacks", "python")}
-    for key, hi in (("steps", MAX_MEMORY_STEPS), ("max_entries", MAX_ENTRIES)):
-        value = out[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
-            raise ValueError(f"{key} must be an integer from 1 to {hi}, got {value!r}")
-    if out["stacks"] not in ("python", "all"):
-        raise ValueError(f"stacks must be 'python' or 'all', got {out['stacks']!r}")
-    return out
 
 
 class Triage:

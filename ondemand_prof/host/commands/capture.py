@@ -1,0 +1,296 @@
+"""ondemandctl capture: the daemon resolves a request once into one aligned window for its ranks; across
+hosts ondemandctl plans that window from every daemon's status (host/planning.py) and sends it to all. Then,
+either way, the capture is followed until every rank is done and the result names each rank's trace
+(host/commands/follow.py, one host and many alike)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import re
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Callable, TextIO
+
+from ...core.options import add_window_flags, window_overrides
+from ...core.protocol import encode
+from ...core.ranks import RankSpecError, parse_ranks, spans
+from ...core.requests import RequestError, WindowDefaults, parse_request, resolve
+from ..alignment import late_refusal, mark_misaligned, refuse_parts
+from ..client import EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, OneHost, dumps
+from ..multihost import give_up, launch
+from ..planning import capture_record, common_cap, no_window
+from ..records import CaptureRecord, new_capture_id
+from ..registry import plan_window, select_ranks, stalls
+from ..service import BadRequest, Service
+from ..summaries import merge_summaries
+from .base import Command, add_job_flag, opt_str, window_text
+from .follow import exit_for, follow, result_text, running
+from .report import render_report, report_paths
+
+if TYPE_CHECKING:
+    from ..fanout import Fanout
+    from ..planning import Launched
+
+log = logging.getLogger("ondemand_prof.daemon")
+
+class Capture(Command):
+    name = "capture"
+    help = "profile a window of steps on some ranks, wait, and print where each rank's trace went"
+    fields = {"request": (dict,)}
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        add_job_flag(parser)
+        parser.add_argument("--ranks", help="ranks: a list or ranges like 0-3,7; -1 = all (default: the ranks a "
+                            "touched trigger file captures, --profile-ondemand-ranks, all unless the job set it)")
+        where = parser.add_mutually_exclusive_group()
+        where.add_argument("--start", type=int, help="first step, counted from the furthest-ahead rank's current "
+                           "step (default 1: as soon as every rank can; the daemon adds lead when needed)")
+        where.add_argument("--start-step", type=int, help="absolute first step")
+        parser.add_argument("--steps", type=int, default=2, help="number of steps to record (default 2)")
+        add_window_flags(parser)
+        parser.add_argument("--id", dest="label", help="your label for this capture")
+        parser.add_argument("--wait", action=argparse.BooleanOptionalAction, default=None,
+                            help="follow progress until every rank is done (default: when output is a terminal)")
+        parser.add_argument("--timeout", type=float, default=300.0, help="how long --wait waits, s (default 300)")
+        parser.add_argument("--report", action="store_true", help="when done, report on what was captured "
+                            "(implies --wait)")
+        parser.add_argument("--html", metavar="FILE", help="with --report: also write the HTML report here")
+        parser.add_argument("--top", type=int, default=10, help="with --report: operators per table (default 10)")
+        parser.add_argument("--summary", action="store_true", help="with --report: only the across-ranks table")
+
+    def message(self, args: argparse.Namespace) -> dict[str, Any]:
+        if args.html and not args.report:
+            raise CtlError("--html needs --report (it writes the report of what was captured)", EXIT_USAGE)
+        try:
+            ranks = None if args.ranks is None else list(parse_ranks(args.ranks))
+        except RankSpecError as exc:
+            raise CtlError(f"--ranks {args.ranks!r}: {exc}", EXIT_USAGE) from None
+        for flag in ("steps", "start", "start_step"):
+            value = getattr(args, flag)
+            if value is not None and value < (1 if flag == "steps" else 0):
+                raise CtlError(f"--{flag.replace('_', '-')} {value}: expected "
+                               f"{'1 or more' if flag == 'steps' else '0 or more'}", EXIT_USAGE)
+        request: dict[str, Any] = {"steps": args.steps, **window_overrides(args)}
+        if ranks is not None:
+            request["ranks"] = ranks
+        for key in ("start", "start_step"):
+            if getattr(args, key) is not None:
+                request[key] = getattr(args, key)
+        if args.label:
+            request["id"] = args.label
+        msg: dict[str, Any] = {"request": request}
+        if args.job:
+            msg["job"] = args.job
+        return msg
+
+    # ------------------------------------------------------------------------------------------------------
+    # The daemon's side
+
+    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        """Resolve the request once, here: targets, one aligned window after any already planned, the ranks'
+        own defaults and length cap; every target gets the same finished window."""
+        try:
+            request = parse_request(msg["request"])
+            job = service.registry.resolve_job(opt_str(msg, "job"))
+            live = service.registry.jobs()[job]
+            targets = _targets(service, job, request.ranks, max(r.world_size for r in live))
+            wall = time.time()
+            stall = stalls([{"rank": t.rank, "step": t.step, "stalled_s": t.stalled_s(wall)} for t in targets], wall)
+            if stall:  # a window there cannot start: say so now rather than time out later
+                raise ValueError(no_window(job, stall))
+            defaults = _common_defaults(targets)
+            steps = min(defaults.steps if request.steps is None else request.steps, defaults.max_steps)
+            plan = plan_window(targets, wall, start=request.start, start_step=request.start_step, steps=steps,
+                               delivery_s=service.delivery.estimate(job))
+        except (RequestError, ValueError) as exc:
+            raise BadRequest(str(exc)) from None
+        capture_id = _adopted_id(service, msg) or new_capture_id(wall)
+        # ranks of one job nearly always share their defaults: resolve and encode once per distinct defaults
+        # (per rank, that was most of the time from request to the last rank's window at 64 ranks)
+        distinct: list[tuple[WindowDefaults, Any]] = []
+
+        def window_for(d: WindowDefaults) -> Any:
+            for known, window in distinct:
+                if known == d:
+                    return window
+            window = resolve(request, dataclasses.replace(d, max_steps=defaults.max_steps), plan["start_step"],
+                             source="daemon", capture_id=capture_id, extra={"via": "ondemand-profd"})
+            distinct.append((d, window))
+            return window
+
+        windows = {t.rank: window_for(t.defaults or defaults) for t in targets}
+        first = windows[targets[0].rank]
+        plan["note"] = "; ".join(filter(None, [first.note, plan.get("note", "")]))
+        record = CaptureRecord.new(capture_id, job, request.as_dict(), plan, first.options.as_dict(),
+                                   [{"rank": t.rank, "host": t.host, "pid": t.pid, "uid": t.uid} for t in targets],
+                                   wall)
+        late = late_refusal(plan) if msg.get("across_hosts") is True else None
+        if late:  # shared with other hosts' ranks: on the same steps everywhere or not here (host/alignment.py)
+            refuse_parts(record, late, wall)
+            service.store.add(record)
+            log.warning("ondemand-profd: capture %s: %s", capture_id, late)
+            return {**record.data, "version": record.version}
+        service.store.add(record)
+        bodies: dict[int, bytes] = {}  # each distinct window encoded once, now that the plan's note is known
+        for _, window in distinct:
+            wire = dataclasses.replace(window, note=plan["note"]) if plan.get("after") else window
+            bodies[id(window)] = encode("capture", window=wire.to_wire())
+        for t in targets:
+            service.send(t.route, bodies[id(windows[t.rank])])
+        log.info("ondemand-profd: capture %s: job %s, %d rank(s), steps [%d, %d)%s", capture_id, job, len(targets),
+                 plan["start_step"], plan["end_step"], f" ({plan['note']})" if plan["note"] else "")
+        return {**record.data, "version": record.version}
+
+    # ------------------------------------------------------------------------------------------------------
+    # ondemandctl: one host
+
+    def run(self, client: Client, args: argparse.Namespace, out: TextIO) -> int:
+        record = client.request("capture", **self.message(args))
+        wait = waits(args)
+        if not args.json:
+            out.write(_plan_text(record))
+            out.flush()
+        if not wait:
+            out.write(dumps(record) + "\n" if args.json else
+                      f"not waiting; follow it with: ondemandctl show {record['capture_id']}\n")
+            return EXIT_OK
+        one = OneHost(client)
+        found = {one.name: record}
+        finished = follow(one, found, {}, args.timeout, None if args.json else out)
+        record = found[one.name]
+        mark_misaligned(record)
+        paths = [p["path"] for p in record["parts"].values() if p["state"] == "done" and p.get("path")]
+        self._result(record, result_text(record, finished), args, out,
+                     (lambda: report_paths(paths, args, out)) if paths else None)
+        return exit_for(record) if finished else EXIT_TIMEOUT
+
+    # ------------------------------------------------------------------------------------------------------
+    # ondemandctl: across hosts
+
+    def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
+        """One aligned window on the target ranks of every host, one capture id (host/planning.py); followed
+        on every host, a silent host asked again until --timeout, then given up on (host/multihost.py)."""
+        run = launch(fan, self.message(args)["request"], args.job, args.slurm)
+        if not args.json:
+            out.write(_plan_across_text(run))
+            out.flush()
+        wait = waits(args)
+        finished = True
+        quiet = dict(run.quiet)  # hosts that did not answer: asked again until --timeout when waiting
+        if wait:
+            finished = follow(fan, run.found, run.failed, args.timeout, None if args.json else out, quiet=quiet,
+                              capture_id=run.capture_id)
+        if quiet:
+            give_up(fan, run.capture_id, quiet, run.found)
+        record = capture_record(run, quiet)
+        timed_out = not finished and any(running(d) for n, d in run.found.items() if n not in quiet)
+
+        def report() -> None:  # each daemon's summaries of its ranks' traces, merged (no trace crosses the network)
+            summaries = fan.request("summaries", {"capture_id": run.capture_id}, hosts=list(run.found))
+            render_report(merge_summaries((n, r.data) for n, r in summaries.items() if r.ok), args, out)
+
+        self._result(record, result_text(record, not timed_out, wait, across=True), args, out, report)
+        if not wait:
+            return EXIT_PARTIAL if run.failed or quiet else EXIT_OK
+        return EXIT_TIMEOUT if timed_out else exit_for(record)
+
+    def _result(self, record: dict[str, Any], text: str, args: argparse.Namespace, out: TextIO,
+                report: Callable[[], Any] | None) -> None:
+        """The record (--json) or the result text; then, with --report and something to report on, the report."""
+        if args.json and not args.report:
+            out.write(dumps(record) + "\n")
+        elif not args.json:
+            out.write(text)
+        if args.report and report is not None:
+            if not args.json:
+                out.write("\n")
+            report()
+
+
+def waits(args: argparse.Namespace) -> bool:
+    """--wait, --no-wait, or by default: when stdout is a terminal (--report always waits)."""
+    return bool(args.report or (sys.stdout.isatty() if args.wait is None else args.wait))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The daemon's planning helpers
+
+def _targets(service: Service, job: str, ranks: tuple[int, ...] | None, world: int) -> list[Any]:
+    """The ranks a request names, or, naming none, those a touched trigger file would capture (each rank's
+    --profile-ondemand-ranks, sent at registration): one default for the file and ondemandctl."""
+    if ranks is not None:
+        return service.registry.select(job, select_ranks(list(ranks), world))
+    targets = [r for r in service.registry.select(job, [-1]) if r.defaults is None or r.defaults.selects(r.rank)]
+    if not targets:
+        raise ValueError(f"no rank of job {job!r} takes a capture that names no ranks (--profile-ondemand-ranks); "
+                         "name them with --ranks")
+    return targets
+
+
+def _common_defaults(targets: list[Any]) -> WindowDefaults:
+    """The targets' defaults with one length cap for all (host/planning.py common_cap), so that every rank
+    records the same steps."""
+    known = [t.defaults for t in targets if t.defaults is not None]
+    if not known:
+        raise ValueError("the target ranks did not say their window defaults (an older ondemand_prof?)")
+    return dataclasses.replace(known[0], max_steps=common_cap(d.max_steps for d in known))
+
+
+_CAPTURE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _adopted_id(service: Service, msg: dict[str, Any]) -> str | None:
+    """A capture id chosen by the caller (ondemandctl across hosts: one id on every host), when well-formed."""
+    value = msg.get("capture_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _CAPTURE_ID.match(value):
+        raise BadRequest(f"capture_id {value!r}: expected 1-64 letters, digits, '.', '_' or '-'")
+    if value in service.store.records:
+        raise BadRequest(f"capture {value} already exists on this host")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What the console says of a capture
+
+def _plan_text(record: dict[str, Any]) -> str:
+    plan = record["plan"]
+    text = (f"capture {record['capture_id']}: job {record['job']}, {len(record['parts'])} rank(s), steps "
+            f"{window_text(record['window'])} (ranks were at step {min(plan['current_steps'].values())}-"
+            f"{max(plan['current_steps'].values())}; lead {plan['lead_steps']} steps)\n")
+    if plan.get("note"):
+        text += f"  note: {plan['note']}\n"
+    past = plan.get("past_ranks", plan.get("late_ranks")) or []
+    close = [r for r in plan.get("late_ranks") or [] if r not in past]
+    if past:
+        text += (f"  warning: rank(s) {spans(past)} are already past the start step; they will start at "
+                 "once, late, and record the same number of steps from there\n")
+    if close:
+        text += (f"  warning: rank(s) {spans(close)} are less than {plan['lead_steps']} steps (the lead "
+                 "delivery needs) before the start step; they may get the window late, and then record "
+                 "the same number of steps from there\n")
+    return text
+
+
+def _plan_across_text(run: Launched) -> str:
+    plan = run.plan
+    n = sum(len(r) for r in run.targets.values())
+    steps = plan["current_steps"].values()
+    text = (f"capture {run.capture_id}: job {run.job}, {n} rank(s) on {len(run.targets)} host(s), steps "
+            f"[{plan['start_step']}, {plan['end_step']}) (ranks were at step {min(steps)}-{max(steps)}; lead "
+            f"{plan['lead_steps']} steps; sent to every host in {run.sent_s * 1000:.0f} ms)\n")
+    if plan.get("note"):
+        text += f"  note: {plan['note']}\n"
+    for name, error in run.unanswered.items():
+        text += f"  host {name} did not answer the status round: {error}\n"
+    if run.unanswered and run.missing:
+        text += (f"  rank(s) {spans(run.missing)} of the job were found on no host that answered: not in this "
+                 "capture\n")
+    for name, error in run.failed.items():
+        text += f"  host {name} FAILED: {error}\n"
+    for name, error in run.quiet.items():
+        text += f"  host {name} did not confirm the capture: {error}\n"
+    return text

@@ -1,0 +1,136 @@
+"""ondemandctl report: what captures say (report/), read from files here, or, for a capture id, from the
+folders the daemon's record names; across hosts from each daemon's per-rank summaries (`summaries`,
+host/summaries.py), merged, so that no trace crosses the network."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError, dumps
+from ..multihost import ask
+from ..planning import failures, no_capture, one_capture
+from ..service import Service
+from .base import Command, nothing_found_here, warn
+
+if TYPE_CHECKING:
+    from ..fanout import Fanout
+
+
+class Report(Command):
+    name = "report"
+    help = "what captures say: step times, compute vs communication, top operators, memory, slow ranks"
+    needs_daemon = False
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("paths", nargs="+", help="a capture id (or any unique part of it, from ondemandctl "
+                            "list), a save path (every capture under it, newest first), a capture directory, a "
+                            "torch_npu *_ascend_pt directory, or a trace file")
+        parser.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with charts")
+        parser.add_argument("--top", type=int, default=10, help="operators per table (default 10)")
+        parser.add_argument("--summary", action="store_true", help="only the across-ranks tables")
+        parser.add_argument("--runtime-dir", type=Path, default=None, help="for a capture id: the daemon's runtime "
+                            "directory (env ONDEMAND_PROF_RUNTIME_DIR)")
+        parser.add_argument("--connect-timeout", type=float, default=5.0, help="for a capture id: seconds to wait "
+                            "for the daemon's answer (default 5)")
+
+    def run(self, client: Client | None, args: argparse.Namespace, out: TextIO) -> int:
+        _check_top(args)
+        paths: list[Path] = []
+        for given in args.paths:  # a path that exists, or names a folder, is a path; else a capture id
+            is_path = os.path.lexists(given) or os.sep in given or given.startswith((".", "~"))
+            paths.extend([Path(given)] if is_path else capture_folders(given, args))
+        data = report_paths(paths, args, out)
+        return EXIT_OK if data["ranks_read"] else EXIT_FAILED
+
+    def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
+        """One capture id: every daemon's summaries of its ranks, merged (host/summaries.py)."""
+        from ..summaries import merge_summaries
+
+        if len(args.paths) != 1:
+            raise CtlError("across hosts, report takes one capture id (the traces stay on their hosts; each daemon "
+                           "returns its ranks' summaries)", EXIT_USAGE)
+        _check_top(args)
+        replies = ask(fan, "summaries", {"capture_id": args.paths[0]})
+        found = one_capture(replies)
+        if not found:
+            raise nothing_found_here(replies)
+        failed = failures(replies, no_capture)
+        data = merge_summaries((n, r.data) for n, r in found.items())
+        data["failed_hosts"] = failed
+        render_report(data, args, out)
+        warn(failed, sys.stderr)
+        if failed:
+            return EXIT_PARTIAL
+        return EXIT_OK if data["ranks_read"] else EXIT_FAILED
+
+
+def _check_top(args: argparse.Namespace) -> None:
+    if args.top < 1:
+        raise CtlError(f"--top {args.top}: expected 1 or more", EXIT_USAGE)
+
+
+class Summaries(Command):
+    """The summaries (summary.json) of a capture's parts on this host: ondemandctl's report across hosts merges
+    these instead of reading traces (host/summaries.py)."""
+
+    name = "summaries"
+    cli = False
+    fields = {"capture_id": (str,)}
+
+    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        from ..summaries import part_summaries
+
+        record = service.find(msg["capture_id"])
+        return {**{k: record.data.get(k) for k in ("capture_id", "job", "window", "status", "options")},
+                "parts": part_summaries(record.data)}
+
+
+def capture_folders(capture_id: str, args: argparse.Namespace) -> list[Path]:
+    """The capture folders (one per save path) holding what the capture's ranks on this host wrote, from the
+    daemon's record. CtlError when it is not a path and the daemon knows no such capture."""
+    from ...core.protocol import default_runtime_dir
+
+    try:
+        with Client(args.runtime_dir or default_runtime_dir(), args.connect_timeout) as client:
+            record = client.request("show", capture_id=capture_id)
+    except CtlError as exc:
+        raise CtlError(f"{capture_id!r} is not a file or directory here, and not a capture the daemon knows: "
+                       f"{exc}") from None
+    folders = sorted({str(Path(p["path"]).parent) for p in record["parts"].values()
+                      if p["state"] == "done" and p.get("path")})
+    if not folders:
+        raise CtlError(f"capture {record['capture_id']} wrote no trace here (status {record['status']}; ondemandctl "
+                       f"show {record['capture_id']})")
+    return [Path(f) for f in folders]
+
+
+def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
+    """Build, print (text or --json) and optionally write the HTML report; shared by report and capture."""
+    from ...report import build_report
+
+    data = build_report(paths, top=max(args.top, 15))
+    render_report(data, args, out)
+    return data
+
+
+def render_report(data: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None:
+    """Print a report's data (text or --json) and write --html; also ondemandctl's report across hosts."""
+    from ...report.html import render_html
+    from ...report.text import render_text
+
+    if getattr(args, "html", None):
+        try:
+            with open(args.html, "w", encoding="utf-8") as fh:
+                fh.write(render_html(data))
+        except OSError as exc:
+            raise CtlError(f"--html {args.html}: cannot write: {exc.strerror}") from None
+    if args.json:
+        out.write(dumps(data) + "\n")
+    else:
+        out.write(render_text(data, top=args.top, per_rank=not getattr(args, "summary", False)))
+        if getattr(args, "html", None):
+            out.write(f"HTML report: {os.path.abspath(args.html)}\n")

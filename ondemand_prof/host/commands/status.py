@@ -1,0 +1,129 @@
+"""ondemandctl status: the live ranks of each job, with what is wrong with them (stalled, silent, claimed
+twice, slow) and what to run next."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TYPE_CHECKING, Any, TextIO
+
+from ...core.ranks import spans
+from ..client import dumps
+from ..planning import exit_across, failures, no_live_job
+from ..registry import match_id, stall_text, stalls
+from ..service import BadRequest, Service
+from .base import Command, add_job_flag, ms, opt_str, table, warn
+
+if TYPE_CHECKING:
+    from ..fanout import Fanout
+
+
+class Status(Command):
+    name = "status"
+    help = "live ranks: job, rank, host, pid, current step, step time, state"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        add_job_flag(parser, only=True)
+
+    def message(self, args: argparse.Namespace) -> dict[str, Any]:
+        return {"job": args.job} if args.job else {}
+
+    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        now, wall = time.monotonic(), time.time()
+        live = service.registry.jobs()
+        job = opt_str(msg, "job")
+        if job:
+            try:
+                job = match_id(job, live, "live job")
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+        jobs = {name: [r.as_dict(now, wall) for r in ranks] for name, ranks in live.items() if not job or name == job}
+        from ..triage import stragglers
+
+        slow = {name: stragglers(ranks) for name, ranks in jobs.items()}  # adds vs_median and slow to each rank
+        stalled = {name: stall for name, ranks in jobs.items() if (stall := stalls(ranks, wall)) is not None}
+        conflicts = {name: c for name in jobs if (c := service.registry.conflicts_of(name, now))}
+        silent: dict[str, list[dict[str, Any]]] = {}  # heartbeats stopped, process alive: the GIL held?
+        for info in service.triage.silent_ranks(job or None, now):
+            silent.setdefault(info.job, []).append({"rank": info.rank, "pid": info.pid, "host": info.host,
+                                                    "step": info.step, "silent_s": round(now - info.last_seen, 1)})
+        return {"daemon": service.daemon_info(), "jobs": jobs if not msg.get("brief") else {}, "stragglers": slow,
+                "delivery_s": service.delivery.longer(jobs), "stalled": stalled, "conflicts": conflicts,
+                "silent": silent}
+
+    def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
+        """Each host's daemon and ranks, under `== host` headers."""
+        from ..multihost import ask
+
+        replies = ask(fan, self.name, self.message(args))
+        failed = failures(replies, no_live_job)
+        if args.json:
+            out.write(dumps({"hosts": {n: r.as_dict() for n, r in replies.items()}}) + "\n")
+        else:
+            for name, reply in replies.items():
+                if reply.ok:
+                    out.write(f"== {name}\n" + self.console(reply.data, args))
+            warn(failed, sys.stderr)
+        return exit_across(failed, replies)
+
+    def console(self, data: Any, args: argparse.Namespace) -> str:
+        d = data["daemon"]
+        text = (f"ondemand-profd {d['version']} pid {d['pid']} on {d['host']}, up {d['uptime_s']:.0f} s; "
+                f"{d['captures']} capture record(s), {d['running_captures']} running\n")
+        silent = data.get("silent") or {}
+        if not data["jobs"] and not silent:
+            return text + "no ranks registered\n"
+        for job in sorted(set(silent) - set(data["jobs"])):
+            text += f"\njob {job}: no rank answers\n" + _silent_text(job, silent[job])
+        for job, ranks in data["jobs"].items():
+            text += _job_text(job, ranks, data, silent.get(job) or [])
+        return text
+
+
+def _job_text(job: str, ranks: list[dict[str, Any]], data: dict[str, Any], silent: list[dict[str, Any]]) -> str:
+    world = max(r["world_size"] for r in ranks)
+    text = f"\njob {job}: {len(ranks)} of {world} rank(s) registered\n"
+    for label, key in (("trigger dir", "trigger_dir"), ("save path", "save_root")):
+        places = sorted({r.get(key) or "?" for r in ranks})
+        text += f"  {label}: {', '.join(places)}\n"
+    rows = [[str(r["rank"]), r["host"], str(r["pid"]), str(r["step"]), ms(r["step_time_s"]), _state(r),
+             f"{r['last_seen_s']:.1f} s ago", _vs_median(r)] for r in ranks]
+    text += table(rows, ["RANK", "HOST", "PID", "STEP", "STEP TIME", "STATE", "HEARD", "VS MEDIAN"])
+    stall = (data.get("stalled") or {}).get(job)
+    if stall:
+        text += stall_text(job, stall) + "\n"
+    text += _silent_text(job, silent)
+    for c in (data.get("conflicts") or {}).get(job) or []:
+        text += (f"CONFLICT: rank {c['rank']} is held by pid {c['pid']} ({c['host']}); pid {c['refused_pid']} "
+                 f"({c['refused_host']}) claims it too and is refused ({c['attempts']} tries): two jobs "
+                 "share this job id\n")
+    delivery = (data.get("delivery_s") or {}).get(job)
+    if delivery:  # learned from ranks that took windows late: captures now plan a longer lead
+        text += (f"windows took up to {delivery * 1000:.0f} ms to reach this job's ranks lately; captures "
+                 "start far enough ahead for that\n")
+    slow = (data.get("stragglers") or {}).get(job) or {}
+    if slow.get("slow_ranks"):
+        text += (f"slow: rank(s) {spans(slow['slow_ranks'])} (step time over {slow['slow_ratio']:g}x the "
+                 f"job's median, {ms(slow['median_step_time_s'])})\n")
+    return text
+
+
+def _vs_median(rank: dict[str, Any]) -> str:
+    ratio = rank.get("vs_median")
+    return "-" if not ratio else f"{ratio:.2f}x" + ("  SLOW" if rank.get("slow") else "")
+
+
+def _silent_text(job: str, ranks: list[dict[str, Any]]) -> str:
+    return "".join(f"SILENT: rank {r['rank']} (pid {r['pid']}, {r['host']}, last at step {r['step']}) sent no "
+                   f"heartbeat for {r['silent_s']:.0f} s but its process is alive: native code holding the GIL? "
+                   f"ondemandctl stacks --job {job} dumps its threads natively\n" for r in ranks)
+
+
+def _state(rank: dict[str, Any]) -> str:
+    stalled, in_step = rank.get("stalled_s"), rank.get("in_step_s") or 0.0
+    if stalled is not None:
+        return f"STALLED {stalled:.0f} s"
+    if not rank.get("step_time_s") and in_step >= 10:  # no step finished yet (a stall once one has)
+        return f"starting {in_step:.0f} s"
+    return rank["state"]

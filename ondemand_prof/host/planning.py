@@ -1,0 +1,383 @@
+"""ondemandctl across hosts, the pure part: which job and ranks a capture means, one window for all of them,
+and one answer from many hosts' replies. Replies in, plans and merged records out: no sockets, no printing
+(the fan-out is host/multihost.py, the console each command's own). Two rules are shared with the daemon's
+planning on one host (host/commands/capture.py): every rank of a capture gets the same length cap, and a
+stalled job gets no window.
+
+A capture across hosts is aligned by steps, not clocks: every daemon's status gives its ranks' current steps
+and step times, each anchored at the time that host's answer arrived (our clock only), and one absolute
+window is planned from those with the daemon's own planner (registry.plan_window), the fan-out's round trip
+counted as delivery."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from ..core.protocol import FINAL_STATES
+from ..core.ranks import spans
+from ..core.safejson import finite_number
+from .alignment import MISALIGNED, mark_misaligned
+from .client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, CtlError
+from .registry import DELIVERY_S, MAX_DELIVERY_S, RankInfo, match_id, plan_window, stall_text, stalls
+
+if TYPE_CHECKING:
+    from .client import Reply
+
+Replies = dict[str, "Reply"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rules shared with the daemon
+
+def common_cap(caps: Iterable[int | None]) -> int | None:
+    """The one length cap of ranks that must record the same steps: the smallest of theirs (None: none known)."""
+    known = [c for c in caps if c]
+    return min(known) if known else None
+
+
+def no_window(job: str, stall: dict[str, Any]) -> str:
+    """Why a capture on a stalled job is refused at once (it would time out later)."""
+    return f"{stall_text(job, stall)}. No window can start until they step again"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The job and its ranks
+
+def pick_job(live: Iterable[str], job: str | None, slurm: str | None = None) -> str:
+    """The job meant: `job` (an id or a unique prefix of one), else under --slurm JOBID the live job that is
+    that SLURM job or one of its steps (`JOBID.STEP`: ranks name their job so), else the only live job.
+    CtlError says why not."""
+    names = sorted(set(live))
+    if job is not None:
+        try:
+            return match_id(job, names, "live job")
+        except ValueError as exc:
+            raise CtlError(f"--job: {exc} (on the hosts that answered)",
+                           EXIT_USAGE if any(n.startswith(job) for n in names) else EXIT_FAILED) from None
+    if not names:
+        raise CtlError("no ranks are registered with any of the daemons that answered")
+    if slurm is not None:
+        steps = [j for j in names if j == slurm or j.startswith(slurm + ".")]
+        if len(steps) == 1:
+            return steps[0]
+        if steps:
+            raise CtlError(f"SLURM job {slurm} has {len(steps)} live steps ({', '.join(steps)}): choose one with "
+                           "--job", EXIT_USAGE)
+    if len(names) > 1:
+        raise CtlError(f"{len(names)} jobs are live ({', '.join(names)}): choose one with --job", EXIT_USAGE)
+    return names[0]
+
+
+def rank_infos(statuses: Replies, job: str | None, slurm: str | None = None, now: float | None = None
+               ) -> tuple[str, dict[str, list[RankInfo]]]:
+    """The job meant and its live ranks per host, from status replies; CtlError when the job is unclear."""
+    jobs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for name, reply in statuses.items():
+        if reply.ok:
+            for j, ranks in reply.data["jobs"].items():
+                jobs.setdefault(j, {})[name] = ranks
+    job = pick_job(jobs, job, slurm)
+    now = time.time() if now is None else now
+    # Each daemon's estimate of its ranks' steps is anchored at the time its own reply arrived (our clock
+    # only: the hosts' clocks need not agree), so plan_window extrapolates every host from its own answer: a
+    # host that answered at once is not made to look 5 s behind by one that timed out in the same round.
+    infos = {name: [_rank_info(r, job, statuses[name].received_at or now) for r in ranks]
+             for name, ranks in jobs[job].items()}
+    return job, infos
+
+
+def _rank_info(r: dict[str, Any], job: str, anchor: float) -> RankInfo:
+    """One rank of a daemon's status reply. `step_estimate` is the daemon's estimate of the step running as
+    it replied (`step` is the last one the rank reported; older daemons sent only `step`, their estimate)."""
+    step = r.get("step_estimate", r["step"])
+    return RankInfo(route=b"", job=job, rank=r["rank"], world_size=r["world_size"], host=r["host"], pid=r["pid"],
+                    step=step if type(step) is int else r["step"], step_time=r["step_time_s"], step_began_at=anchor,
+                    windows=r.get("windows") or [])
+
+
+def _rows(statuses: Replies, job: str) -> Iterable[tuple[str, dict[str, Any]]]:
+    """(host, rank row) of `job` in the status replies that came."""
+    return ((name, r) for name, reply in statuses.items() if reply.ok for r in reply.data["jobs"].get(job, []))
+
+
+def _keys(targets: dict[str, list[RankInfo]]) -> set[tuple[str, int]]:
+    return {(name, i.rank) for name, infos in targets.items() for i in infos}
+
+
+def choose_targets(infos: dict[str, list[RankInfo]], wanted: list[int] | None,
+                   by_default: set[tuple[str, int]] | None = None) -> dict[str, list[RankInfo]]:
+    """The ranks `wanted` names (-1: all), per host; or, naming none (None), those `by_default` holds: what a
+    touched trigger file captures on each host (--profile-ondemand-ranks). CtlError names ranks no host has."""
+    if wanted is None:
+        chosen = {name: [i for i in ranks if by_default is None or (name, i.rank) in by_default]
+                  for name, ranks in infos.items()}
+        return {name: ranks for name, ranks in chosen.items() if ranks}
+    everywhere = {i.rank for ranks in infos.values() for i in ranks}
+    if -1 not in wanted:
+        missing = sorted(set(wanted) - everywhere)
+        if missing:
+            raise CtlError(f"rank(s) {spans(missing)} are not registered with any daemon that answered; live "
+                           f"ranks: {spans(sorted(everywhere)) or 'none'}")
+    chosen = {name: [i for i in ranks if -1 in wanted or i.rank in wanted] for name, ranks in infos.items()}
+    return {name: ranks for name, ranks in chosen.items() if ranks}
+
+
+def missing_ranks(infos: dict[str, list[RankInfo]], wanted: list[int] | None) -> list[int]:
+    """With all ranks wanted (-1, or the default): the job's ranks (by its world size) that no daemon that
+    answered has."""
+    if wanted is not None and -1 not in wanted:
+        return []
+    world = max((i.world_size for ranks in infos.values() for i in ranks), default=0)
+    return sorted(set(range(world)) - {i.rank for ranks in infos.values() for i in ranks})
+
+
+def stalled_refusal(statuses: Replies, job: str, targets: dict[str, list[RankInfo]],
+                    now: float | None = None) -> str | None:
+    """Why no window can be planned: target ranks that have not finished a step for a while (their daemon
+    says `stalled_s`); a window on a stalled job would never start. None when none is stalled."""
+    wanted = _keys(targets)
+    rows = [{"rank": r["rank"], "step": r["step"], "daemon": name, "stalled_s": r.get("stalled_s")}
+            for name, r in _rows(statuses, job)
+            if (name, r["rank"]) in wanted and finite_number(r.get("stalled_s"), 0.0, 1e9)]
+    stall = stalls(rows, time.time() if now is None else now)
+    return None if stall is None else no_window(job, stall)
+
+
+def cap_steps_across(statuses: Replies, job: str, targets: dict[str, list[RankInfo]],
+                     request: dict[str, Any]) -> str:
+    """Cap the request's length at the smallest --profile-max-window-steps of the target ranks on every host,
+    so that each daemon (which caps by its own ranks only) records the same steps; the note says so."""
+    wanted = _keys(targets)
+    cap = common_cap(r.get("max_window_steps") for name, r in _rows(statuses, job) if (name, r["rank"]) in wanted)
+    asked = request.get("steps")
+    if cap is None or not isinstance(asked, int) or asked <= cap:
+        return ""
+    request["steps"] = cap
+    return f"steps capped from {asked} to {cap} (the smallest --profile-max-window-steps of the target ranks)"
+
+
+def slowest_delivery(statuses: Replies, job: str, targets: dict[str, list[RankInfo]]) -> float:
+    """The slowest target host's own delivery to its ranks, as its daemon learned it (a number a host sends:
+    bounded; DELIVERY_S when none is known)."""
+    learned = [(r.data.get("delivery_s") or {}).get(job) for name, r in statuses.items() if r.ok and name in targets]
+    return max([DELIVERY_S, *(d for d in learned if d is not None and finite_number(d, 0.0, MAX_DELIVERY_S))])
+
+
+def plan_across(targets: dict[str, list[RankInfo]], request: dict[str, Any], round_trip_s: float,
+                local_delivery_s: float = DELIVERY_S, now: float | None = None) -> dict[str, Any]:
+    """One absolute window for every target rank. Delivery covers the status round trip (the steps are that
+    old) and the capture's way out, plus one step for the daemons' own extrapolation, plus the slowest host's
+    own delivery to its ranks (what each daemon learned from its ranks' answers; DELIVERY_S by default)."""
+    ranks = [i for infos in targets.values() for i in infos]
+    slowest = max((i.step_time or 0.0) for i in ranks)
+    try:
+        return plan_window(ranks, time.time() if now is None else now, start=request.get("start"),
+                           start_step=request.get("start_step"), steps=request["steps"],
+                           delivery_s=local_delivery_s + 2 * round_trip_s + slowest)
+    except ValueError as exc:
+        raise CtlError(str(exc)) from None
+
+
+@dataclass
+class CapturePlan:
+    """What a capture across hosts sends: the job, the target ranks per host, the plan (one absolute window),
+    the request every host gets (absolute start; each host's own ranks added by `per_host`), and the ranks of
+    the job that no host that answered has (`missing`)."""
+
+    job: str
+    targets: dict[str, list[RankInfo]]
+    plan: dict[str, Any]
+    request: dict[str, Any]
+    missing: list[int]
+
+    def per_host(self) -> dict[str, dict[str, Any]]:
+        return {name: {"request": {**self.request, "ranks": [i.rank for i in ranks]}}
+                for name, ranks in self.targets.items()}
+
+
+def plan_capture(statuses: Replies, request: dict[str, Any], job: str | None, slurm: str | None = None,
+                 now: float | None = None) -> CapturePlan:
+    """From every host's status and the request (`Capture.message`'s): the targets and one window for all of
+    them. CtlError when no window can be planned (no such job or ranks, a stalled job, a start some rank has
+    passed: across hosts a window starts on the same step on every rank or not at all). `now`: the wall
+    clock (default: read where each step needs it)."""
+    request = dict(request)
+    round_trip = max((r.seconds for r in statuses.values() if r.ok), default=0.0)
+    job, infos = rank_infos(statuses, job, slurm, now)
+    wanted = request.pop("ranks", None)
+    by_default = {(name, r["rank"]) for name, r in _rows(statuses, job) if r.get("captured_by_default", True)}
+    targets = choose_targets(infos, wanted, by_default)
+    if not targets:
+        raise CtlError("no target ranks on the hosts that answered")
+    stalled = stalled_refusal(statuses, job, targets, now)
+    if stalled:
+        raise CtlError(stalled)
+    cap_note = cap_steps_across(statuses, job, targets, request)
+    plan = plan_across(targets, request, round_trip, slowest_delivery(statuses, job, targets), now)
+    if request.get("start_step") is not None and plan["past_ranks"]:
+        steps = plan["current_steps"].values()
+        raise CtlError(f"--start-step {request['start_step']}: rank(s) {spans(plan['past_ranks'])} are already past "
+                       f"it (the ranks are at steps {min(steps)}-{max(steps)}); across hosts a window starts on the "
+                       "same step on every rank or not at all: give a later step, or --start N")
+    plan["note"] = "; ".join(filter(None, [cap_note, plan.get("note", "")]))
+    request.pop("start", None)
+    request["start_step"] = plan["start_step"]
+    return CapturePlan(job, targets, plan, request, missing_ranks(infos, wanted))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Replies: who answered, who failed, one exit status
+
+def failures(replies: Replies, absent: Callable[["Reply"], bool] = lambda r: False) -> dict[str, str]:
+    """The hosts that did not give an answer, and why (`absent`: errors that only mean "nothing here")."""
+    return {n: r.error for n, r in replies.items() if not r.ok and not absent(r)}
+
+
+def unanswered(replies: Replies) -> dict[str, str]:
+    """The hosts that gave no answer (as opposed to an error reply): unreachable."""
+    return {n: r.error for n, r in replies.items() if not r.ok and r.kind != "error"}
+
+
+def no_capture(reply: "Reply") -> bool:
+    return reply.kind == "error" and reply.error.startswith("no capture")
+
+
+def no_live_job(reply: "Reply") -> bool:
+    return reply.kind == "error" and reply.error.startswith("no live job")
+
+
+def exit_across(failed: dict[str, str], replies: Replies) -> int:
+    """Exit status: 3 when some hosts failed, 4 when none answered."""
+    if not failed:
+        return EXIT_OK
+    return EXIT_NO_DAEMON if len(failed) == len(replies) else EXIT_PARTIAL
+
+
+def one_capture(replies: Replies) -> Replies:
+    """The hosts that have the capture (none, maybe); CtlError when a partial id means different captures on
+    different hosts."""
+    found = {n: r for n, r in replies.items() if r.ok}
+    ids = {r.data["capture_id"] for r in found.values()}
+    if len(ids) > 1:
+        raise CtlError(f"the id matches different captures on different hosts ({', '.join(sorted(ids))}); give more "
+                       "of it", EXIT_USAGE)
+    return found
+
+
+def nothing_found(replies: Replies) -> CtlError:
+    """No host could act: what the daemons said, once each ("no capture ...", "already cancelled"). When some
+    hosts did not answer, the exit status is partial: the capture may be on those (the caller names them)."""
+    said = {r.error for r in replies.values() if r.kind == "error" and not no_capture(r)} or \
+        {r.error for r in replies.values() if r.kind == "error"}
+    quiet = any(r.kind != "error" for r in replies.values())
+    return CtlError("; ".join(sorted(said)) or "no host answered", EXIT_PARTIAL if quiet else EXIT_FAILED)
+
+
+def merge_status(statuses: list[str]) -> str:
+    """One status from the hosts' (unreachable: a host that never answered counts as not done)."""
+    if "running" in statuses:
+        return "running"
+    if all(s in ("done", MISALIGNED) for s in statuses):  # every rank wrote; whether alike is checked after
+        return "done"
+    if all(s == "cancelled" for s in statuses):
+        return "cancelled"
+    return "partial" if any(s in ("done", "partial", MISALIGNED) for s in statuses) else "failed"
+
+
+def merge_lists(replies: Replies, limit: int) -> list[dict[str, Any]]:
+    """`list` replies of several hosts -> one list, newest first: a capture across hosts (one id, a record on
+    every host involved) once, with its ranks and states summed, its hosts, and one status."""
+    merged: dict[str, dict[str, Any]] = {}
+    for name, reply in replies.items():
+        for c in reply.data["captures"] if reply.ok else []:
+            m = merged.setdefault(c["capture_id"], {**c, "ranks": 0, "states": {}, "hosts": [], "statuses": []})
+            m["ranks"] += c["ranks"]
+            m["hosts"].append(name)
+            m["statuses"].append(c["status"])
+            for state, n in c["states"].items():
+                m["states"][state] = m["states"].get(state, 0) + n
+    for m in merged.values():
+        m["status"] = merge_status(m.pop("statuses"))
+    return sorted(merged.values(), key=lambda c: c["created_at"], reverse=True)[:limit]
+
+
+def merged_record(found: dict[str, dict[str, Any]], failed: dict[str, str],
+                  unreachable: dict[str, str] | None = None,
+                  targets: dict[str, list[RankInfo]] | None = None) -> dict[str, Any]:
+    """Records of one capture from several hosts -> one record (parts keyed by rank, each naming its daemon).
+
+    `failed`: hosts that answered with an error (their ranks record nothing); `unreachable`: hosts that gave no
+    answer (never, or not since some point: their ranks' last known state is kept, unfinished parts become
+    `unreachable`). `targets` names the ranks of hosts with no record here, so that those ranks are listed."""
+    unreachable = unreachable or {}
+    first = next(iter(found.values()), {})
+    parts: dict[str, Any] = {}
+    for name, data in found.items():
+        for key, part in data["parts"].items():
+            parts[key] = {**part, "daemon": name}
+            if name in unreachable and part["state"] not in FINAL_STATES:
+                parts[key].update(state="unreachable", last_state=part["state"],
+                                  error=f"host {name} stopped answering: {unreachable[name]}")
+    for name, ranks in (targets or {}).items():
+        if name not in found and (name in failed or name in unreachable):
+            for i in ranks:
+                parts[str(i.rank)] = _lost_part(i, name, failed.get(name) or unreachable[name], name in failed)
+    hosts: dict[str, dict[str, Any]] = {n: {"status": d["status"]} for n, d in found.items()}
+    hosts.update({n: {"status": "failed", "error": e} for n, e in failed.items() if n not in found})
+    hosts.update({n: {"status": "unreachable", "error": e} for n, e in unreachable.items()})
+    record = {**first, "parts": parts, "status": merge_status([h["status"] for h in hosts.values()]),
+              "hosts": hosts}
+    record.pop("version", None)
+    mark_misaligned(record)
+    return record
+
+
+def _lost_part(info: RankInfo, daemon: str, error: str, failed: bool) -> dict[str, Any]:
+    state = "failed" if failed else "unreachable"
+    return {"rank": info.rank, "host": info.host, "pid": info.pid, "daemon": daemon, "state": state,
+            "error": f"host {daemon}: {error}", "history": [{"state": state}]}
+
+
+def fail_host(data: dict[str, Any], error: str) -> None:
+    """A host's record whose daemon now refuses to talk about the capture: its unfinished ranks failed."""
+    data["status"] = "failed"
+    for part in data["parts"].values():
+        if part["state"] not in FINAL_STATES:
+            part["state"], part["error"] = "failed", error
+
+
+@dataclass
+class Launched:
+    """A capture sent to every host: what each accepted (`found`: host -> record), which hosts answered with
+    an error (`failed`) and which did not answer (`quiet`: the capture may have reached them or not), the
+    plan, and how long sending took; `unanswered`: hosts that did not answer the status round (their ranks, if
+    any, are not in the capture), `missing`: ranks of the job that no host that answered has."""
+
+    capture_id: str
+    job: str
+    targets: dict[str, list[RankInfo]]
+    plan: dict[str, Any]
+    found: dict[str, dict[str, Any]]
+    failed: dict[str, str]
+    sent_s: float
+    quiet: dict[str, str] = field(default_factory=dict)
+    unanswered: dict[str, str] = field(default_factory=dict)
+    missing: list[int] = field(default_factory=list)
+
+
+def capture_record(run: Launched, quiet: dict[str, str]) -> dict[str, Any]:
+    """The one record of a capture across hosts, as followed: every host's parts, the hosts given up on
+    (`quiet`), those that did not answer the status round and the ranks no host had, and the plan."""
+    record = merged_record(run.found, run.failed, quiet, run.targets)
+    record.update(capture_id=run.capture_id, job=run.job)
+    record.setdefault("window", [run.plan["start_step"], run.plan["end_step"]])
+    if run.unanswered:  # hosts that did not answer the status round: their ranks (if any) are not in it
+        record["unanswered"] = run.unanswered
+        record["missing_ranks"] = run.missing
+        if run.missing and record["status"] == "done":
+            record["status"] = "partial"
+    record["plan"] = {**run.plan, "current_steps": {str(k): v for k, v in run.plan["current_steps"].items()},
+                      "sent_s": round(run.sent_s, 4)}
+    return record

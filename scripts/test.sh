@@ -10,4 +10,7 @@ if [ "${1:-}" = "--quick" ]; then
     shift
     exec python -m pytest -q -m quick tests "$@"
 fi
-exec python -m pytest -q tests "$@"
+# Two workers (pytest-xdist), a test module at a time each (--dist loadscope: a module's fixtures, such as a cluster of
+# daemons, live in one worker): the suite mostly waits for real training steps, so two at once fit on two cores.
+# ODP_TEST_WORKERS=0 runs it in one process.
+exec python -m pytest -q -n "${ODP_TEST_WORKERS:-2}" --dist loadscope tests "$@"

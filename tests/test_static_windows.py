@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import csv
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 
-from conftest import assert_ok, captures, load_trace, run_ranks, trace_steps
+from conftest import assert_ok, base_env, captures, load_trace, run_ranks, trace_steps
 
 COMMON = ["--no-profile-ondemand", "--profile-min-free-mb", "0"]
 
@@ -189,3 +192,36 @@ def test_the_loops_own_step_numbers_by_keyword_in_every_state(tmp_path: Path) ->
     prof.close()
     (cap,) = captures(save)
     assert trace_steps(cap) == [15, 16] and cap["status"] == "ok"
+
+
+WINDOW_THEN_REPORT = """
+import sys, torch
+from ondemand_prof import OnDemandProfiler, ProfileConfig
+if sys.argv[2] == "compiled":  # a program that uses inductor, with CUDA graphs on
+    import torch._inductor.config
+    torch._inductor.config.triton.cudagraphs = True
+prof = OnDemandProfiler(ProfileConfig(enabled=True, step_start=2, step_end=4, ondemand=False, save_path=sys.argv[1],
+                                      min_free_mb=0))
+seen = []
+real = torch.profiler.profile.prepare_trace
+torch.profiler.profile.prepare_trace = lambda self: (real(self), seen.append(self.has_cudagraphs))[0]
+x = torch.ones(8, 8, requires_grad=True)
+for _ in range(6):
+    (x @ x).sum().backward()
+    prof.step()
+prof.close()
+print("inductor" if "torch._inductor" in sys.modules else "no inductor", seen)
+"""
+
+
+@pytest.mark.parametrize("program", ["eager", "compiled"])
+def test_a_window_does_not_import_inductor_into_an_eager_program(tmp_path: Path, program: str) -> None:
+    """torch.profiler's prepare_trace imports torch._inductor and torch._dynamo just to read one setting (2-3 s of
+    CPU on the training thread at the first window, +70 MB): an eager program's first window no longer pays it,
+    and a program that uses inductor still has the setting read."""
+    res = subprocess.run([sys.executable, "-c", WINDOW_THEN_REPORT, str(tmp_path / "profile"), program],
+                         env=base_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[0] == ("no inductor [False]" if program == "eager" else "inductor [True]"), res.stdout
+    (cap,) = captures(tmp_path / "profile")
+    assert trace_steps(cap) == [2, 3]

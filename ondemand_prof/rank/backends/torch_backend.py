@@ -14,10 +14,12 @@ User flags (with_stack, with_memory, record_shapes) add to whatever the level tu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ...core.options import OPTIONS, Option, window_options
 from ...core.window import Window
@@ -55,6 +57,41 @@ def torch_profile_kwargs(options: Any, cuda: bool, table: Sequence[Option] = OPT
     return {"activities": activities, **kwargs}
 
 
+@contextlib.contextmanager
+def _without_importing_inductor() -> Iterator[None]:
+    """torch.profiler's prepare_trace asks `hasattr(torch, "_inductor")` to read one inductor setting
+    (triton.cudagraphs, off by default), and torch's lazy module attribute makes that question import
+    torch._inductor and torch._dynamo: 2-3 s of CPU on the training thread, in the step before the first window of
+    every process that never compiled anything (measured 2.3 s on the 2-core VM, torch 2.13). Where nothing has
+    imported inductor, nothing can have changed that setting, so for the length of the call the question is
+    answered "no" (what torch's own default then yields); a process that imported inductor is not touched. Only
+    a `torch._inductor` attribute read by another thread in that instant, before any import of it, would see the
+    same answer."""
+    import torch
+
+    lazy = torch.__dict__.get("__getattr__")
+    if "torch._inductor" in sys.modules or not callable(lazy):
+        yield
+        return
+
+    def lazy_but_inductor(name: str) -> Any:
+        if name == "_inductor" and "torch._inductor" not in sys.modules:
+            raise AttributeError(name)
+        return lazy(name)
+
+    torch.__getattr__ = lazy_but_inductor  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if torch.__dict__.get("__getattr__") is lazy_but_inductor:
+            torch.__getattr__ = lazy  # type: ignore[attr-defined]
+
+
+def _prepare(prof: Any) -> None:
+    with _without_importing_inductor():
+        prof.prepare_trace()
+
+
 class TorchSession:
     def __init__(self, window: Window, identity: Identity, cuda: bool) -> None:
         import torch.profiler
@@ -67,7 +104,7 @@ class TorchSession:
         self._step_range: Any = None
 
     def warmup(self, step: int) -> None:
-        self._prof.prepare_trace()
+        _prepare(self._prof)
         self._state = "warmup"
 
     def record(self, step: int) -> None:
@@ -77,7 +114,7 @@ class TorchSession:
             self._close_step()
         else:
             if self._state == "idle":
-                self._prof.prepare_trace()
+                _prepare(self._prof)
             self._prof.start_trace()
             self._state = "recording"
             self._add_distributed_info()

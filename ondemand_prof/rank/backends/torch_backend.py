@@ -79,12 +79,12 @@ def _without_importing_inductor() -> Iterator[None]:
             raise AttributeError(name)
         return lazy(name)
 
-    torch.__getattr__ = lazy_but_inductor  # type: ignore[attr-defined]
+    setattr(torch, "__getattr__", lazy_but_inductor)
     try:
         yield
     finally:
         if torch.__dict__.get("__getattr__") is lazy_but_inductor:
-            torch.__getattr__ = lazy  # type: ignore[attr-defined]
+            setattr(torch, "__getattr__", lazy)
 
 
 def _prepare(prof: Any) -> None:

@@ -108,6 +108,7 @@ class SimAgent:
         self.prof = prof
         self.config = prof.config
         self.triage = SimTriage(prof)
+        self.trigger_dir = ""  # no trigger file: the daemon is told none
 
     def schedule(self, window: Any, listener: Any) -> None:
         listener("scheduled", {"window": [window.start, window.end], "current_step": self.prof.current_step})

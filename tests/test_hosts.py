@@ -469,6 +469,32 @@ def _resume(proc: subprocess.Popen) -> None:
     proc.stopped = False  # type: ignore[attr-defined]
 
 
+def _no_rank_lists_a_window(cluster: Cluster) -> bool:
+    res = cluster.ctl("status", "--json")
+    if res.returncode != 0:
+        return False
+    ranks = [r for h in json.loads(res.stdout)["hosts"].values() for rs in h["data"]["jobs"].values() for r in rs]
+    return len(ranks) == RANKS and not any(r["windows"] for r in ranks)
+
+
+@pytest.fixture
+def restored(cluster: Cluster) -> Iterator[Cluster]:
+    """For a test that stops or kills daemons of the shared cluster: afterwards, however the test ended, every
+    daemon runs again (resumed, or restarted on its port and directories), every rank is registered and none
+    lists a window, so that no later test depends on what this one did."""
+    try:
+        yield cluster
+    finally:
+        for i, d in enumerate(cluster.daemons):
+            if d["proc"].poll() is None:
+                _resume(d["proc"])
+            else:
+                cluster.daemons[i] = {**cluster.start_daemon(i, d["port"], d), "port": d["port"]}
+        # windows planned far ahead are still listed: the next tests would plan after them (heartbeats, 1 s)
+        wait_for(lambda: _no_rank_lists_a_window(cluster), 120, "every rank registered and listing no window",
+                 pause=0.5)
+
+
 def _ctl_here(cluster: Cluster, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     capsys.readouterr()
     code = ctl_main.main(["--hosts", cluster.hosts, "--keys", str(cluster.keys), *args])
@@ -476,6 +502,7 @@ def _ctl_here(cluster: Cluster, capsys: pytest.CaptureFixture[str], *args: str) 
     return code, out, err
 
 
+@pytest.mark.usefixtures("restored")
 def test_a_host_that_stalls_after_the_status_round_refuses_the_late_window(
         cluster: Cluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Its daemon gets the capture 4 s (200 steps) after the start was planned: it refuses it, says why in its
@@ -511,6 +538,7 @@ def test_a_host_that_stalls_after_the_status_round_refuses_the_late_window(
     assert both.returncode == 3 and "rank 3" in both.stdout and "after its start" in both.stdout, both.stdout
 
 
+@pytest.mark.usefixtures("restored")
 def test_a_host_given_up_on_is_sent_a_cancel(cluster: Cluster, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     """Not waiting, the CLI gives up on a host that did not confirm the capture at once: it sends it a cancel,
@@ -538,12 +566,9 @@ def test_a_host_given_up_on_is_sent_a_cancel(cluster: Cluster, monkeypatch: pyte
     rest = cluster.ctl("cancel", capture_id, "--json")  # the other hosts' windows, 3000 steps ahead
     sent = sorted(r for h in json.loads(rest.stdout)["hosts"].values() if h["ok"] for r in h["data"]["ranks"])
     assert rest.returncode == 3 and sent == [0, 1, 2], rest.stdout  # 3: the victim's is already cancelled
-    # the next tests plan after any window a rank still lists (heartbeats, once a second): wait for none
-    wait_for(lambda: not any(r["windows"] for h in json.loads(cluster.ctl("status", "--json").stdout)["hosts"].values()
-                             for rs in h["data"]["jobs"].values() for r in rs), 30, "no rank listing a window",
-             pause=0.5)
 
 
+@pytest.mark.usefixtures("restored")
 def test_a_daemon_killed_mid_capture_and_restarted_is_waited_for(cluster: Cluster) -> None:
     """The CLI keeps asking a host that stopped answering: its rank goes on recording, re-registers with the
     restarted daemon and replays what it did, and the capture ends done on every rank."""
@@ -576,6 +601,7 @@ def test_a_daemon_killed_mid_capture_and_restarted_is_waited_for(cluster: Cluste
         assert trace_steps({**meta, "dir": Path(part["path"])}) == list(range(start, end)), part["rank"]
 
 
+@pytest.mark.usefixtures("restored")
 def test_a_silent_host_is_unreachable_not_failed_and_show_tells_the_truth_later(cluster: Cluster) -> None:
     """Stopped mid-capture until after --timeout: its host is unreachable and its rank's part too (with its
     last known state), not failed; the rank goes on and writes, and show says so once the daemon is back."""
@@ -613,21 +639,31 @@ def test_a_silent_host_is_unreachable_not_failed_and_show_tells_the_truth_later(
     assert shown["parts"]["3"]["state"] == "done" and shown["hosts"][name]["status"] == "done"
 
 
-def test_show_marks_a_capture_whose_ranks_recorded_different_steps(cluster: Cluster, tmp_path: Path) -> None:
+def test_show_marks_a_capture_whose_ranks_recorded_different_steps(cluster: Cluster) -> None:
     """A synthetic record (what the issue saw: one id, rank 0 at steps 302-321, rank 1 at 622-641) loaded by a
-    real daemon: show across hosts says misaligned and exits 6."""
-    spare = cluster.daemons[DAEMONS - 1]  # a daemon with no ranks; restarted to load the record
-    spare["proc"].kill()
-    spare["proc"].wait()
-    parts = {str(r): {"rank": r, "host": "h", "pid": 100 + r, "state": "done", "path": f"/nowhere/{r}",
-                      "steps": list(range(first, first + 20)), "history": [{"state": "done"}]}
-             for r, first in ((0, 302), (1, 622))}
-    record = {"capture_id": "20261201-000000-abcdef", "job": "j", "created_at": "2026-12-01T00:00:00.000+00:00",
-              "request": {"steps": 20}, "window": [302, 322], "plan": {}, "options": {}, "status": "done",
-              "parts": parts}
-    (spare["state"] / "captures" / f"{record['capture_id']}.json").write_text(json.dumps(record))
-    cluster.daemons[DAEMONS - 1] = {**cluster.start_daemon(DAEMONS - 1, spare["port"], spare), "port": spare["port"]}
-    res = cluster.ctl("show", "abcdef", hosts=f"127.0.0.1:{spare['port']}")
-    assert res.returncode == 6, res.stdout + res.stderr
-    assert "MISALIGNED: ranks recorded different steps: rank(s) 0 recorded steps 302..321; rank(s) 1 recorded " \
-           "steps 622..641" in res.stdout, res.stdout
+    real daemon: show across hosts says misaligned and exits 6. The daemon is one of its own, with the cluster's
+    keys: a record left on one of the cluster's daemons would be listed by every later test."""
+    spare = cluster.start_daemon(DAEMONS)  # started once to make its directories, again to load the record
+    procs = [spare["proc"]]
+    try:
+        spare["proc"].kill()
+        spare["proc"].wait()
+        parts = {str(r): {"rank": r, "host": "h", "pid": 100 + r, "state": "done", "path": f"/nowhere/{r}",
+                          "steps": list(range(first, first + 20)), "history": [{"state": "done"}]}
+                 for r, first in ((0, 302), (1, 622))}
+        record = {"capture_id": "20261201-000000-abcdef", "job": "j", "created_at": "2026-12-01T00:00:00.000+00:00",
+                  "request": {"steps": 20}, "window": [302, 322], "plan": {}, "options": {}, "status": "done",
+                  "parts": parts}
+        (spare["state"] / "captures" / f"{record['capture_id']}.json").write_text(json.dumps(record))
+        procs.append(cluster.start_daemon(DAEMONS, spare["port"], spare)["proc"])
+        res = cluster.ctl("show", "abcdef", hosts=f"127.0.0.1:{spare['port']}")
+        assert res.returncode == 6, res.stdout + res.stderr
+        assert "MISALIGNED: ranks recorded different steps: rank(s) 0 recorded steps 302..321; rank(s) 1 " \
+               "recorded steps 622..641" in res.stdout, res.stdout
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(spare["run"], ignore_errors=True)
+        shutil.rmtree(spare["state"], ignore_errors=True)

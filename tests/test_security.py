@@ -511,32 +511,56 @@ def test_kill_9_mid_window_reads_as_failed_and_is_settled_by_the_next_rank(tmp_p
 
 
 PARENT = r"""
-import subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "import os, sys, time\n"
-    "from ondemand_prof.rank.postprocess import die_with_parent\n"
-    "die_with_parent(int(sys.argv[1])); print('ready', flush=True); time.sleep(120)", str(__import__('os').getpid())],
-    stdout=subprocess.PIPE, text=True)
-assert child.stdout.readline().strip() == "ready"
-print(child.pid, flush=True)
-time.sleep(120)
+import os, sys
+from pathlib import Path
+from types import SimpleNamespace
+from ondemand_prof.core.options import ProfileConfig, WindowOptions
+from ondemand_prof.core.window import Window
+from ondemand_prof.rank.backends.base import Identity
+from ondemand_prof.rank.output import run_postprocess
+
+# the rank's own call: the raw trace is a named pipe nobody writes, so the real post-processing child it starts
+# blocks reading it, as a child busy with a large trace would be, until the rank dies
+raw, out = Path(sys.argv[1]), Path(sys.argv[2])
+window = Window(3, 5, WindowOptions.from_config(ProfileConfig()), capture_id="c1")
+job = SimpleNamespace(identity=Identity(0, 1, 0, "h", os.getpid(), "job"), out=SimpleNamespace(trace_name="t.json"),
+                      recorded_steps=[3, 4], window=window, gzip=False)
+run_postprocess(job, raw, out)
 """
 
 
-def test_post_processing_child_dies_with_its_rank() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], env=base_env(), stdout=subprocess.PIPE, text=True)
-    child = int(parent.stdout.readline())
-    parent.kill()
-    parent.communicate()
+def test_post_processing_child_dies_with_its_rank(tmp_path: Path) -> None:
+    import psutil
 
-    def gone() -> bool:
-        try:
-            return Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-        except OSError:
-            return True
+    raw = tmp_path / "raw.json"
+    os.mkfifo(raw)
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(raw), str(tmp_path)], env=base_env())
+    children: list[Any] = []
+    try:
+        def child_started() -> bool:
+            children[:] = [c for c in psutil.Process(parent.pid).children()
+                           if "ondemand_prof.rank.postprocess" in " ".join(c.cmdline())]
+            return bool(children) and (tmp_path / ".postprocess.json").exists()
 
-    wait_for(gone, 30, "the post-processing child to die with its parent")
-    src = (ROOT / "ondemand_prof" / "rank" / "output.py").read_text()
-    assert '"--parent", str(os.getpid())' in src  # the real child is started that way
+        wait_for(child_started, 60, "the rank to start its post-processing child")
+        parent.kill()
+        parent.communicate()
+        child = children[0]
+
+        def gone() -> bool:
+            try:
+                return child.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        wait_for(gone, 30, "the post-processing child to die with its rank")
+    finally:
+        parent.kill()
+        for c in children:
+            try:
+                c.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 @pytest.mark.parametrize("mode,files,dirs_", [(None, 0o640, 0o750), ("0600", 0o600, 0o700)])

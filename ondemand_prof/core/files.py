@@ -21,25 +21,37 @@ def iso_time(t: float | None = None) -> str:
         timespec="milliseconds")
 
 
-def write_atomic(path: Path, data: bytes | str, mode: int = 0o600) -> None:
+def write_atomic(path: Path, data: bytes | str, mode: int = 0o600, *, replace: bool = True) -> os.stat_result:
     """The one way we publish a file: readers see the old file or the new one, never a partial one. The
     temporary file has an unpredictable name and is created exclusively (mkstemp: O_EXCL, so a planted symlink
     is never written through), gets `mode` before any byte is written, and is renamed over the final name,
-    which is replaced, never opened: a symlink there is replaced, not followed."""
+    which is replaced, never opened: a symlink there is replaced, not followed.
+
+    `replace=False` publishes only if nothing holds the name (os.link: atomic, and refused with FileExistsError
+    when the name exists, on local filesystems and NFS alike), so the first of several writers wins. Returns the
+    published file's stat (its device and inode name this very file later)."""
     raw = data.encode("utf-8") if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    keep_tmp = False  # the temporary name goes in the end, unless it became the published file
     try:
         with os.fdopen(fd, "wb") as fh:
             if mode != 0o600:
                 os.fchmod(fh.fileno(), mode)
             fh.write(raw)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+            fh.flush()
+            st = os.fstat(fh.fileno())
+        if replace:
+            os.replace(tmp, path)
+            keep_tmp = True
+        else:
+            os.link(tmp, path)
+    finally:
+        if not keep_tmp:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    return st
 
 
 def write_json_atomic(path: Path, data: Any, compact: bool = False, mode: int = 0o600) -> None:

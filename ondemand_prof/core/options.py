@@ -21,6 +21,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from .bounds import MAX_STEP
 from .configbase import ConfigMethods, WindowMethods
 from .ids import MAX_ID, safe_id, valid_id
 from .ranks import RankSpecError, parse_ranks, selects
@@ -37,7 +38,6 @@ OTHER_ENV = {"ONDEMAND_PROF_STATE_DIR", "ONDEMAND_PROF_LOG", "ONDEMAND_PROF_FORK
 # signals a training job relies on for its own life; we refuse to take them over
 RESERVED_SIGNALS = {"SIGINT", "SIGTERM", "SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT",
                     "SIGCHLD", "SIGPIPE"}
-MAX_STEP = 10**12  # bounds every step number we accept, so arithmetic on it stays exact and small
 
 
 class ConfigError(ValueError):

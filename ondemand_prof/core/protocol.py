@@ -21,10 +21,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .ids import BadId, check_id, valid_id
-from .safejson import UnsafeJSON, bounded_int, loads
+from .ranks import MAX_RANK
+from .bounds import MAX_STEP, bounded_int
+from .safejson import UnsafeJSON, loads
 
 PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 64 * 1024  # what the daemon and the ranks accept
+MAX_MESSAGE_BYTES = 64 * 1024  # what the daemon and the ranks accept (and what a trigger file may hold)
+# the socket option (ZMQ MAXMSGSIZE) on every socket we listen or connect with: a larger frame drops the
+# connection inside ZMQ, before a byte of it is buffered for us; decode() then holds each message to its limit
+MAX_FRAME_BYTES = 1024 * 1024
 MAX_REPLY_BYTES = 256 * 1024 * 1024  # what the CLI accepts (status and show of thousands of ranks are large)
 SOCKET_NAME = "profd.sock"
 RUNTIME_ENV = "ONDEMAND_PROF_RUNTIME_DIR"
@@ -53,7 +58,7 @@ RANK_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
 # step of -10**20 is refused at the door, not found later by a handler that does arithmetic on it)
 PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT
 INT_BOUNDS: dict[str, tuple[int, int]] = {
-    "rank": (0, 1 << 20), "world_size": (1, 1 << 20), "pid": (1, PID_MAX), "step": (-1, 10**12),
+    "rank": (0, MAX_RANK), "world_size": (1, MAX_RANK), "pid": (1, PID_MAX), "step": (-1, MAX_STEP),
     "seen": (0, 1 << 62),
 }
 INT_DEFAULT_BOUNDS = (-(1 << 62), 1 << 62)

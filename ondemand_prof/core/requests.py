@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from .ids import check_id
-from .options import MAX_STEP, OPTIONS, ConfigError, Option, WindowOptions, window_options
+from .bounds import MAX_STEP, bounded_int
+from .options import OPTIONS, ConfigError, Option, WindowOptions, window_options
 from .ranks import RankSpecError, parse_ranks, selects
 from .triagedefs import ACTIONS as TRIAGE_ACTIONS
 from .window import Window, _step
@@ -65,9 +66,9 @@ def _int(data: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
         return None
     if isinstance(value, float) and value.is_integer() and abs(value) <= MAX_STEP:
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"field {key!r} must be an integer, got {value!r}")
-    if not lo <= value <= hi:
+    if not bounded_int(value, lo, hi):  # two wordings: the wrong type, or out of range
+        if type(value) is not int:
+            raise RequestError(f"field {key!r} must be an integer, got {value!r}")
         raise RequestError(f"field {key!r} must be between {lo} and {hi}, got {value}")
     return value
 

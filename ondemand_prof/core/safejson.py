@@ -77,13 +77,3 @@ def loads(raw: bytes | str, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
         raise UnsafeJSON(f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise UnsafeJSON(f"not valid JSON: {exc}") from None
-
-
-def bounded_int(value: Any, lo: int, hi: int) -> bool:
-    """A JSON integer (not a bool) within [lo, hi]."""
-    return type(value) is int and lo <= value <= hi
-
-
-def finite_number(value: Any, lo: float, hi: float) -> bool:
-    """A JSON number (not a bool) that is finite and within [lo, hi]."""
-    return type(value) in (int, float) and math.isfinite(value) and lo <= value <= hi

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .bounds import checked_int
+
 ACTIONS = ("stacks", "memory", "flight_recorder")
 MAX_MEMORY_STEPS = 100
 DEFAULT_MEMORY_STEPS = 3
@@ -24,9 +26,7 @@ def check_args(action: str, args: Any) -> dict[str, Any]:
     out = {"steps": args.get("steps", DEFAULT_MEMORY_STEPS),
            "max_entries": args.get("max_entries", DEFAULT_MAX_ENTRIES), "stacks": args.get("stacks", MEMORY_STACKS[0])}
     for key, hi in (("steps", MAX_MEMORY_STEPS), ("max_entries", MAX_ENTRIES)):
-        value = out[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
-            raise ValueError(f"{key} must be an integer from 1 to {hi}, got {value!r}")
+        checked_int(out[key], 1, hi, key)
     if out["stacks"] not in MEMORY_STACKS:
         raise ValueError(f"stacks must be 'python' or 'all', got {out['stacks']!r}")
     return out

@@ -12,6 +12,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
+from .bounds import MAX_STEP, bounded_int
 from .options import WindowOptions
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Window:
 
 
 def _step(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 10**12
+    return bounded_int(value, 0, MAX_STEP)
 
 
 class Phase(enum.Enum):

@@ -32,7 +32,6 @@ import logging
 import os
 import resource
 import socket
-import stat
 import sys
 import threading
 import time
@@ -394,10 +393,3 @@ def group_gid(name: str | None) -> int | None:
     if not name:
         return None
     return grp.getgrnam(name).gr_gid
-
-
-def is_socket(path: Path) -> bool:
-    try:
-        return stat.S_ISSOCK(os.lstat(path).st_mode)
-    except OSError:
-        return False

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ..core.protocol import FINAL_STATES
 from ..core.ranks import spans
-from ..core.safejson import finite_number
+from ..core.bounds import finite_number
 from .alignment import MISALIGNED, mark_misaligned
 from .client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, CtlError
 from .registry import DELIVERY_S, MAX_DELIVERY_S, RankInfo, match_id, plan_window, stall_text, stalls

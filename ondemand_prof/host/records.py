@@ -19,8 +19,9 @@ from typing import Any, Iterable
 from ..core.files import iso_time, write_json_atomic
 from ..core.ids import valid_id
 from ..core.safedir import ensure_private_dir
-from ..core.protocol import FINAL_STATES
-from ..core.safejson import bounded_int
+from ..core.protocol import FINAL_STATES, PID_MAX
+from ..core.ranks import MAX_RANK
+from ..core.bounds import MAX_STEP, bounded_int
 
 log = logging.getLogger("ondemand_prof.host.profd")
 
@@ -29,7 +30,6 @@ PART_STATES = ("sent", "received", "scheduled", "recording", "writing", "done", 
 RECORD_STATUSES = ("running", "done", "partial", "failed", "cancelled")
 KEEP_RECORDS = 1000  # the most records the store holds, whoever floods it
 KEEP_PER_UID = 200  # the most records made on behalf of one uid's ranks (automatic captures)
-MAX_STEP = 10**12
 MAX_TEXT = 2048  # an error or a note a rank reports
 
 
@@ -273,10 +273,10 @@ def record_problem(data: Any) -> str | None:
     if not isinstance(parts, dict):
         return "parts is not an object"
     for key, part in parts.items():
-        if not isinstance(part, dict) or not bounded_int(part.get("rank"), 0, 1 << 20) or key != str(part["rank"]):
+        if not isinstance(part, dict) or not bounded_int(part.get("rank"), 0, MAX_RANK) or key != str(part["rank"]):
             return f"part {str(key)[:20]!r} is not a rank's part"
         if part.get("state") not in PART_STATES or not isinstance(part.get("host"), str) or \
-                not bounded_int(part.get("pid"), 0, 1 << 22) or not isinstance(part.get("history", []), list) or \
+                not bounded_int(part.get("pid"), 0, PID_MAX) or not isinstance(part.get("history", []), list) or \
                 not all(isinstance(h, dict) and h.get("state") in PART_STATES for h in part.get("history", [])):
             return f"part {key}: state, host, pid or history malformed"
         for field, check in PART_FIELDS.items():

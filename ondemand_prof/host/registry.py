@@ -10,15 +10,14 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..core.ids import safe_id
 from ..core.protocol import HEARTBEAT_S, RANK_TIMEOUT_S
-from ..core.safejson import bounded_int, finite_number
-from ..core.ranks import RankSpecError, parse_ranks, spans
+from ..core.bounds import MAX_STEP, bounded_int, finite_number
+from ..core.ranks import MAX_RANK, RankSpecError, parse_ranks, spans
 from ..core.requests import RequestError, WindowDefaults
 
 MAX_WINDOWS = 16  # windows a heartbeat may list (the running one and those queued)
 MIN_STEP_TIME_S, MAX_STEP_TIME_S = 1e-6, 1e6  # step times outside these are noise or an attack: ignored
 MAX_WALL = 1e11  # wall-clock seconds (the year 5138): a "began" past this is ignored
 MAX_EXTRAPOLATED = 10**9  # steps an estimate may add to the last reported one
-MAX_STEP_VALUE = 10**12
 MAX_NAME = 256  # a job id or host name
 
 # A rank is STALLED once its current step has run STALL_STEPS of its median steps, and at least STALL_MIN_S: a hung
@@ -200,7 +199,7 @@ class Registry:
         local_rank = msg.get("local_rank")
         info = RankInfo(route=route, job=msg["job"], rank=msg["rank"], world_size=msg["world_size"], host=msg["host"],
                         pid=msg["pid"], step=msg["step"],
-                        local_rank=local_rank if bounded_int(local_rank, 0, 1 << 20) else None,
+                        local_rank=local_rank if bounded_int(local_rank, 0, MAX_RANK) else None,
                         save_root=str(msg.get("save_root", ""))[:4096], trigger_dir=str(msg.get("trigger_dir", ""))[:4096],
                         version=str(msg.get("version", ""))[:64],
                         registered_at=wall, last_seen=now)
@@ -459,7 +458,7 @@ def _windows(value: Any) -> list[dict[str, Any]] | None:
         if not isinstance(w, dict):
             continue
         start, end = w.get("start"), w.get("end")
-        if not bounded_int(start, -1, MAX_STEP_VALUE) or not (end is None or bounded_int(end, -1, MAX_STEP_VALUE)):
+        if not bounded_int(start, -1, MAX_STEP) or not (end is None or bounded_int(end, -1, MAX_STEP)):
             continue
         out.append({"capture_id": safe_id(w.get("capture_id", "")), "start": start, "end": end,
                     "source": str(w.get("source", ""))[:32], "state": str(w.get("state", ""))[:32]})

@@ -21,9 +21,10 @@ import psutil
 import zmq
 
 from ..core.version import __version__
-from ..core.options import MAX_STEP
-from ..core.protocol import PROTOCOL_VERSION, RANK_MESSAGES, ProtocolError, decode, encode, endpoint, reply_error, \
-    socket_path
+from ..core.bounds import MAX_STEP, bounded_int
+from ..core.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, RANK_MESSAGES, ProtocolError, decode, encode, \
+    endpoint, reply_error, socket_path
+from ..core.files import write_atomic
 from ..core.safedir import UnsafeDirectory, ensure_private_dir
 from .commands import CLI_MESSAGES, DAEMON_COMMANDS
 from .listener import HANDSHAKE_S, TCP_PER_PEER, Listener, group_gid, peer_of, raise_nofile_limit, \
@@ -38,7 +39,6 @@ SCHEMA = {**RANK_MESSAGES, **CLI_MESSAGES}
 TICK_S = 0.2  # housekeeping: expire ranks, write changed records, answer watches that timed out
 BATCH_S = 0.01
 BATCH_ABOVE_RATE = 1000  # heartbeats per second
-MAX_FRAME_BYTES = 1024 * 1024
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
 # routes of TCP peers carry this prefix, so the service's replies find the socket they came from (rank and
 # ipc routes never start with it: ranks name themselves "r/...", ZMQ's own identities start with a zero byte)
@@ -71,14 +71,7 @@ class DaemonError(RuntimeError):
 
 def write_pid_file(path: Path) -> tuple[int, int]:
     """Write our pid (replacing a stale file, never following a link); returns the file's (device, inode)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        os.write(fd, f"{os.getpid()}\n".encode())
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    st = write_atomic(path, f"{os.getpid()}\n", 0o644)
     return st.st_dev, st.st_ino
 
 
@@ -144,9 +137,7 @@ class Daemon:
         self._pid_identity = write_pid_file(self.runtime_dir / "profd.pid")
         log.info("ondemand-profd %s listening on %s (state in %s)", __version__, url, self.state_dir)
         if self.tcp is not None:
-            staged = self.runtime_dir / f".{TCP_FILE}.{os.getpid()}"
-            staged.write_text(self.tcp.endpoint + "\n")
-            os.replace(staged, self.runtime_dir / TCP_FILE)  # readers never see it half-written
+            write_atomic(self.runtime_dir / TCP_FILE, self.tcp.endpoint + "\n", 0o644)  # never seen half-written
         if self.metrics_address:
             self._open_metrics()
 
@@ -157,9 +148,7 @@ class Daemon:
             self.metrics = MetricsServer(self.metrics_address, self)
         except MetricsError as exc:
             raise DaemonError(str(exc)) from None
-        staged = self.runtime_dir / f".{METRICS_FILE}.{os.getpid()}"
-        staged.write_text(self.metrics.address + "\n")
-        os.replace(staged, self.runtime_dir / METRICS_FILE)
+        write_atomic(self.runtime_dir / METRICS_FILE, self.metrics.address + "\n", 0o644)
 
     @property
     def listener(self) -> Listener | None:
@@ -340,7 +329,7 @@ class Daemon:
             # a frame this short cannot nest deeply enough to hurt json; NaN and huge numbers are caught by the
             # registry's bounds (registry.py _update), the step here
             if type(msg) is dict and msg.get("type") == "hb" and msg.get("v") == PROTOCOL_VERSION and \
-                    type(msg.get("step")) is int and -1 <= msg["step"] <= MAX_STEP:
+                    bounded_int(msg.get("step"), -1, MAX_STEP):
                 self._beats += 1
                 out = service.on_heartbeat(route, msg)
                 if out is not None:
@@ -414,7 +403,7 @@ class TcpListener:
         self._zap_sock: zmq.Socket | None = None
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 1024 * 1024)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))  # unauthenticated: closed fast
         try:
             if keys is not None:

@@ -22,7 +22,7 @@ from ..core.files import ProcessIdentity, process_identity, read_beneath_root, s
     size_beneath_root
 from ..core.protocol import native_dump_signal, reply_ok
 from ..core.ranks import spans
-from ..core.safejson import bounded_int, finite_number
+from ..core.bounds import MAX_STEP, bounded_int, finite_number
 
 if TYPE_CHECKING:
     from .registry import RankInfo
@@ -147,7 +147,7 @@ def auto_reason(value: Any) -> dict[str, Any] | None:
     slow = value.get("slow_steps_s")
     if isinstance(slow, list):
         out["slow_steps_s"] = [float(x) for x in slow[:32] if finite_number(x, 0.0, 1e9)]
-    if bounded_int(value.get("detected_at_step"), -1, 10**12):
+    if bounded_int(value.get("detected_at_step"), -1, MAX_STEP):
         out["detected_at_step"] = value["detected_at_step"]
     return out
 
@@ -355,7 +355,7 @@ def _threads(threads: Any) -> list[dict[str, Any]]:
 def _memory(res: dict[str, Any]) -> dict[str, Any]:
     summary = res.get("summary") if isinstance(res.get("summary"), dict) else {}
     steps = res.get("steps")
-    if not (isinstance(steps, list) and len(steps) == 2 and all(_i(x, -1, 10**12) is not None for x in steps)):
+    if not (isinstance(steps, list) and len(steps) == 2 and all(_i(x, -1, MAX_STEP) is not None for x in steps)):
         raise _Malformed("steps")
     clean = {k: _need(_i(summary.get(k)), k) for k in ("reserved_bytes", "allocated_bytes", "history_entries")}
     clean["segments"] = _i(summary.get("segments")) or 0
@@ -402,7 +402,7 @@ def clean_result(action: str, res: Any) -> dict[str, Any]:
     base: dict[str, Any] = {"ok": res.get("ok") is True, "method": "python" if action == "stacks" else "none"}
     if isinstance(res.get("took_ms"), (int, float)) and finite_number(res["took_ms"], 0, 1e9):
         base["took_ms"] = res["took_ms"]
-    if _i(res.get("current_step"), -1, 10**12) is not None:
+    if _i(res.get("current_step"), -1, MAX_STEP) is not None:
         base["current_step"] = res["current_step"]
     if not base["ok"]:
         base.update(method="none", error=_s(res.get("error"), 2000, "the rank gave no reason"))

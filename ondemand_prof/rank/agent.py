@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.files import iso_time, write_json_atomic
 from ..core.ranks import selects
@@ -21,9 +21,13 @@ from .terminate import FINAL, TermFinalizer, settle_dead_ranks
 from ..core.requests import RequestError, WindowDefaults, absolute_start, parse_request, resolve
 from ..core.window import StepClock, Window
 from .announce import say, startup_line
+from .extension import AgentExtension
 from .settle import SETTLE_POLL_S, JobAgreement, dist_rank
 from .triggers import STATUS_DIR, TRIGGER_NAME, DirWatcher, Trigger, claim_decision, default_trigger_dir, \
     WriterTracker, ensure_dir, writer_holds, prepare_trigger_dir, prune_decisions, read_trigger, stat_key
+
+if TYPE_CHECKING:
+    from .daemon_link import DaemonLink
 
 log = logging.getLogger("ondemand_prof.rank.agent")
 
@@ -96,7 +100,8 @@ class Agent:
         self._announce_at: float | None = None  # when the start-up line is due; None once said
         self._moved = False  # the job settled after the start-up line: the next line says where it is now
         self._thread = threading.Thread(target=self._run, name="ondemand-prof-agent", daemon=True)
-        self.extensions: list[Any] = []  # e.g. the daemon link: .poll(now) each loop, .close()
+        self.extensions: list[AgentExtension] = []  # each polled every loop, closed at stop()
+        self.link: DaemonLink | None = None  # the extension that talks to ondemand-profd (config.daemon)
         from .triage import Triage
 
         self.triage = Triage(prof, self.status_dir)  # stacks, memory, flight recorder on request
@@ -139,8 +144,7 @@ class Agent:
     def start(self) -> None:
         self.terminator.install()
         # the start-up line waits for the daemon's answer only where a daemon's socket exists
-        wait = ANNOUNCE_WAIT_S if any(getattr(ext, "daemon_present", lambda: False)() for ext in self.extensions) \
-            else 0.0
+        wait = ANNOUNCE_WAIT_S if any(ext.daemon_present() for ext in self.extensions) else 0.0
         self._announce_at = time.monotonic() + wait
         self._thread.start()
         log.debug("ondemand_prof: trigger %s, status in %s/ [%s]", self.trigger_path, self.status_dir,
@@ -240,19 +244,17 @@ class Agent:
         if not self.config.trigger_dir and after.job_id != before.job_id:
             self._watch(default_trigger_dir(after.job_id))
         for ext in self.extensions:
-            reregister = getattr(ext, "reregister", None)
-            if reregister is not None:
-                reregister()
+            ext.reregister()
         if self._announce_at is None:  # the user was told the old place: tell the new one
             self._announce_at = time.monotonic() + ANNOUNCE_WAIT_S
             self._moved = True
 
     def _daemon_answered(self) -> bool:
-        return any(getattr(ext, "acknowledged", False) for ext in self.extensions)
+        return any(ext.acknowledged for ext in self.extensions)
 
     def _announce(self) -> None:
         self._announce_at = None
-        link = next((ext for ext in self.extensions if hasattr(ext, "acknowledged")), None)
+        link = self.link
         daemon = link.url if link is not None and link.acknowledged else None
         say(log, self.config.quiet, startup_line(self.prof.identity(), self.trigger_path,
                                                  Path(self.config.save_path), daemon,
@@ -263,7 +265,8 @@ class Agent:
         try:
             from .daemon_link import DaemonLink
 
-            self.extensions.append(DaemonLink(self))
+            self.link = DaemonLink(self)
+            self.extensions.append(self.link)
         except Exception as exc:  # noqa: BLE001 - no daemon link is not a reason to stop training
             log.warning("ondemand_prof: not connecting to ondemand-profd: %s", exc)
 
@@ -349,7 +352,7 @@ class Agent:
             anchor = now_step  # written before our oldest sample, or a clock skewed into the future
         start = absolute_start(request, anchor)
         if request.start_step is None:
-            start = max(start, now_step + self._lead_steps())
+            start = max(start, now_step + self.lead_steps())
         # the first rank to see this version decides the window for all (ranks see the file at different steps)
         decision = claim_decision(self.status_dir, trig.version, {
             "start_step": start, "anchor_step": anchor, "decided_by_rank": ident.rank, "decided_at": iso_time()})
@@ -396,7 +399,7 @@ class Agent:
         """A window listener that records what happens to a trigger in this rank's status file."""
         return lambda event, info: self._status(base, event, info)
 
-    def _lead_steps(self) -> int:
+    def lead_steps(self) -> int:
         """How far ahead the first rank to see a trigger schedules it, so that later ranks are in time."""
         spread = self.watcher.poll_s if self.watcher.mode == "poll" else INOTIFY_SPREAD_S
         step_time = self.step_time()

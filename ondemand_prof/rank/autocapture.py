@@ -16,11 +16,15 @@ import datetime as _dt
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.options import WindowOptions
 from ..core.protocol import encode
 from ..core.window import Window
+from .extension import Extension
+
+if TYPE_CHECKING:
+    from .agent import Agent
 
 log = logging.getLogger("ondemand_prof.rank.autocapture")
 
@@ -93,7 +97,7 @@ class SlowStepMonitor:
         return step
 
 
-class AutoCapture:
+class AutoCapture(Extension):
     """The policy (cooldown, hourly budget) and the window, on the agent thread."""
 
     def __init__(self, prof: Any, clock: Callable[[], float] = time.monotonic) -> None:
@@ -103,7 +107,7 @@ class AutoCapture:
         self.cooldown_s, self.per_hour = float(config.auto_cooldown_s), int(config.auto_per_hour)
         self.monitor = SlowStepMonitor(self.ratio, self.steps, self._fired)
         self.clock = clock
-        self.agent: Any = None
+        self.agent: Agent | None = None
         # bounded: without an agent to drain it (start_agent=False), slowdowns are dropped, not hoarded
         self._fired_q: collections.deque[tuple[list[float], float, int]] = collections.deque(maxlen=16)
         self.started: list[float] = []  # when automatic captures started (the budget's hour)
@@ -112,7 +116,7 @@ class AutoCapture:
     def idle_step(self, counter: Any) -> Callable[..., Any]:
         return self.monitor.step_fn(counter)
 
-    def attach(self, agent: Any) -> None:
+    def attach(self, agent: Agent) -> None:
         self.agent = agent
         agent.extensions.append(self)
         log.info("ondemand_prof: automatic captures when %d consecutive steps are %gx slower than the rolling "
@@ -130,9 +134,6 @@ class AutoCapture:
         while self._fired_q:
             slow, median, step = self._fired_q.popleft()
             self._decide(slow, median, step)
-
-    def close(self) -> None:
-        pass
 
     def allowed(self, now: float) -> str:
         """'' when a capture may start now, else why not."""
@@ -154,20 +155,21 @@ class AutoCapture:
             log.info("ondemand_prof: steps are %.1fx slower than the median (%.1f ms) at step %d; no automatic "
                      "capture: %s", max(slow) / median, median * 1000, step, held)
             return
+        agent = self.agent
+        assert agent is not None  # poll() runs on the agent thread, so attach() came first
         self.started.append(now)
-        window = self._window(reason)
+        window = self._window(reason, agent.lead_steps() + 1)
         log.warning("ondemand_prof: steps are %.1fx slower than the median (%.1f ms) at step %d: automatic capture "
                     "%s of steps [%d, %d)", max(slow) / median, median * 1000, step, window.capture_id, window.start,
                     window.end)
-        link = next((e for e in self.agent.extensions if hasattr(e, "listener_for")), None)
+        link = agent.link
         listener = link.listener_for(window.capture_id) if link is not None else _log_listener(window.capture_id)
-        self.agent.schedule(window, listener)
+        agent.schedule(window, listener)
         if link is not None:  # the daemon opens the same window on a median-speed rank of this job
             link.post(encode("auto_capture", window=window.to_wire()))
 
-    def _window(self, reason: dict[str, Any]) -> Window:
+    def _window(self, reason: dict[str, Any], lead: int) -> Window:
         prof, config = self.prof, self.prof.config
-        lead = self.agent._lead_steps() + 1 if hasattr(self.agent, "_lead_steps") else 2
         start = prof.current_step + lead  # ahead enough for the daemon to reach a reference rank too
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         capture_id = f"auto-{stamp}-r{prof.identity().rank}-{os.getpid()}"

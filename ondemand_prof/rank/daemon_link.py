@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..core.version import __version__
-from ..core.protocol import HEARTBEAT_S, ProtocolError, decode, default_runtime_dir, encode, endpoint, socket_path
+from ..core.protocol import HEARTBEAT_S, MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, ProtocolError, decode, \
+    default_runtime_dir, encode, endpoint, socket_path
 from ..core.safedir import daemon_socket_problem
 from ..core.requests import WindowDefaults, window_from_wire
 from ..core.window import Window
+from .extension import Extension
 
 log = logging.getLogger("ondemand_prof")
 
@@ -31,7 +33,7 @@ DAEMON_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
     "registered": {},
     "error": {},
 }
-MAX_REPLY_BYTES = 63 * 1024  # under the daemon's 64 KiB message cap
+MAX_REPLY_BYTES = MAX_MESSAGE_BYTES - 1024  # what a triage answer may take of a message (1 KiB to spare)
 REFUSED_RETRY_S = 5.0  # a registration the daemon refused is tried again this often
 RECENT = 16  # the last events of this many captures are replayed at registration (a restarted daemon learns them)
 
@@ -41,6 +43,8 @@ class AgentLike(Protocol):
 
     config: Any
     prof: Any
+    trigger_dir: Path | str  # said at registration (where ondemandctl's users may also write a trigger)
+    triage: Any  # rank/triage.py Triage: answers stacks, memory, flight_recorder
 
     def schedule(self, window: Window, listener: Any) -> None: ...
     def wake(self) -> None: ...
@@ -48,7 +52,7 @@ class AgentLike(Protocol):
     def step_began(self) -> tuple[int, float] | None: ...
 
 
-class DaemonLink:
+class DaemonLink(Extension):
     def __init__(self, agent: AgentLike, runtime_dir: Path | None = None, context: Any = None) -> None:
         import zmq
 
@@ -70,7 +74,7 @@ class DaemonLink:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.SNDHWM, 1000)
-        sock.setsockopt(zmq.MAXMSGSIZE, 1024 * 1024)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.connect(self.url)
         self._sock = sock
         self.registered = False
@@ -188,7 +192,7 @@ class DaemonLink:
             recent = [{"capture_id": cid, "event": ev, "info": info} for cid, (ev, info) in self._recent.items()]
         body = encode("register", job=ident.job_id, rank=ident.rank, world_size=ident.world_size, host=ident.host,
                       pid=ident.pid, local_rank=ident.local_rank, save_root=prof.config.save_path,
-                      trigger_dir=str(getattr(self.agent, "trigger_dir", "")),
+                      trigger_dir=str(self.agent.trigger_dir),
                       version=__version__, recent=recent, defaults=WindowDefaults.from_config(prof.config).to_wire(),
                       native_dump=self._native_dump(), **self._progress())
         self.registered = self._send(body)
@@ -246,8 +250,7 @@ class DaemonLink:
         prof.call_at_next_step(lambda step: prof.cancel(capture_id, step))
 
     def _native_dump(self) -> dict[str, Any] | None:
-        triage = getattr(self.agent, "triage", None)
-        return triage.native.announce() if triage is not None else None
+        return self.agent.triage.native.announce()
 
     def _on_triage(self, msg: dict[str, Any]) -> None:
         """stacks, memory, flight_recorder: answered with a triage_result, now or (memory) after its steps."""
@@ -260,11 +263,7 @@ class DaemonLink:
                     "ok": False, "error": f"the answer is {len(body)} bytes, more than a message holds"})
             self.post(body)
 
-        triage = getattr(self.agent, "triage", None)
-        if triage is None:
-            reply({"ok": False, "error": "this rank has no triage support"})
-            return
-        triage.request(msg["action"], msg.get("args"), reply, str(msg.get("capture_id") or triage_id))
+        self.agent.triage.request(msg["action"], msg.get("args"), reply, str(msg.get("capture_id") or triage_id))
 
     def post(self, body: bytes) -> None:
         """Any thread: a message for the daemon, sent from the agent thread once registered."""

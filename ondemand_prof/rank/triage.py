@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..core.files import write_atomic
-from ..core.protocol import native_dump_signal
+from ..core.protocol import MAX_MESSAGE_BYTES, native_dump_signal
 from ..core.safedir import make_dirs
 from ..core.triagedefs import check_args, format_thread
+from .extension import Extension
 
 log = logging.getLogger("ondemand_prof.rank.triage")
 
-MAX_RESULT_BYTES = 56 * 1024  # a rank's reply must fit the daemon's 64 KiB message cap
+MAX_RESULT_BYTES = MAX_MESSAGE_BYTES - 8 * 1024  # stacks leave room in a message for the reply's other fields
 MAX_THREADS = 64
 MAX_FRAMES = 48  # innermost frames kept per thread
 FR_SUMMARY_ENTRIES = 256  # newest flight-recorder entries a rank sends for the cross-rank comparison
@@ -130,12 +131,6 @@ class NativeDump:
         if self._file is None:
             return None
         return {"signal": self.signum, "file": str(self.path)}
-
-    def dump_now(self) -> str:
-        """A native dump of this process written from here (for a rank that answers, as a cross-check)."""
-        assert self._file is not None
-        faulthandler.dump_traceback(file=self._file, all_threads=True)
-        return str(self.path)
 
 
 def _spare_signal() -> int | None:
@@ -289,7 +284,7 @@ def write_private(path: Path, data: bytes) -> None:
     write_atomic(path, data)
 
 
-class Triage:
+class Triage(Extension):
     """The rank's triage requests. request() runs on the agent thread; memory recordings are advanced by
     poll() on the agent thread and begin and end at step boundaries on the training thread."""
 

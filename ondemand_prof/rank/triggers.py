@@ -29,14 +29,15 @@ except ImportError:  # not POSIX: no leases, the settle time decides
     fcntl = None  # type: ignore[assignment]
 
 from ..core import safejson
-from ..core.files import read_nofollow
+from ..core.files import read_nofollow, write_atomic
+from ..core.protocol import MAX_MESSAGE_BYTES
 from ..core.safedir import check_dir, ensure_private_dir, private_fallback
 
 log = logging.getLogger(__name__)
 
 TRIGGER_NAME = "capture"
 STATUS_DIR = TRIGGER_NAME + ".status"
-MAX_TRIGGER_BYTES = 64 * 1024
+MAX_TRIGGER_BYTES = MAX_MESSAGE_BYTES  # a trigger holds a request, as a message to the daemon does
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smbfs", "smb3", "lustre", "gpfs", "ceph", "beegfs", "glusterfs", "9p",
               "fuse.sshfs", "fuse.s3fs", "fuse.juicefs", "fuse.glusterfs", "afs", "orangefs", "virtiofs")
 KEEP_DECISIONS = 32
@@ -248,7 +249,7 @@ class WriterTracker:
 def claim_decision(status_dir: Path, version: str, decision: dict[str, Any]) -> dict[str, Any]:
     """Publish our window for this trigger version unless another rank did first; return the one that holds.
 
-    os.link() of a complete temporary file is atomic and fails if the name exists, on local filesystems and
+    write_atomic(replace=False) links a complete file and fails if the name exists, on local filesystems and
     NFS alike, so exactly one rank's decision wins and nobody reads a half-written one.
     """
     check_dir(status_dir)
@@ -256,18 +257,11 @@ def claim_decision(status_dir: Path, version: str, decision: dict[str, Any]) -> 
     held = _read_decision(final)
     if held is not None:
         return held
-    # an unpredictable name, created exclusively: nobody can plant a link there for us to write through
-    fd, tmp_name = tempfile.mkstemp(prefix=f".window-{version}.", suffix=".tmp", dir=status_dir)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(decision))
-        os.link(tmp, final)
+    try:  # published whole, and only if no other rank's decision holds the name
+        write_atomic(final, json.dumps(decision), replace=False)
         return decision
     except FileExistsError:
         return _read_decision(final) or decision
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _read_decision(path: Path) -> dict[str, Any] | None:

@@ -1,7 +1,8 @@
 """Reports on captures: per rank (steps, compute/communication split, operators, memory) and across ranks
 (step time and communication share per rank, the slowest rank against the median).
 
-    build_report([Path("./profile")]) -> dict   (what --json prints; text.py and html.py render it)
+    build_report([Path("./profile")]) -> Report   (model.py: a typed dict; what --json prints, text.py and html.py
+                                                   render)
 
 The paths are searched below (sources.discover: every capture found, and every candidate skipped with the
 reason, is in the report's "sources"), the ranks read, then grouped into captures (grouping.group_ranks: by job and
@@ -23,14 +24,15 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .grouping import group_ranks, slowest_rank
+from .model import CaptureGroup, RankResult, Report
 from .sources import discover, read_source
 
 log = logging.getLogger("ondemand_prof.report")
 
-__all__ = ["build_report", "summarize_group", "discover"]
+__all__ = ["build_report", "summarize_group", "discover", "CaptureGroup", "RankResult", "Report"]
 
 
-def build_report(paths: Iterable[Path], top: int = 15, workers: int | None = None) -> dict[str, Any]:
+def build_report(paths: Iterable[Path], top: int = 15, workers: int | None = None) -> Report:
     """Everything under `paths`, grouped by capture; `workers` processes read the ranks (default: one per core)."""
     t0 = time.monotonic()
     found = discover(Path(p) for p in paths)
@@ -49,7 +51,7 @@ def build_report(paths: Iterable[Path], top: int = 15, workers: int | None = Non
             "ranks_read": sum(len(c["ranks"]) for c in captures), "seconds": round(time.monotonic() - t0, 3)}
 
 
-def read_all(todo: list[tuple[str, Path]], top: int, workers: int | None = None) -> list[dict[str, Any]]:
+def read_all(todo: list[tuple[str, Path]], top: int, workers: int | None = None) -> list[RankResult]:
     """read_source for each (kind, path), in a process pool when there is more than one and more than one core."""
     n = min(len(todo), workers or usable_cores())
     if n <= 1:
@@ -72,12 +74,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def summarize_group(key: tuple[Any, Any], members: list[dict[str, Any]], why: str | None = None) -> dict[str, Any]:
+def summarize_group(key: tuple[Any, Any], members: list[RankResult], why: str | None = None) -> CaptureGroup:
     """One capture's figures across ranks: its ranks in rank order, the failed ones, the median step and the
     slowest rank (grouping.slowest_rank: marked only when it stands out); `why` says what grouped them."""
     ok = sorted((m for m in members if not m.get("error")), key=lambda m: (m.get("rank") is None, m.get("rank") or 0))
     failed = [{"rank": m.get("rank"), "path": m["path"], "error": m["error"]} for m in members if m.get("error")]
-    group: dict[str, Any] = {"job_id": key[0], "capture_id": key[1] if members[0].get("capture_id") else None,
+    group: CaptureGroup = {"job_id": key[0], "capture_id": key[1] if members[0].get("capture_id") else None,
                              "ranks": ok, "failed": failed, "grouped_by": why,
                              "newest": max((m.get("published_at") or "") for m in members) or None,
                              "title_path": min((m.get("path") or "") for m in members)}

@@ -22,6 +22,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from .model import Slowest
+
 SLOW_MIN_RANKS = 3
 SLOW_MIN_PCT = 5.0
 SLOW_SPREADS = 3.0
@@ -112,7 +114,15 @@ def _why_split(bucket: list[dict[str, Any]]) -> str:
 
 # ----------------------------------------------------------------------------------------------------------
 
-def slowest_rank(timed: list[tuple[Any, float]]) -> dict[str, Any] | None:
+def vs_median_pct(ms: float | None, median: float | None) -> float | None:
+    """How far a mean step time is from the capture's median, in % of the median (the report's "vs median"
+    column and the slowest rank's distance); None when either is unknown or zero."""
+    if not ms or not median:
+        return None
+    return 100 * (ms - median) / median
+
+
+def slowest_rank(timed: list[tuple[Any, float]]) -> Slowest | None:
     """(rank, mean step ms) pairs -> the slowest rank, its distance from the median of all ranks, and whether it
     stands out from the spread of the others (SLOW_RULE)."""
     if not timed:
@@ -120,8 +130,8 @@ def slowest_rank(timed: list[tuple[Any, float]]) -> dict[str, Any] | None:
     median = statistics.median(ms for _, ms in timed)
     k = max(range(len(timed)), key=lambda i: timed[i][1])
     rank, ms = timed[k]
-    out = {"rank": rank, "step_ms": ms, "vs_median_ms": ms - median,
-           "vs_median_pct": 100 * (ms - median) / median if median else 0.0, "stands_out": False, "rule": SLOW_RULE}
+    out: Slowest = {"rank": rank, "step_ms": ms, "vs_median_ms": ms - median,
+                    "vs_median_pct": vs_median_pct(ms, median) or 0.0, "stands_out": False, "rule": SLOW_RULE}
     others = [v for i, (_, v) in enumerate(timed) if i != k]
     if len(timed) < SLOW_MIN_RANKS:
         out["why_not"] = f"fewer than {SLOW_MIN_RANKS} ranks: no spread to judge against"

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from .analyze import SHARES
+from .grouping import vs_median_pct
+from .model import CaptureGroup, RankResult, Report
 from .text import comm_counted, shares_text, short_names
 
 PALETTE = {"compute": "#4e79a7", "comm": "#e15759", "overlap": "#b07aa1", "idle": "#bab0ac", "slow": "#e15759",
@@ -89,7 +91,7 @@ def _num(x: float | None, d: int = 2) -> str:
     return "-" if x is None else f"{x:.{d}f}"
 
 
-def render_html(report: dict[str, Any]) -> str:
+def render_html(report: Report) -> str:
     body = [_sources(report)]
     for p in report["problems"]:
         body.append(f'<p class="problem">Cannot report on <code>{_e(p["path"])}</code>: {_e(p["error"])}</p>')
@@ -148,7 +150,7 @@ def _index(groups: list[dict[str, Any]]) -> str:
     return f'<nav class="index"><strong>{len(groups)} captures</strong><ol>{"".join(items)}</ol></nav>'
 
 
-def _group(group: dict[str, Any], gid: str) -> str:
+def _group(group: CaptureGroup, gid: str) -> str:
     title = _title(group)
     meta = []
     if group.get("grouped_by"):
@@ -181,7 +183,7 @@ def _group(group: dict[str, Any], gid: str) -> str:
     return "".join(parts)
 
 
-def _ranks_table(group: dict[str, Any]) -> str:
+def _ranks_table(group: CaptureGroup) -> str:
     ranks = group["ranks"]
     if not ranks:
         return "<p>No rank could be read.</p>"
@@ -189,9 +191,8 @@ def _ranks_table(group: dict[str, Any]) -> str:
     median = group.get("median_step_ms")
     rows = []
     for r in ranks:
-        vs = "-"
-        if median and r.get("step_ms_mean"):
-            vs = f"{100 * (r['step_ms_mean'] - median) / median:+.1f}%"
+        pct = vs_median_pct(r.get("step_ms_mean"), median)
+        vs = f"{pct:+.1f}%" if pct is not None else "-"
         is_slow = bool(slowest.get("stands_out")) and r.get("rank") == slowest.get("rank")
         rows.append(f'<tr{" class=slowest" if is_slow else ""}><td>{_rank(r)}'
                     f'{" (slowest)" if is_slow else ""}</td><td class=num>{len(r.get("steps") or [])}</td>'
@@ -222,7 +223,7 @@ def _mean_split(r: dict[str, Any]) -> dict[str, float] | None:
     return out
 
 
-def _split_chart(ranks: list[dict[str, Any]]) -> str:
+def _split_chart(ranks: list[RankResult]) -> str:
     """Stacked bars: each rank's mean step window split into the four shares, each segment the mean of the
     per-step rows (ms measured, not a share of another mean)."""
     timed = [(r, m) for r in ranks if (m := _mean_split(r))]

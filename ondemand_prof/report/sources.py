@@ -29,6 +29,7 @@ from typing import Any, Iterable, Iterator
 from .analyze import RankAnalyzer, analyze_trace_file
 from .ascend import ASCEND_DIR, is_npu_db, npu_db_result, read_ascend, sqlite_tables
 from .classify import RANK_IN_NAME
+from .model import RankResult
 
 log = logging.getLogger("ondemand_prof.report")
 
@@ -230,7 +231,7 @@ def _dir_kind(path: Path) -> str | None:
 
 # ----------------------------------------------------------------------------------------------------------
 
-def read_source(kind: str, path: Path, top: int) -> dict[str, Any]:
+def read_source(kind: str, path: Path, top: int) -> RankResult:
     """One rank's report; "error" is set when nothing could be read, "warnings" when only part could."""
     reader = {"capture": _read_capture, "trace": _read_trace_file, "db": _read_db_file, "ascend": read_ascend}[kind]
     try:

@@ -7,6 +7,8 @@ from collections import defaultdict
 from typing import Any
 
 from .analyze import SHARES, round_shares
+from .grouping import vs_median_pct
+from .model import CaptureGroup, RankResult, Report
 
 
 def _table(rows: list[list[str]], header: list[str], indent: str = "  ") -> str:
@@ -108,7 +110,7 @@ def _fold_params(text: str) -> str:
     return text
 
 
-def shares_text(r: dict[str, Any]) -> list[str]:
+def shares_text(r: RankResult) -> list[str]:
     """The four shares of a rank, rounded so that they add up to 100.0."""
     values = [r.get(f"{k}_pct") for k in SHARES]
     if any(v is None for v in values):
@@ -116,7 +118,7 @@ def shares_text(r: dict[str, Any]) -> list[str]:
     return [f"{v:.1f}" for v in round_shares([float(v) for v in values])]
 
 
-def render_text(report: dict[str, Any], top: int = 10, per_rank: bool = True) -> str:
+def render_text(report: Report, top: int = 10, per_rank: bool = True) -> str:
     out: list[str] = [sources_text(report, per_rank)]
     for p in report["problems"]:
         out.append(f"cannot report on {p['path']}: {p['error']}\n")
@@ -129,7 +131,7 @@ def render_text(report: dict[str, Any], top: int = 10, per_rank: bool = True) ->
     return "".join(out)
 
 
-def sources_text(report: dict[str, Any], all_found: bool = True) -> str:
+def sources_text(report: Report, all_found: bool = True) -> str:
     """What the search found (each, with the capture it went to; only counted with all_found=False) and what it
     skipped, each with the reason; other files counted by extension."""
     listing = report.get("sources") or []
@@ -150,7 +152,7 @@ def sources_text(report: dict[str, Any], all_found: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _group_text(group: dict[str, Any], top: int, per_rank: bool, number: int = 1) -> str:
+def _group_text(group: CaptureGroup, top: int, per_rank: bool, number: int = 1) -> str:
     title = f"[{number}] " + (f"capture {group['capture_id']}" if group.get("capture_id") else "traces")
     if group.get("job_id"):
         title += f"  job {group['job_id']}"
@@ -169,9 +171,8 @@ def _group_text(group: dict[str, Any], top: int, per_rank: bool, number: int = 1
         rows = []
         for r in ranks:
             mark = "<- slowest" if slowest.get("stands_out") and r.get("rank") == slowest.get("rank") else ""
-            vs = ""
-            if group.get("median_step_ms") and r.get("step_ms_mean"):
-                vs = f"{100 * (r['step_ms_mean'] - group['median_step_ms']) / group['median_step_ms']:+.1f}%"
+            pct = vs_median_pct(r.get("step_ms_mean"), group.get("median_step_ms"))
+            vs = f"{pct:+.1f}%" if pct is not None else ""
             rows.append([_rank(r), str(len(r.get("steps") or [])), _f(r.get("step_ms_mean")),
                          _f(r.get("step_ms_max")), *shares_text(r), vs or "-", mark])
         text += "\nacross ranks (mean over the recorded steps; the shares add up to 100%)\n"
@@ -190,7 +191,7 @@ def _group_text(group: dict[str, Any], top: int, per_rank: bool, number: int = 1
     return text + "\n"
 
 
-def _rank_text(r: dict[str, Any], top: int) -> str:
+def _rank_text(r: RankResult, top: int) -> str:
     text = f"\n-- rank {_rank(r)}  {r['path']}\n"
     for w in r.get("warnings") or []:
         text += f"  warning: {w}\n"

@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
+from ...core.bounds import checked_int
 from ...core.protocol import FINAL_STATES, encode
 from ...core.ranks import spans
 from ..alignment import MISALIGNED, mark_misaligned
@@ -38,8 +39,10 @@ class List(Command):
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         limit = msg.get("limit", 20)
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
-            raise BadRequest(f"field 'limit' must be an integer from 1 to 1000, got {limit!r}")
+        try:
+            checked_int(limit, 1, 1000, "field 'limit'")
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         job = opt_str(msg, "job") or None
         if job:
             try:

@@ -10,6 +10,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
+from ...core.bounds import checked_number
 from ...core.files import presence_note
 from ...core.protocol import FINAL_STATES
 from ...core.ranks import spans
@@ -41,8 +42,10 @@ class Watch(Command):
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         record = service.find(msg["capture_id"])
         timeout = msg.get("timeout_s", 5.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= MAX_WATCH_S:
-            raise BadRequest(f"field 'timeout_s' must be a number from 0 to {MAX_WATCH_S:g}, got {timeout!r}")
+        try:
+            checked_number(timeout, 0, MAX_WATCH_S, "field 'timeout_s'")
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         if record.version != msg["seen"] or record.status != "running" or timeout == 0:
             return {**record.data, "version": record.version}
         service.watch(route, msg.get("id"), record, timeout)

@@ -9,6 +9,7 @@ import logging
 import time
 from typing import Any, TextIO
 
+from ...core.bounds import checked_number
 from ...core.protocol import encode
 from ...core.ranks import RankSpecError, parse_ranks, spans
 from ...core.triagedefs import DEFAULT_MAX_ENTRIES, DEFAULT_MEMORY_STEPS, MEMORY_STACKS, check_args, format_thread
@@ -63,9 +64,8 @@ class _TriageCommand(Command):
         from ..triage import Pending, target_of
 
         timeout = msg.get("timeout_s", self.default_timeout)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0.5 <= timeout <= MAX_TRIAGE_S:
-            raise BadRequest(f"field 'timeout_s' must be a number from 0.5 to {MAX_TRIAGE_S:g}, got {timeout!r}")
         try:
+            checked_number(timeout, 0.5, MAX_TRIAGE_S, "field 'timeout_s'")
             args = check_args(self.action, msg.get("args"))
             targets, silent = self._targets(service, opt_str(msg, "job"), msg.get("ranks", -1))
         except ValueError as exc:

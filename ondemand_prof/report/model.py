@@ -1,0 +1,101 @@
+"""The report's shape: what build_report returns, --json prints, and text.py and html.py render.
+
+TypedDicts, not classes: the report is JSON as it is built (a worker process returns a rank's result, --json
+prints the whole), and these name its fields and their types for editors, mypy and the renderers. Every field
+a reader may lack is optional (total=False): a rank that could not be read has "error" and little else."""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+
+class RankResult(TypedDict, total=False):
+    """One rank of one capture (sources.read_source)."""
+
+    path: str
+    kind: str  # capture | trace | db | ascend
+    folder: str  # what grouping sees as its folder
+    rank: int | None
+    world_size: int | None
+    error: str  # nothing could be read; the rest may be missing
+    warnings: list[str]  # read in part (a cut trace, a skipped file)
+    # from our metadata.json
+    host: str | None
+    pid: int | None
+    job_id: str | None
+    capture_id: str | None
+    status: str | None
+    window: Any
+    options: dict[str, Any] | None
+    source: str | None  # what opened the window: file, daemon, auto, ...
+    published_at: str | None
+    # what was read
+    trace: str
+    db: str
+    files_used: list[str]
+    split_from: str  # torch_npu: which file the per-step split comes from
+    events: int
+    steps: list[dict[str, Any]]  # one row per ProfilerStep: step, start_us, dur_ms and each share
+    basis: str  # device | cpu: what the shares were measured on
+    step_ms_mean: float
+    step_ms_max: float
+    compute_pct: float
+    comm_pct: float
+    overlap_pct: float
+    idle_pct: float
+    top_self: list[dict[str, Any]]
+    top_total: list[dict[str, Any]]
+    top_kernels: list[dict[str, Any]]
+    operators: int
+    cpu_self_total_us: float
+    annotations: list[dict[str, Any]]
+    kernel_steps: dict[str, int]
+    comm_libraries: list[dict[str, Any]]
+    memory: dict[str, Any] | None
+
+
+class FailedRank(TypedDict):
+    rank: int | None
+    path: str
+    error: str
+
+
+class Slowest(TypedDict, total=False):
+    """The slowest rank of a capture against the median (grouping.slowest_rank)."""
+
+    rank: int | None
+    step_ms: float
+    vs_median_ms: float
+    vs_median_pct: float
+    stands_out: bool
+    rule: str
+    why_not: str
+    others_median_ms: float
+    others_spread_ms: float
+    threshold_ms: float
+
+
+class CaptureGroup(TypedDict, total=False):
+    """One capture across its ranks (summarize_group)."""
+
+    job_id: Any
+    capture_id: Any
+    ranks: list[RankResult]  # read, in rank order
+    failed: list[FailedRank]
+    grouped_by: str | None
+    newest: str | None
+    title_path: str
+    window: Any
+    source: str | None
+    options: dict[str, Any] | None
+    median_step_ms: float  # of the ranks' mean step times, when any was timed
+    slowest: Slowest | None
+
+
+class Report(TypedDict):
+    captures: list[CaptureGroup]
+    problems: list[dict[str, str]]  # a given path with nothing to report on
+    sources: list[dict[str, Any]]
+    other_files: dict[str, int]
+    ranks_read: int
+    seconds: float

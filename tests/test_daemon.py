@@ -147,7 +147,7 @@ def test_training_without_daemon_then_daemon_appears_restarts_and_loses_nothing(
     res = ctl(env["run"], "capture", "--steps", "60", "--no-wait", "--json")
     assert res.returncode == 0, res.stderr
     capture_id = json.loads(res.stdout)["capture_id"]
-    wait_for(lambda: part_states(env, capture_id) == ["recording"] * 2, 30, "recording")
+    wait_for(lambda: part_states(env, capture_id) == ["recording"] * 2, 90, "recording")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     time.sleep(0.5)
@@ -199,7 +199,7 @@ def test_rank_killed_mid_window_fails_its_part_only(env: dict[str, Any]) -> None
     cli = subprocess.Popen([str(ROOT / "bin" / "ondemandctl"), "capture", "--steps", "60", "--wait"],
                            env={**os.environ, "ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])}, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: part_states(env) == ["recording"] * 2, 30, "both recording")
+    wait_for(lambda: part_states(env) == ["recording"] * 2, 90, "both recording")
     procs[1].send_signal(signal.SIGKILL)
     out, err = cli.communicate(timeout=120)
     assert cli.returncode == 3, out + err  # partial

@@ -44,7 +44,7 @@ def test_touch_opens_the_default_window(dirs) -> None:
     save, trig, steps = dirs
     procs = start_ranks(["--steps", "200", "--step-sleep", "0.02", "--status-file", str(steps),
                          *trigger_args(save, trig)])
-    wait_for(lambda: last_step(steps) >= 5, what="training to start")
+    wait_for(lambda: last_step(steps) >= 5, 120, "training to start")
     (trig / "capture").touch()
     status = wait_for(lambda: (s := rank_status(trig, 0)) and s["latest"]["state"] == "done" and s, what="done")
     assert_ok(wait_all(procs))
@@ -64,7 +64,7 @@ def test_json_request_on_two_ranks_selects_rank_and_options(dirs) -> None:
     save, trig, steps = dirs
     procs = start_ranks(["--steps", "150", "--step-sleep", "0.02", "--status-file", str(steps),
                          *trigger_args(save, trig)], world=2)
-    wait_for(lambda: last_step(steps) >= 5, what="training to start")
+    wait_for(lambda: last_step(steps) >= 5, 120, "training to start")
     (trig / "capture").write_text('{"ranks": [1], "steps": 3, "level": "level1", "with_stack": true}')
     wait_for(lambda: (s := rank_status(trig, 1)) and s["latest"]["state"] == "done", what="rank 1 done")
     assert_ok(wait_all(procs))
@@ -82,7 +82,7 @@ def test_each_write_acts_once_and_old_triggers_are_not_replayed(dirs) -> None:
     (trig / "capture").write_text('{"steps": 1}')  # written before the job: must not be replayed
     procs = start_ranks(["--steps", "250", "--step-sleep", "0.02", "--status-file", str(steps),
                          *trigger_args(save, trig)], world=2)
-    wait_for(lambda: last_step(steps) >= 5, what="training to start")
+    wait_for(lambda: last_step(steps) >= 5, 120, "training to start")
     time.sleep(0.3)
     assert captures(save) == [] and rank_status(trig, 0) is None
     # the same content twice within one second: two requests
@@ -110,7 +110,7 @@ def test_four_ranks_record_the_same_steps(dirs, poll: str) -> None:
     save, trig, steps = dirs
     procs = start_ranks(["--steps", "220", "--step-sleep", "0.02", "--status-file", str(steps),
                          *trigger_args(save, trig, "--profile-trigger-poll", poll)], world=4)
-    wait_for(lambda: last_step(steps) >= 10, what="training to start")
+    wait_for(lambda: last_step(steps) >= 10, 120, "training to start")
     (trig / "capture").write_text('{"steps": 3}')
     wait_for(lambda: len(captures(save)) == 4, timeout=90, what="four captures")
     assert_ok(wait_all(procs))
@@ -141,7 +141,7 @@ def test_bad_triggers_get_a_clear_status_and_nothing_else(dirs) -> None:
     stop = save.parent / "stop"  # the run lasts as long as the checks take, however loaded the host
     procs = start_ranks(["--steps", "100000", "--step-sleep", "0.01", "--status-file", str(steps),
                          "--stop-file", str(stop), *trigger_args(save, trig)])
-    wait_for(lambda: last_step(steps) >= 5, what="training to start")
+    wait_for(lambda: last_step(steps) >= 5, 120, "training to start")
     path = trig / "capture"
     for name, write, message in BAD_TRIGGERS:
         if path.is_dir() and not path.is_symlink():
@@ -176,7 +176,7 @@ def test_unreadable_trigger(dirs) -> None:
         save, trig, steps = own / "profile", own / "trigger", own / "steps.jsonl"
     procs = start_ranks(["--steps", "300", "--step-sleep", "0.01", "--status-file", str(steps),
                          *trigger_args(save, trig)], prefix=prefix)
-    wait_for(lambda: last_step(steps) >= 5, what="training to start")
+    wait_for(lambda: last_step(steps) >= 5, 120, "training to start")
     path = trig / "capture"
     path.write_text("{}")
     path.chmod(0)
@@ -212,7 +212,7 @@ def test_signal_storm_opens_one_window(dirs) -> None:
     save, trig, steps = dirs
     procs = start_ranks(["--steps", "150", "--step-sleep", "0.02", "--status-file", str(steps),
                          "--profile-signal", "SIGUSR2", *trigger_args(save, trig)])
-    wait_for(lambda: last_step(steps) >= 5, what="training to start")
+    wait_for(lambda: last_step(steps) >= 5, 120, "training to start")
     pid = procs[0].pid
     t0 = time.monotonic()
     for _ in range(1000):

@@ -4,7 +4,9 @@ message schema."""
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -259,3 +261,13 @@ def test_the_lead_grows_when_windows_reached_ranks_late(tmp_path) -> None:
     stalled.learn("b", 100, 101, 0.1)
     stalled.learn("c", 100, 103, 0.1)  # "a" is the oldest of three captures: forgotten
     assert list(stalled.slowest) == ["b", "c"] and stalled.estimate() == pytest.approx(0.2)
+
+
+def test_a_reported_output_path_with_a_nul_is_refused_not_raised(tmp_path: Path) -> None:
+    """The fuzz test found it: a done event whose path held a NUL byte raised ValueError inside the daemon's
+    handler (os.open refuses it) and logged a traceback; it is refused like any other bad path."""
+    from ondemand_prof.host.service import output_path_problem
+
+    (tmp_path / "trace.json").write_text("{}")
+    assert output_path_problem(str(tmp_path / "trace.json"), str(tmp_path), os.getuid()) is None
+    assert output_path_problem(str(tmp_path) + "/tr\0ace.json", str(tmp_path), os.getuid()) == "not a path"

@@ -462,11 +462,13 @@ def test_spoofed_ranks_are_refused(tmp_path: Path, other_user: dict[str, Any]) -
 
 def test_a_stale_daemon_never_removes_its_successors_socket(dirs: dict[str, Path]) -> None:
     first = start_daemon(dirs["run"], dirs["state"])
+    # running, not starting: its socket appears before it has written its pid file and serves
+    wait_for(lambda: status_ok(dirs["run"]), 30, "the first daemon to answer")
     shutil.rmtree(dirs["run"])  # someone cleans /tmp under a running daemon
     second = start_daemon(dirs["run"], short_dir("odpsec2"))
     try:
-        stop(first)
-        assert first.returncode == 0
+        _, err = stop(first)
+        assert first.returncode == 0, err[-3000:]
         assert (dirs["run"] / "profd.sock").exists() and (dirs["run"] / "profd.pid").exists()
         assert (dirs["run"] / "profd.pid").read_text().strip() == str(second.pid)
         assert status_ok(dirs["run"])

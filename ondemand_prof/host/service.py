@@ -287,7 +287,7 @@ def check_registration(peer: Any, msg: dict[str, Any], registry: Registry) -> No
 def output_path_problem(path: Any, save_root: str, uid: int | None) -> str | None:
     """Why a path a rank reports as its output is not believed: outside its save root, missing, or not owned
     by the rank's uid (a rank saying 'done path=/etc/shadow'). None when it is fine."""
-    if not isinstance(path, str) or not path or len(path) > 4096:
+    if not isinstance(path, str) or not path or len(path) > 4096 or "\0" in path:
         return "not a path"
     if not save_root:
         return f"{path} cannot be checked: the rank registered no save root"

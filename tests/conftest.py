@@ -108,6 +108,26 @@ def _native_build(proc: Any) -> bool:
         return False
 
 
+@pytest.fixture(autouse=True)
+def _cpu_log(request: pytest.FixtureRequest) -> Any:
+    """ODP_TEST_CPU_LOG=FILE: each test's CPU (this process and the children reaped meanwhile, seconds) appended to
+    FILE, to find what makes the suite slow on 2 cores (module fixtures' processes count where they are reaped)."""
+    path = os.environ.get("ODP_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    import resource
+
+    def used() -> float:
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    before, wall = used(), time.monotonic()
+    yield
+    with open(path, "a") as fh:
+        fh.write(f"{used() - before:.1f} {time.monotonic() - wall:.1f} {request.node.nodeid}\n")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

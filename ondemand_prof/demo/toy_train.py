@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # plain SGD by hand: torch.optim's first use imports torch._dynamo (2.3 s of CPU in torch 2.13), which every rank
+    # of the test suite would pay; the optimizer paths (zero-code, Lightning, Trainer) run the examples/ scripts
+    params = list(model.parameters())
     status = open(args.status_file, "a", buffering=1) if args.status_file else None
     for it in range(args.first_step, args.first_step + args.steps):
         if it == args.kill_at_step:
@@ -101,14 +103,17 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(64, args.hidden)
             loss = torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (64,)))
         with record_function("backward"):
-            opt.zero_grad()
+            for p in params:
+                p.grad = None
             loss.backward()
         _stall(args, it, status)
         if world > 1:
             with record_function("allreduce_grads"):
                 for p in model.parameters():
                     dist.all_reduce(p.grad)
-        opt.step()
+        with torch.no_grad():
+            for p in params:
+                p.add_(p.grad, alpha=-0.01)
         if args.step_sleep:
             slow = args.slow_factor if 0 <= args.slow_from <= it and args.slow_rank in (
                 -1, int(os.environ.get("RANK", "0"))) else 1.0

@@ -142,9 +142,10 @@ def test_training_without_daemon_then_daemon_appears_restarts_and_loses_nothing(
     proc = daemon(env)
     # (how soon is a benchmark's business, not this test's: under load it can take a few heartbeats)
     wait_for(lambda: len(live_ranks(env["run"])) == 2, 60, "ranks to register with a daemon started later")
+    wait_stepping(env, 2)  # (a capture planned before any step time is known is late on both ranks)
 
     # a capture in flight when the daemon is killed: its record survives and completes after the restart
-    res = ctl(env["run"], "capture", "--steps", "60", "--no-wait", "--json")
+    res = ctl(env["run"], "capture", "--steps", "200", "--no-wait", "--json")  # long enough to be seen recording
     assert res.returncode == 0, res.stderr
     capture_id = json.loads(res.stdout)["capture_id"]
     wait_for(lambda: part_states(env, capture_id) == ["recording"] * 2, 90, "recording")
@@ -154,8 +155,11 @@ def test_training_without_daemon_then_daemon_appears_restarts_and_loses_nothing(
     daemon(env)
     wait_for(lambda: len(live_ranks(env["run"])) == 2, 60, "ranks to re-register after a restart")
     record = wait_for(lambda: (lambda r: r if r["status"] != "running" else None)(
-        ctl_json(env["run"], "show", capture_id)), 60, "the capture to finish after the restart")
-    assert record["status"] == "done", record
+        json.loads(ctl(env["run"], "show", capture_id, "--json").stdout)), 60, "the capture to finish after the restart")
+    # both ranks wrote their whole window; these two are not in lockstep (no process group), so where a loaded
+    # machine delivered the window late to one of them, show rightly says they recorded different steps
+    assert record["status"] in ("done", "misaligned"), record
+    assert all(p["state"] == "done" and len(p["steps"]) == 200 for p in record["parts"].values()), record
     for part in record["parts"].values():
         assert Path(part["path"]).is_dir()
 
@@ -194,9 +198,11 @@ def test_training_without_daemon_then_daemon_appears_restarts_and_loses_nothing(
 
 def test_rank_killed_mid_window_fails_its_part_only(env: dict[str, Any]) -> None:
     daemon(env)
-    procs = ranks(env, 2, 2000, "--no-dist")
+    procs = ranks(env, 2, 5000, "--no-dist")
     wait_stepping(env, 2)
-    cli = subprocess.Popen([str(ROOT / "bin" / "ondemandctl"), "capture", "--steps", "60", "--wait"],
+    # a window long enough (200 steps, the longest by default: 4 s and more) that polling on a loaded machine sees
+    # both ranks in it
+    cli = subprocess.Popen([str(ROOT / "bin" / "ondemandctl"), "capture", "--steps", "200", "--wait"],
                            env={**os.environ, "ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])}, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     wait_for(lambda: part_states(env) == ["recording"] * 2, 90, "both recording")

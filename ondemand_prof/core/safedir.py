@@ -69,17 +69,7 @@ def _check_ancestors(path: Path) -> None:
 def ensure_private_dir(path: Path, *, group_writable: bool = False) -> Path:
     """Create `path` (and missing parents) with mode 0700 and check it and its parents; UnsafeDirectory when a
     directory on the way is not ours."""
-    path = Path(path).expanduser()
-    missing = []
-    p = path
-    while not os.path.lexists(p) and p != p.parent:
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            pass  # someone made it in between: checked below like any other
+    path = make_dirs(Path(path).expanduser(), 0o700)  # one made in between by someone else is checked below
     check_dir(path, group_writable=group_writable)
     _check_ancestors(path)
     return path

@@ -155,7 +155,8 @@ def test_training_without_daemon_then_daemon_appears_restarts_and_loses_nothing(
     daemon(env)
     wait_for(lambda: len(live_ranks(env["run"])) == 2, 60, "ranks to re-register after a restart")
     record = wait_for(lambda: (lambda r: r if r["status"] != "running" else None)(
-        json.loads(ctl(env["run"], "show", capture_id, "--json").stdout)), 60, "the capture to finish after the restart")
+        json.loads(ctl(env["run"], "show", capture_id, "--json").stdout)), 180,
+        "the capture to finish after the restart")
     # both ranks wrote their whole window; these two are not in lockstep (no process group), so where a loaded
     # machine delivered the window late to one of them, show rightly says they recorded different steps
     assert record["status"] in ("done", "misaligned"), record

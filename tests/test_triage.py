@@ -51,7 +51,7 @@ def test_stacks_show_the_rank_blocked_in_the_collective(env: dict[str, Any]) -> 
                   "--stall-s", "25", "--status-file", str(status))
     stalled(env, status, 2)
     time.sleep(0.5)  # rank 1 reaches its all_reduce
-    res = ctl(env["run"], "stacks", "--ranks", "-1")
+    res = ctl(env["run"], "stacks", "--ranks", "-1", "--timeout", "20")
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "2 answered in-process (Python), 0 by native dump" in out, out
@@ -117,16 +117,16 @@ def test_memory_and_flight_recorder_on_cpu_say_so(env: dict[str, Any]) -> None:
     procs = ranks(env, 2, "--steps", "3000", "--step-sleep", "0.01")
     poll(lambda: (lambda rs: len(rs) == 2 and all(r["step"] > 3 for r in rs))(live_ranks(env["run"])),
          "2 ranks stepping", 300)
-    res = ctl(env["run"], "memory", "--ranks", "0", "--steps", "2")
+    res = ctl(env["run"], "memory", "--ranks", "0", "--steps", "2", "--timeout", "60")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "rank(s) 0: not available on this backend (CPU)" in res.stdout, res.stdout
-    res = ctl(env["run"], "memory", "--ranks", "-1", "--json")
+    res = ctl(env["run"], "memory", "--ranks", "-1", "--json", "--timeout", "60")
     assert res.returncode == 1, res.stderr
     data = json.loads(res.stdout)
     assert [r["unavailable"] for r in data["ranks"].values()] == [True, True]
     assert not list(env["save"].glob("memory-*/*.pickle"))
     # gloo on this torch keeps a flight recorder: a real dump per rank, and both ranks entered the same collectives
-    res = ctl(env["run"], "flight-recorder")
+    res = ctl(env["run"], "flight-recorder", "--timeout", "60")  # (the default 5 s is short on a loaded machine)
     assert res.returncode == 0, res.stdout + res.stderr
     files = sorted(env["save"].glob("flight-recorder-*/*.fr_trace.pickle"))
     assert len(files) == 2 and all(f.name.endswith(f"_rank{i}.fr_trace.pickle") for i, f in enumerate(files)), files

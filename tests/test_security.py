@@ -225,8 +225,25 @@ def other_user() -> Iterator[dict[str, Any]]:
         pw = pwd.getpwnam(name)
         yield {"name": name, "group": group, "uid": pw.pw_uid, "gid": pw.pw_gid}
     finally:
+        _end_processes_of(name)  # userdel refuses a user who still has processes (and the user would stay)
         subprocess.run(["userdel", name], capture_output=True)
         subprocess.run(["groupdel", group], capture_output=True)
+
+
+def _end_processes_of(name: str) -> None:
+    import psutil
+
+    try:
+        uid = pwd.getpwnam(name).pw_uid
+    except KeyError:
+        return
+    procs = [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == uid]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
 
 
 def as_user(user: dict[str, Any], code: str, *args: str) -> subprocess.Popen:

@@ -72,6 +72,16 @@ def kill_tree(proc: subprocess.Popen) -> None:
     _reap([p.pid for p in tree])
 
 
+def end_test_env(procs: list[subprocess.Popen], *dirs: Path) -> None:
+    """The end of a test's environment: its processes with everything under them, then its directories."""
+    import shutil
+
+    for p in procs:
+        kill_tree(p)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def _reap(pids: list[int]) -> None:
     for pid in pids:
         try:

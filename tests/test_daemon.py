@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import pytest
 import zmq
 
-from conftest import ROOT, assert_ok, captures, ctl, ctl_json, live_ranks, short_dir, start_daemon, start_ranks, \
+from conftest import end_test_env, ROOT, assert_ok, captures, ctl, ctl_json, live_ranks, short_dir, start_daemon, start_ranks, \
     trace_steps, wait_all, wait_for
 
 TRAIN = ["--step-sleep", "0.02", "--profile-min-free-mb", "0", "--profile-ranks", "-1"]
@@ -29,12 +29,7 @@ def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
     run_dir, state_dir = short_dir("odp"), short_dir("odps")
     procs: list[subprocess.Popen] = []
     yield {"run": run_dir, "state": state_dir, "save": tmp_path / "profile", "procs": procs}
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.rmtree(state_dir, ignore_errors=True)
+    end_test_env(procs, run_dir, state_dir)
 
 
 def daemon(env: dict[str, Any], *extra: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import ROOT, base_env, captures, ctl, ctl_json, free_port, live_ranks, short_dir, trace_steps, \
+from conftest import end_test_env, ROOT, base_env, captures, ctl, ctl_json, free_port, live_ranks, short_dir, trace_steps, \
     wait_for
 
 
@@ -25,12 +24,7 @@ def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
     run_dir, state_dir = short_dir("odf"), short_dir("odfs")
     procs: list[subprocess.Popen] = []
     yield {"run": run_dir, "state": state_dir, "tmp": tmp_path, "procs": procs}
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.rmtree(state_dir, ignore_errors=True)
+    end_test_env(procs, run_dir, state_dir)
 
 
 def daemon(env: dict[str, Any]) -> subprocess.Popen:

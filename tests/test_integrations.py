@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 import sys
@@ -16,7 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import NO_DAEMON_DIR, ROOT, base_env, kill_tree, captures, ctl, free_port, live_ranks, load_trace, short_dir, \
+from conftest import end_test_env, NO_DAEMON_DIR, ROOT, base_env, captures, ctl, free_port, live_ranks, load_trace, short_dir, \
     start_daemon, trace_steps, wait_for
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -30,13 +29,7 @@ def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
     daemons: list[subprocess.Popen] = []
     yield {"run": run_dir, "state": state_dir, "save": tmp_path / "profile", "tmp": tmp_path, "procs": procs,
            "daemons": daemons}
-    for p in procs:  # examples start children (torchrun, Lightning), some in sessions of their own
-        kill_tree(p)
-    for p in daemons:
-        p.kill()
-        p.wait()
-    shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.rmtree(state_dir, ignore_errors=True)
+    end_test_env([*procs, *daemons], run_dir, state_dir)  # examples start children (torchrun, Lightning)
 
 
 def daemon(env: dict[str, Any]) -> subprocess.Popen:

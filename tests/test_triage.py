@@ -71,14 +71,21 @@ def test_stacks_show_the_rank_blocked_in_the_collective(env: dict[str, Any]) -> 
 def test_a_rank_holding_the_gil_gets_a_native_dump_said_as_such(env: dict[str, Any]) -> None:
     daemon(env)
     status = env["save"].parent / "steps.jsonl"
-    ranks(env, 1, "--no-dist", "--steps", "200", "--step-sleep", "0.01", "--stall-rank", "0", "--stall-at-step", "30",
-          "--stall-s", "30", "--stall-holding-gil", "--status-file", str(status))
-    stalled(env, status, 1)  # its heartbeats stop now; the daemon keeps it reachable for a native dump
-    time.sleep(4)  # past the daemon's heartbeat timeout: status no longer lists it as live, stacks still reach it
+    # The stall holds the GIL, so heartbeats stop 3.5 s after it begins: the rank is live only briefly before it,
+    # which a loaded machine's polling can miss (seen in CI: the test saw the rank live only after a 30 s stall had
+    # ended, and it then exited). So: wait for the stall itself, then for status to call the rank silent; the
+    # stall outlasts any such wait and the fixture kills the rank.
+    ranks(env, 1, "--no-dist", "--steps", "400", "--step-sleep", "0.01", "--stall-rank", "0", "--stall-at-step", "100",
+          "--stall-s", "600", "--stall-holding-gil", "--status-file", str(status))
+    wait_for(lambda: any("stall" in x for x in status_lines(status)), 300, "the stall to begin")
+    pattern = (r"SILENT: rank 0 \(pid \d+, \S+, last at step \d+\) sent no heartbeat for \d+ s but its "
+               r"process is alive")
+    # past the daemon's heartbeat timeout, status no longer lists it as live but says it is silent with its
+    # process alive, and what to run; stacks still reach it
+    text = wait_for(lambda: (lambda out: out if re.search(pattern, out) else None)(ctl(env["run"], "status").stdout),
+                    120, "status to call the rank silent", pause=0.5)
+    assert "ondemandctl stacks --job tri" in text, text
     assert live_ranks(env["run"]) == []
-    text = ctl(env["run"], "status")  # ... but says it is silent with its process alive, and what to run
-    assert re.search(r"SILENT: rank 0 \(pid \d+, \S+, last at step \d+\) sent no heartbeat for \d+ s but its "
-                     r"process is alive", text.stdout), text.stdout
     res = ctl(env["run"], "stacks", "--timeout", "2")
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout

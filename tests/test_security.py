@@ -609,7 +609,7 @@ path, n = sys.argv[1], int(sys.argv[2])
 random.seed(9)
 for i in range(n):
     with open(path, "w") as fh:  # truncates, then (after a stall) writes: the trigger is empty in between
-        # every 40th stall is longer than any settle time a reader could wait for (agent.EMPTY_SETTLE_S is 0.25)
+        # every 40th stall is longer than any settle time a reader could wait for (file_trigger.EMPTY_SETTLE_S is 0.25)
         time.sleep(0.4 if i % 40 == 39 else random.choice((0, 0, 0.001, 0.005, 0.02)))
         fh.write(json.dumps({"steps": 1, "start_step": 10**9, "id": f"req{i}"}))
     time.sleep(random.choice((0, 0.001, 0.003)))

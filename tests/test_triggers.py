@@ -243,7 +243,7 @@ def test_hook_logs_the_command_to_touch(dirs) -> None:
 
 def test_log_budget_says_how_many_lines_it_held_back() -> None:
     """A loop rewriting the trigger gets five warning lines a minute, then one that counts the rest."""
-    from ondemand_prof.rank.agent import LogBudget
+    from ondemand_prof.rank.trigger_status import LogBudget
 
     now = [0.0]
     budget = LogBudget(burst=5, period_s=60.0, clock=lambda: now[0])

@@ -158,7 +158,7 @@ class AutoCapture(Extension):
         agent = self.agent
         assert agent is not None  # poll() runs on the agent thread, so attach() came first
         self.started.append(now)
-        window = self._window(reason, agent.lead_steps() + 1)
+        window = self._window(reason, agent.files.lead_steps() + 1)
         log.warning("ondemand_prof: steps are %.1fx slower than the median (%.1f ms) at step %d: automatic capture "
                     "%s of steps [%d, %d)", max(slow) / median, median * 1000, step, window.capture_id, window.start,
                     window.end)

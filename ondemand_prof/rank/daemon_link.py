@@ -43,8 +43,11 @@ class AgentLike(Protocol):
 
     config: Any
     prof: Any
-    trigger_dir: Path | str  # said at registration (where ondemandctl's users may also write a trigger)
     triage: Any  # rank/triage.py Triage: answers stacks, memory, flight_recorder
+
+    @property
+    def trigger_dir(self) -> Path | str:
+        """Said at registration (where ondemandctl's users may also write a trigger)."""
 
     def schedule(self, window: Window, listener: Any) -> None: ...
     def wake(self) -> None: ...

@@ -76,7 +76,7 @@ class SignalTrigger:
         agent = getattr(prof, "agent", None)
         listener: Callable[[str, dict[str, Any]], None] | None = None
         if agent is not None:
-            listener = agent.status_listener({"trigger": window.capture_id, "rank": ident.rank, "host": ident.host,
+            listener = agent.files.status.listener({"trigger": window.capture_id, "rank": ident.rank, "host": ident.host,
                                               "pid": os.getpid(), "seen_at_step": step,
                                               "request": dict(window.requested)})
         ok, reason = prof.submit(window, listener)

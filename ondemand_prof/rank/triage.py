@@ -290,8 +290,7 @@ class Triage(Extension):
 
     def __init__(self, prof: Any, status_dir: Path) -> None:
         self.prof = prof
-        self.status_dir = status_dir
-        self.native = NativeDump(status_dir)
+        self.native = NativeDump(status_dir)  # its file stays where it was made, even if the job moves
         self.recording: MemoryRecording | None = None
 
     def install(self) -> None:

@@ -17,11 +17,10 @@ import signal
 import stat
 import struct
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 try:
     import fcntl
@@ -287,12 +286,13 @@ def prune_decisions(status_dir: Path, keep: int = KEEP_DECISIONS) -> None:
 
 
 class DirWatcher:
-    """Wakes `event` when something changes in the trigger directory: inotify through watchdog, or nothing
-    (the agent polls) when inotify is unavailable or the directory is on a network filesystem."""
+    """Calls `on_change` (from watchdog's thread) when something changes in the trigger directory: inotify
+    through watchdog, or nothing (the agent polls) when inotify is unavailable or the directory is on a network
+    filesystem."""
 
-    def __init__(self, directory: Path, event: threading.Event, poll_s: float) -> None:
+    def __init__(self, directory: Path, on_change: Callable[[], None], poll_s: float) -> None:
         self.directory = directory
-        self.event = event
+        self.on_change = on_change
         self.mode = "poll"
         self.poll_s = poll_s
         self._observer: Any = None
@@ -339,7 +339,7 @@ class DirWatcher:
         elif event_type in ("closed", "deleted", "moved"):
             self.writer_open = False
         self.last_event_at = time.time()
-        self.event.set()
+        self.on_change()
 
     def stop(self) -> None:
         if self._observer is not None:

@@ -9,9 +9,12 @@ import json
 import logging
 import os
 import time
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, cast
 
 from ..core.files import read_beneath_root
+
+if TYPE_CHECKING:  # the report package is imported where it is used (the daemon never loads it)
+    from ..report.model import RankResult, Report
 
 log = logging.getLogger("ondemand_prof.daemon")
 
@@ -58,7 +61,7 @@ def part_summaries(record: dict[str, Any]) -> list[dict[str, Any]]:
     return parts
 
 
-def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> Report:
     """(daemon name, `summaries` reply) pairs -> the report's data (what report/text.py renders): one capture
     group with a member per rank, the across-ranks figures computed by the report's own summarize_group."""
     from ..report import summarize_group
@@ -80,7 +83,8 @@ def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, 
             members.append(member)
     if first is None:
         return {"captures": [], "problems": [], "ranks_read": 0, "seconds": 0.0}
-    group = summarize_group((first["job"], first["capture_id"]), members)
+    # each member is a RankResult: our fields, then the rank's summary.json (written by rank/postprocess.py)
+    group = summarize_group((first["job"], first["capture_id"]), cast("list[RankResult]", members))
     start, end = first["window"]
     group["window"] = {"start": start, "end": end}
     group["options"] = first.get("options")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .grouping import group_ranks, slowest_rank
-from .model import CaptureGroup, RankResult, Report
+from .model import CaptureGroup, FailedRank, RankResult, Report
 from .sources import discover, read_source
 
 log = logging.getLogger("ondemand_prof.report")
@@ -78,7 +78,8 @@ def summarize_group(key: tuple[Any, Any], members: list[RankResult], why: str | 
     """One capture's figures across ranks: its ranks in rank order, the failed ones, the median step and the
     slowest rank (grouping.slowest_rank: marked only when it stands out); `why` says what grouped them."""
     ok = sorted((m for m in members if not m.get("error")), key=lambda m: (m.get("rank") is None, m.get("rank") or 0))
-    failed = [{"rank": m.get("rank"), "path": m["path"], "error": m["error"]} for m in members if m.get("error")]
+    failed: list[FailedRank] = [{"rank": m.get("rank"), "path": m["path"], "error": m["error"]}
+                                for m in members if m.get("error")]
     group: CaptureGroup = {"job_id": key[0], "capture_id": key[1] if members[0].get("capture_id") else None,
                              "ranks": ok, "failed": failed, "grouped_by": why,
                              "newest": max((m.get("published_at") or "") for m in members) or None,

@@ -48,7 +48,7 @@ __all__ = ["RankAnalyzer", "StepRow", "analyze_trace_file", "is_comm", "peak_dow
 @dataclass
 class StepRow:
     step: int
-    ts: float
+    ts: float | None         # None: torch_npu's step table without a start (ascend.py)
     dur_us: float            # the ProfilerStep#N event's duration (CPU)
     window_us: float = 0.0   # what the split covers: the device window, or the CPU step
     compute_us: float = 0.0
@@ -157,7 +157,7 @@ class RankAnalyzer:
             ts, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
         except (KeyError, TypeError, ValueError):
             return
-        cat = ev.get("cat")
+        cat: Any = ev.get("cat")  # whatever JSON value the file has; the aliases map the strings they know
         cat = CATEGORY_ALIASES.get(cat, cat)
         if cat in CPU_TREE_CATS:
             key = (ev.get("pid"), ev.get("tid"))

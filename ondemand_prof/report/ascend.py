@@ -275,8 +275,8 @@ def npu_memory(rows: Iterable[MemoryRow]) -> dict[str, Any] | None:
     devices = sorted(stats.values(), key=lambda s: (s["peak_allocated"] is None, s["component"] != ALLOCATOR,
                                                     -(s["peak_allocated"] or 0.0)))
     main = (devices[0]["device"], devices[0]["component"])
-    ts, alloc = series[main]
-    points = sorted(zip(ts, alloc))
+    times, allocated = series[main]
+    points = sorted(zip(times, allocated))
     return {"devices": devices, "series_device": f"{main[0]} ({main[1]})", "series": peak_downsample(points)}
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .model import Slowest
+from .model import RankResult, Slowest
 
 SLOW_MIN_RANKS = 3
 SLOW_MIN_PCT = 5.0
@@ -34,13 +34,13 @@ SLOW_RULE = (f"marked when at least {SLOW_MIN_RANKS} ranks have steps and its me
              f"median by more than {SLOW_MIN_PCT:g} % and by more than {SLOW_SPREADS:g} robust standard deviations "
              f"of the other ranks ({MAD_TO_SD} x their median absolute deviation)")
 
-Group = tuple[tuple[Any, Any], str, list[dict[str, Any]]]  # (job id, capture id), why these ranks, the ranks
+Group = tuple[tuple[Any, Any], str, list[RankResult]]  # (job id, capture id), why these ranks, the ranks
 
 
-def group_ranks(members: list[dict[str, Any]]) -> list[Group]:
+def group_ranks(members: list[RankResult]) -> list[Group]:
     """The rank reports grouped into captures (module docstring), each with a sentence saying why."""
-    ours: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
-    rest: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    ours: dict[tuple[Any, Any], list[RankResult]] = {}
+    rest: dict[tuple[Any, ...], list[RankResult]] = {}
     for m in members:
         if m.get("capture_id"):
             ours.setdefault((m.get("job_id"), m["capture_id"]), []).append(m)
@@ -65,16 +65,16 @@ def group_ranks(members: list[dict[str, Any]]) -> list[Group]:
     return groups
 
 
-def _world(m: dict[str, Any]) -> int | None:
+def _world(m: RankResult) -> int | None:
     w = m.get("world_size")
     return w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None
 
 
-def _steps(m: dict[str, Any]) -> tuple[int, ...]:
+def _steps(m: RankResult) -> tuple[int, ...]:
     return tuple(s["step"] for s in m.get("steps") or [] if isinstance(s.get("step"), int))
 
 
-def _span(m: dict[str, Any]) -> tuple[float, float] | None:
+def _span(m: RankResult) -> tuple[float, float] | None:
     """When the rank's steps ran, in wall-clock µs; None when the file's times are not wall-clock."""
     starts = [(s["start_us"], s["start_us"] + 1000 * (s.get("dur_ms") or 0)) for s in m.get("steps") or []
               if isinstance(s.get("start_us"), (int, float))]
@@ -90,10 +90,10 @@ def _apart(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bool
     return gap > max(APART_US, 2 * max(a[1] - a[0], b[1] - b[0]))
 
 
-def _split(members: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def _split(members: list[RankResult]) -> list[list[RankResult]]:
     """Ranks of one folder into captures: same steps, no rank twice, not apart in time; earliest first."""
     ordered = sorted(members, key=lambda m: ((_span(m) or (0.0, 0.0))[0], m.get("path") or ""))
-    buckets: list[list[dict[str, Any]]] = []
+    buckets: list[list[RankResult]] = []
     for m in ordered:
         for bucket in buckets:
             head = bucket[0]
@@ -106,7 +106,7 @@ def _split(members: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return buckets
 
 
-def _why_split(bucket: list[dict[str, Any]]) -> str:
+def _why_split(bucket: list[RankResult]) -> str:
     if len(bucket) == 1 and bucket[0].get("rank") is None:
         return "the trace names no rank"
     return "ranks " + ", ".join(str(m.get("rank")) for m in bucket)
@@ -139,8 +139,10 @@ def slowest_rank(timed: list[tuple[Any, float]]) -> Slowest | None:
     centre = statistics.median(others)
     spread = MAD_TO_SD * statistics.median(abs(v - centre) for v in others)
     threshold = max(centre * SLOW_MIN_PCT / 100, SLOW_SPREADS * spread)
-    out.update(others_median_ms=centre, others_spread_ms=spread, threshold_ms=threshold,
-               stands_out=ms - centre > threshold)
+    out["others_median_ms"] = centre  # new keys in this order after "rule" (--json prints them as set)
+    out["others_spread_ms"] = spread
+    out["threshold_ms"] = threshold
+    out["stands_out"] = ms - centre > threshold
     if not out["stands_out"]:
         out["why_not"] = (f"{ms - centre:+.2f} ms from the other ranks' median is within {threshold:.2f} ms "
                           f"(the larger of {SLOW_MIN_PCT:g} % and {SLOW_SPREADS:g} x their spread {spread:.2f} ms)")

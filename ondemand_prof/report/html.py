@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .analyze import SHARES
 from .grouping import vs_median_pct
@@ -83,7 +83,7 @@ def _e(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _rank(r: dict[str, Any]) -> str:
+def _rank(r: RankResult) -> str:
     return "?" if r.get("rank") is None else _e(r["rank"])
 
 
@@ -109,7 +109,7 @@ def render_html(report: Report) -> str:
             f"<script>{JS}</script></body></html>")
 
 
-def _sources(report: dict[str, Any]) -> str:
+def _sources(report: Report) -> str:
     """What the search found and skipped (each with the reason), folded unless something was skipped."""
     listing = report.get("sources") or []
     skipped = [e for e in listing if e["status"] != "found"]
@@ -128,16 +128,16 @@ def _sources(report: dict[str, Any]) -> str:
             f'{len(skipped)} skipped</summary><table><tbody>{"".join(rows)}</tbody></table>{extra}</details>')
 
 
-def _title(group: dict[str, Any]) -> str:
+def _title(group: CaptureGroup) -> str:
     if group.get("capture_id"):
         return f"Capture {_e(group['capture_id'])}"
     members = group["ranks"] or group["failed"]
-    kinds = {"ascend": "torch_npu output", "db": "Databases"}
+    kinds: dict[str | None, str] = {"ascend": "torch_npu output", "db": "Databases"}  # no rank read: None
     where = os.path.commonpath([str(Path(m["path"]).parent) for m in members]) if members else ""
     return f"{kinds.get((group['ranks'] or [{}])[0].get('kind'), 'Traces')} in <code>{_e(where)}</code>"
 
 
-def _index(groups: list[dict[str, Any]]) -> str:
+def _index(groups: list[CaptureGroup]) -> str:
     """Links to each capture, with its ranks and mean step, so a long report can be navigated."""
     items = []
     for i, g in enumerate(groups):
@@ -162,8 +162,9 @@ def _group(group: CaptureGroup, gid: str) -> str:
     w = group.get("window")
     if isinstance(w, dict):
         meta.append(f"window [{_e(w.get('start'))}, {_e(w.get('end'))})")
-    if group.get("options"):
-        meta.append("options " + ", ".join(f"{_e(k)}={_e(v)}" for k, v in group["options"].items()))
+    options = group.get("options")
+    if options:
+        meta.append("options " + ", ".join(f"{_e(k)}={_e(v)}" for k, v in options.items()))
     parts = [f'<section class="capture" id="{gid}"><h2>{title}</h2><div class="muted">{" · ".join(meta)}</div>',
              _ranks_table(group)]
     for f in group["failed"]:
@@ -211,7 +212,7 @@ def _ranks_table(group: CaptureGroup) -> str:
             + "".join(rows) + "</tbody></table>" + note + _split_chart(ranks))
 
 
-def _mean_split(r: dict[str, Any]) -> dict[str, float] | None:
+def _mean_split(r: RankResult) -> dict[str, float] | None:
     """Each share's mean ms per step and the mean window, from the per-step rows (what was measured)."""
     steps = [s for s in r.get("steps") or [] if s.get("window_ms")]
     if not steps:
@@ -257,7 +258,7 @@ def _split_chart(ranks: list[RankResult]) -> str:
             f'height="{height}" viewBox="0 0 {width} {height}" role="img">{"".join(parts)}</svg>')
 
 
-def _rank_views(group: dict[str, Any], gid: str, kind: str, render: Any) -> str:
+def _rank_views(group: CaptureGroup, gid: str, kind: str, render: Callable[[RankResult, str], str]) -> str:
     """One block per rank, one shown at a time, chosen with a rank selector (all of them when one rank)."""
     blocks = [(r, render(r, f"{gid}-r{r.get('rank')}")) for r in group["ranks"]]
     blocks = [(r, b) for r, b in blocks if b]
@@ -272,12 +273,12 @@ def _rank_views(group: dict[str, Any], gid: str, kind: str, render: Any) -> str:
                             for k, (_, b) in enumerate(blocks))
 
 
-def _operator_view(group: dict[str, Any], gid: str) -> str:
+def _operator_view(group: CaptureGroup, gid: str) -> str:
     out = _rank_views(group, gid, "ops", _rank_operators)
     return out or "<p class=muted>No operators in this capture.</p>"
 
 
-def _rank_operators(r: dict[str, Any], rid: str) -> str:
+def _rank_operators(r: RankResult, rid: str) -> str:
     ops = r.get("top_self") or []
     kernels = r.get("top_kernels") or []
     out = [f"<h3>Rank {_rank(r)}</h3><p class=muted>{_e(comm_counted(r))}</p>"]
@@ -330,13 +331,13 @@ def _bar_chart(items: list[tuple[str, float]], cid: str, unit: str) -> str:
             f'height="{8 + len(items) * row_h}" role="img">{"".join(parts)}</svg>')
 
 
-def _memory_view(group: dict[str, Any], gid: str) -> str:
+def _memory_view(group: CaptureGroup, gid: str) -> str:
     out = _rank_views(group, gid, "mem", _rank_memory)
     return out or ("<p class=muted>No memory events in these captures. Capture with <code>--with-memory</code> "
                    "(ondemandctl) or <code>--profile-with-memory</code>.</p>")
 
 
-def _rank_memory(r: dict[str, Any], rid: str) -> str:
+def _rank_memory(r: RankResult, rid: str) -> str:
     mem = r.get("memory")
     if not mem:
         return ""
@@ -385,7 +386,7 @@ def _memory_summary(mem: dict[str, Any]) -> str:
     return text + ".</p>"
 
 
-def _timeline_view(group: dict[str, Any], gid: str) -> str:
+def _timeline_view(group: CaptureGroup, gid: str) -> str:
     """Each rank's recorded steps on one time axis (wall clock), so a rank that lags or stalls stands out."""
     lanes = [(r, _timed_steps(r.get("steps") or [])) for r in group["ranks"]]
     lanes = [(r, s) for r, s in lanes if s]
@@ -434,7 +435,7 @@ def _timed_steps(steps: list[dict[str, Any]], relative: bool = False) -> list[di
     return out
 
 
-def _open_traces(group: dict[str, Any]) -> str:
+def _open_traces(group: CaptureGroup) -> str:
     items = []
     for r in group["ranks"]:
         trace = r.get("trace") or r.get("db") or r["path"]

@@ -52,6 +52,9 @@ class RankResult(TypedDict, total=False):
     kernel_steps: dict[str, int]
     comm_libraries: list[dict[str, Any]]
     memory: dict[str, Any] | None
+    # across hosts (host/summaries.merge_summaries): which daemon returned the rank, how late its window began
+    daemon: str
+    late_by: int | None
 
 
 class FailedRank(TypedDict):
@@ -92,10 +95,17 @@ class CaptureGroup(TypedDict, total=False):
     slowest: Slowest | None
 
 
-class Report(TypedDict):
+class _ReportCore(TypedDict):
     captures: list[CaptureGroup]
     problems: list[dict[str, str]]  # a given path with nothing to report on
-    sources: list[dict[str, Any]]
-    other_files: dict[str, int]
     ranks_read: int
     seconds: float
+
+
+class Report(_ReportCore, total=False):
+    """build_report's has every field; a report across hosts (host/summaries.merge_summaries) searched no path,
+    so it has no sources, and it names the hosts that did not answer."""
+
+    sources: list[dict[str, Any]]
+    other_files: dict[str, int]
+    failed_hosts: dict[str, str]  # daemon name -> why it gave no answer

@@ -24,7 +24,7 @@ import sqlite3
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, cast
 
 from .analyze import RankAnalyzer, analyze_trace_file
 from .ascend import ASCEND_DIR, is_npu_db, npu_db_result, read_ascend, sqlite_tables
@@ -234,8 +234,8 @@ def _dir_kind(path: Path) -> str | None:
 def read_source(kind: str, path: Path, top: int) -> RankResult:
     """One rank's report; "error" is set when nothing could be read, "warnings" when only part could."""
     reader = {"capture": _read_capture, "trace": _read_trace_file, "db": _read_db_file, "ascend": read_ascend}[kind]
-    try:
-        out = reader(path, top)
+    try:  # the readers fill an open dict (the analyzer's figures among them) whose keys are RankResult's
+        out = cast(RankResult, reader(path, top))
     except Exception as exc:  # noqa: BLE001 - one unreadable capture never stops the report
         log.debug("cannot read %s", path, exc_info=True)
         out = {"path": str(path), "kind": kind, "rank": None, "error": f"{type(exc).__name__}: {exc}"}

@@ -36,7 +36,7 @@ def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
 
 
-def _rank(r: dict[str, Any]) -> str:
+def _rank(r: RankResult) -> str:
     return "?" if r.get("rank") is None else str(r["rank"])
 
 
@@ -112,10 +112,11 @@ def _fold_params(text: str) -> str:
 
 def shares_text(r: RankResult) -> list[str]:
     """The four shares of a rank, rounded so that they add up to 100.0."""
-    values = [r.get(f"{k}_pct") for k in SHARES]
-    if any(v is None for v in values):
+    values = [r.get(f"{k}_pct") for k in SHARES]  # step_summary's floats, or absent
+    numbers = [float(v) for v in values if isinstance(v, (int, float))]
+    if len(numbers) < len(SHARES):
         return ["-"] * len(SHARES)
-    return [f"{v:.1f}" for v in round_shares([float(v) for v in values])]
+    return [f"{v:.1f}" for v in round_shares(numbers)]
 
 
 def render_text(report: Report, top: int = 10, per_rank: bool = True) -> str:
@@ -210,7 +211,7 @@ def _rank_text(r: RankResult, top: int) -> str:
     return text + _memory_text(r.get("memory"))
 
 
-def _steps_text(r: dict[str, Any]) -> str:
+def _steps_text(r: RankResult) -> str:
     steps = r.get("steps") or []
     if not steps:
         return "  no ProfilerStep#N steps in this trace\n"
@@ -231,7 +232,7 @@ def _steps_text(r: dict[str, Any]) -> str:
     return text + "  " + comm_counted(r) + "\n"
 
 
-def comm_counted(r: dict[str, Any]) -> str:
+def comm_counted(r: RankResult) -> str:
     """What the split counted as communication: each library with its time inside the steps."""
     libraries = r.get("comm_libraries") or []
     if r.get("split_from"):

@@ -17,6 +17,7 @@ from ..service import Service
 from .base import Command, nothing_found_here, warn
 
 if TYPE_CHECKING:
+    from ...report.model import Report as ReportData
     from ..fanout import Fanout
 
 
@@ -108,7 +109,7 @@ def capture_folders(capture_id: str, args: argparse.Namespace) -> list[Path]:
     return [Path(f) for f in folders]
 
 
-def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
+def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> ReportData:
     """Build, print (text or --json) and optionally write the HTML report; shared by report and capture."""
     from ...report import build_report
 
@@ -117,7 +118,7 @@ def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> dic
     return data
 
 
-def render_report(data: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None:
+def render_report(data: ReportData, args: argparse.Namespace, out: TextIO) -> None:
     """Print a report's data (text or --json) and write --html; also ondemandctl's report across hosts."""
     from ...report.html import render_html
     from ...report.text import render_text

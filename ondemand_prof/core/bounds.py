@@ -8,17 +8,17 @@ an int), and so are NaN and the infinities where a number is."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 MAX_STEP = 10**12  # bounds every step number we accept, so arithmetic on it stays exact and small
 
 
-def bounded_int(value: Any, lo: int, hi: int) -> bool:
+def bounded_int(value: Any, lo: int, hi: int) -> TypeGuard[int]:
     """A JSON integer (not a bool) within [lo, hi]."""
     return type(value) is int and lo <= value <= hi
 
 
-def finite_number(value: Any, lo: float, hi: float) -> bool:
+def finite_number(value: Any, lo: float, hi: float) -> TypeGuard[float]:
     """A JSON number (not a bool) that is finite and within [lo, hi]."""
     return type(value) in (int, float) and math.isfinite(value) and lo <= value <= hi
 

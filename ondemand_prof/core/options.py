@@ -128,6 +128,7 @@ def parse_signal(value: Any, label: str = "--profile-signal", strict: bool = Fal
     text = parse_str(value, label, strict).strip().upper()
     if not text:
         return ""
+    sig: _signal.Signals | None
     if text.isdigit():
         try:
             sig = _signal.Signals(int(text))
@@ -161,7 +162,7 @@ def parse_mode(value: Any, label: str, strict: bool = False) -> int:
 for _parse, _type in ((parse_bool, "bool"), (parse_int, "int"), (parse_float, "float"),
                       (parse_rank_list, "tuple[int, ...]"), (parse_str, "str"), (parse_job_id, "str"),
                       (parse_signal, "str"), (parse_mode, "int")):
-    _parse.type_name = _type  # type: ignore[attr-defined]
+    _parse.type_name = _type  # type: ignore[union-attr]  # a function attribute on purpose: Option.type_name reads it
 
 
 def choice(choices: Sequence[str]) -> Callable[..., str]:
@@ -556,8 +557,8 @@ def add_window_flags(parser: argparse.ArgumentParser, options: Sequence[Option] 
             parser.add_argument(flag, dest=opt.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=f"{opt.help} (default: the rank's configuration)")
         else:
-            parser.add_argument(flag, dest=opt.name, choices=opt.choices, type=None if opt.choices else str,
-                                default=None, help=f"{opt.help} (default: the rank's configuration)")
+            parser.add_argument(flag, dest=opt.name, choices=opt.choices, default=None,
+                                help=f"{opt.help} (default: the rank's configuration)")  # kept as given (str)
 
 
 def window_overrides(args: argparse.Namespace, options: Sequence[Option] = OPTIONS) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeGuard
 
 from .bounds import MAX_STEP, bounded_int
 from .options import WindowOptions
@@ -57,7 +57,7 @@ class Window:
                 "requested": dict(self.requested)}
 
 
-def _step(value: Any) -> bool:
+def _step(value: Any) -> TypeGuard[int]:
     return bounded_int(value, 0, MAX_STEP)
 
 

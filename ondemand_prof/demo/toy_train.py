@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                     dist.all_reduce(p.grad)
         with torch.no_grad():
             for p in params:
+                assert p.grad is not None  # backward() set it
                 p.add_(p.grad, alpha=-0.01)
         if args.step_sleep:
             slow = args.slow_factor if 0 <= args.slow_from <= it and args.slow_rank in (

@@ -63,7 +63,7 @@ def misalignment(record: Mapping[str, Any]) -> dict[str, Any] | None:
     if len(groups) < 2:
         return None
     ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
-    out = [{"steps": [s[0], s[-1]], "count": len(s), "ranks": ranks} for s, ranks in ordered]
+    out: list[dict[str, Any]] = [{"steps": [s[0], s[-1]], "count": len(s), "ranks": ranks} for s, ranks in ordered]
     text = "; ".join(f"rank(s) {spans(g['ranks'])} recorded steps {g['steps'][0]}..{g['steps'][1]}" for g in out)
     return {"groups": out, "text": f"ranks recorded different steps: {text}"}
 

@@ -40,7 +40,9 @@ class Target:
 
 def split_top(text: str) -> list[str]:
     """Split on commas outside brackets."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "[":
             depth += 1

@@ -130,7 +130,8 @@ class Service:
         running = info.windows[0] if info.windows else None
         record = self.store.records.get(running["capture_id"]) if running else None
         part = record.part(info.rank) if record is not None and record.data["job"] == info.job else None
-        if part is not None and part["state"] == "recording" and part.get("at_step") != info.step:
+        if record is not None and part is not None and part["state"] == "recording" and \
+                part.get("at_step") != info.step:
             part["at_step"] = info.step
             record.version += 1
             self.changed(record)

@@ -139,13 +139,13 @@ class Daemon:
         if self.tcp is not None:
             write_atomic(self.runtime_dir / TCP_FILE, self.tcp.endpoint + "\n", 0o644)  # never seen half-written
         if self.metrics_address:
-            self._open_metrics()
+            self._open_metrics(self.metrics_address)
 
-    def _open_metrics(self) -> None:
+    def _open_metrics(self, address: str) -> None:
         from .metrics import METRICS_FILE, MetricsError, MetricsServer
 
         try:
-            self.metrics = MetricsServer(self.metrics_address, self)
+            self.metrics = MetricsServer(address, self)
         except MetricsError as exc:
             raise DaemonError(str(exc)) from None
         write_atomic(self.runtime_dir / METRICS_FILE, self.metrics.address + "\n", 0o644)

@@ -109,6 +109,7 @@ class AutoBudget:
 
     def take(self, info: "RankInfo", now: float) -> str:
         """'' and the capture is counted, or why it is over budget."""
+        key: Any  # a job (str), then a uid (int or None)
         for book, key, limit, what in ((self.jobs, info.job, self.per_job, f"job {info.job}"),
                                        (self.uids, info.uid, self.per_uid, f"uid {info.uid}")):
             times = [t for t in book.get(key, []) if now - t < 3600.0]
@@ -226,7 +227,7 @@ class TriageBook:
         targets = [info] + ([ref] if ref is not None else [])
         request = {"auto": auto_reason(window.requested.get("auto")), "slow_rank": info.rank,
                    "reference_rank": ref.rank if ref is not None else None}
-        plan = {"start_step": window.start, "end_step": window.end, "lead_steps": 0, "late_ranks": [],
+        plan: dict[str, Any] = {"start_step": window.start, "end_step": window.end, "lead_steps": 0, "late_ranks": [],
                 "current_steps": {t.rank: t.estimated_step(wall) for t in targets},
                 "note": (f"automatic: rank {info.rank} slowed down; reference rank {ref.rank}" if ref is not None
                          else f"automatic: rank {info.rank} slowed down; no other rank to compare with")}
@@ -238,6 +239,7 @@ class TriageBook:
         except RecordRefused as exc:
             self.budget.refused(info, "store", f"automatic capture {window.capture_id} not recorded: {exc}")
             return None
+        assert window.end is not None  # window_from_wire checked it
         if ref is not None:
             self.service.send(ref.route, encode("capture", window={**window.to_wire(), "requested": {
                 "auto": request["auto"], "steps": window.end - window.start, "reference_for_rank": info.rank}}))
@@ -353,15 +355,18 @@ def _threads(threads: Any) -> list[dict[str, Any]]:
 
 
 def _memory(res: dict[str, Any]) -> dict[str, Any]:
-    summary = res.get("summary") if isinstance(res.get("summary"), dict) else {}
+    summary = res.get("summary")
+    summary = summary if isinstance(summary, dict) else {}
     steps = res.get("steps")
     if not (isinstance(steps, list) and len(steps) == 2 and all(_i(x, -1, MAX_STEP) is not None for x in steps)):
         raise _Malformed("steps")
     clean = {k: _need(_i(summary.get(k)), k) for k in ("reserved_bytes", "allocated_bytes", "history_entries")}
     clean["segments"] = _i(summary.get("segments")) or 0
-    actions = summary.get("actions") if isinstance(summary.get("actions"), dict) else {}
+    actions = summary.get("actions")
+    actions = actions if isinstance(actions, dict) else {}
     clean["actions"] = {str(k)[:64]: v for k, v in list(actions.items())[:32] if _i(v) is not None}
-    blocks = summary.get("largest_blocks") if isinstance(summary.get("largest_blocks"), list) else []
+    blocks = summary.get("largest_blocks")
+    blocks = blocks if isinstance(blocks, list) else []
     clean["largest_blocks"] = [{"bytes": _i(b.get("bytes")) or 0, "where": _s(b.get("where"), 512)}
                                for b in blocks[:5] if isinstance(b, dict)]
     return {"path": _need(_s(res.get("path"), 4096) or None, "path"), "bytes": _need(_i(res.get("bytes")), "bytes"),
@@ -382,7 +387,8 @@ def _flight_recorder(res: dict[str, Any]) -> dict[str, Any]:
                       "p2p_seq": _i(e.get("p2p_seq"), -1) if _i(e.get("p2p_seq"), -1) is not None else -1,
                       "is_p2p": e.get("is_p2p") is True, "name": _s(e.get("name"), 256),
                       "state": _s(e.get("state"), 32)})
-    status = res.get("pg_status") if isinstance(res.get("pg_status"), dict) else {}
+    status = res.get("pg_status")
+    status = status if isinstance(status, dict) else {}
     return {"path": _need(_s(res.get("path"), 4096) or None, "path"), "bytes": _i(res.get("bytes")) or 0,
             "version": _s(res.get("version"), 32), "entries": clean,
             "total_entries": _i(res.get("total_entries")) or len(clean),
@@ -542,11 +548,11 @@ def _oldest(digest: dict[str, Any], pg: str) -> int:
 def reference_rank(slow: "RankInfo", ranks: list["RankInfo"]) -> "RankInfo | None":
     """The rank whose recent step time is closest to the job's median (the slow rank itself excluded)."""
     others = [r for r in ranks if r.route != slow.route]
-    timed = [r for r in others if r.step_time]
+    timed = [(r, r.step_time) for r in others if r.step_time]
     if not timed:
         return others[0] if others else None
     median = statistics.median(r.step_time for r in ranks if r.step_time)
-    return min(timed, key=lambda r: (abs(r.step_time - median), r.rank))
+    return min(timed, key=lambda rt: (abs(rt[1] - median), rt[0].rank))[0]
 
 
 def stragglers(ranks: list[dict[str, Any]], ratio: float = SLOW_RATIO) -> dict[str, Any]:

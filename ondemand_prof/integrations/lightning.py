@@ -22,7 +22,7 @@ from typing import Any
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the standalone package
-    from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+    from pytorch_lightning.callbacks import Callback  # type: ignore[assignment,no-redef]  # its own copy of the class
 
 from ..rank.hook import OnDemandProfiler
 from . import config_from_options

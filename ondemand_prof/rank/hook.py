@@ -173,8 +173,8 @@ class OnDemandProfiler:
         # length_hint). next(counter, n) also accepts the loop's own number (prof.step(n)), which is then ignored
         # until a window is pending. See docs/benchmarks.md, "Idle cost".
         self._counter = iter(range(self._step + 1, _COUNTER_END))
-        self.step = _idle_step(self._counter) if self._auto is None else \
-            self._auto.idle_step(self._counter)  # type: ignore[method-assign]
+        self.step = (  # type: ignore[method-assign]  # on purpose: the instance's step is the idle fast path
+            _idle_step(self._counter) if self._auto is None else self._auto.idle_step(self._counter))
         if self._inbox:  # a request arrived meanwhile: take the checked path at the next step
             self._wake_up()
 
@@ -268,7 +268,7 @@ class OnDemandProfiler:
             export=export, window=active.window, identity=self.identity(), out=out, recorded_steps=steps,
             gzip=self.config.gzip, metadata=self._metadata(active, steps, collect_s, export.info),
             file_mode=self.config.file_mode,
-            on_done=lambda result, a=active: self._on_published(a, result),
+            on_done=lambda result: self._on_published(active, result),
         )
         self._exporter.submit(job)
 

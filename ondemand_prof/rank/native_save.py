@@ -138,7 +138,7 @@ def compile_command(out: Path, key: str, std: str) -> list[str]:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "c++"
     with warnings.catch_warnings():  # torch 2.9+ warns that pybind11 handles its ABI itself (and returns [])
         warnings.simplefilter("ignore")
-        abi_flags = getattr(cpp_extension, "_get_pybind11_abi_build_flags", lambda: [])()  # pybind11's registry
+        abi_flags: list[str] = getattr(cpp_extension, "_get_pybind11_abi_build_flags", lambda: [])()  # pybind11's registry
     cmd = [cxx, "-O2", "-shared", "-fPIC", f"-std={std}", "-fvisibility=hidden",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *abi_flags,
            f"-DTORCH_EXTENSION_NAME={MODULE_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",

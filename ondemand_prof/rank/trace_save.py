@@ -202,7 +202,10 @@ def _wait_child(pid: int, timeout_s: float) -> int | None:
         ready, _, _ = select.select([fd], [], [], timeout_s)
     finally:
         os.close(fd)
-    return _reap(pid) if ready else _kill(pid)
+    if ready:
+        return _reap(pid)
+    _kill(pid)
+    return None
 
 
 def _poll_child(pid: int, timeout_s: float) -> int | None:
@@ -215,7 +218,8 @@ def _poll_child(pid: int, timeout_s: float) -> int | None:
         if done:
             return os.waitstatus_to_exitcode(status)
         if time.monotonic() >= deadline:
-            return _kill(pid)
+            _kill(pid)
+            return None
         time.sleep(0.02)
 
 

@@ -245,8 +245,9 @@ def dump_flight_recorder() -> tuple[bytes | None, str]:
     hint = FR_ENV_HINT
     if backend == "hccl":  # torch_npu's recorder: torch_npu._C._distributed_c10d._dump_hccl_trace (pickle)
         npu_c10d = getattr(getattr(sys.modules.get("torch_npu"), "_C", None), "_distributed_c10d", None)
-        if getattr(npu_c10d, "_dump_hccl_trace", None) is not None:
-            dumpers.insert(0, npu_c10d._dump_hccl_trace)
+        dump_hccl = getattr(npu_c10d, "_dump_hccl_trace", None)
+        if dump_hccl is not None:
+            dumpers.insert(0, dump_hccl)
         hint = "set TORCH_HCCL_TRACE_BUFFER_SIZE=2000 in the job's environment before it starts (torch_npu)"
     for dump in dumpers:
         try:

@@ -134,11 +134,15 @@ class TorchSession:
         prof = self._prof
         info: dict[str, Any] = {"torch_profile_kwargs": _describe(self.kwargs)}
 
+        def kineto_results() -> Any:
+            # prof.profiler is set by start_trace, which ran above (were it None, trace_save gives the error and
+            # falls back to torch's own save)
+            return prof.profiler.kineto_results  # type: ignore[union-attr]
+
         def write(staging: Path) -> Written:
             path = staging / "raw.pt.trace.json"
             # kineto's own save holds the GIL throughout: trace_save writes it without (rank/native_save.py)
-            info["trace_save"] = save_trace(prof.export_chrome_trace, path,
-                                            kineto_result=lambda: prof.profiler.kineto_results)
+            info["trace_save"] = save_trace(prof.export_chrome_trace, path, kineto_result=kineto_results)
             return Written(staging, raw_trace=path)
 
         return Export(write=write, info=info)

@@ -637,7 +637,7 @@ def test_a_silent_host_is_unreachable_not_failed_and_show_tells_the_truth_later(
         data = json.loads(res.stdout) if res.stdout else None
         return data if res.returncode == 0 and data["status"] == "done" else None
 
-    shown = wait_for(done, 60, "the capture, done on every rank once the daemon answers again", pause=0.5)
+    shown = wait_for(done, 180, "the capture, done on every rank once the daemon answers again", pause=0.5)
     assert shown["parts"]["3"]["state"] == "done" and shown["hosts"][name]["status"] == "done"
 
 

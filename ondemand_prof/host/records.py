@@ -113,10 +113,12 @@ class CaptureRecord:
             self.open_parts -= 1
         part["state"] = state
         part["history"].append({"state": state, "at": iso_time(wall)})
-        for key, check in PART_FIELDS.items():
-            value = check(info.get(key)) if isinstance(info, dict) else None
-            if value is not None:
-                part[key] = value
+        if isinstance(info, dict):
+            for key, check in PART_FIELDS.items():  # in this order (the record's key order), only those given
+                if key in info:
+                    value = check(info[key])
+                    if value is not None:
+                        part[key] = value
         if self.open_parts == 0:
             self._settle()
         self.version += 1

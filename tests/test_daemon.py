@@ -241,6 +241,12 @@ def test_bad_messages_get_one_error_reply_and_the_daemon_carries_on(env: dict[st
     for body, expected in cases:
         reply = ask(body)
         assert reply["type"] == "error" and expected in reply["error"], (body[:60], reply)
+    # a request refused while decoding is answered under its own id, when it can be read (the client waits for it)
+    assert ask(b'{"v": 1, "type": "list", "id": 7, "job": "-"}')["id"] == 7
+    assert ask(b'{"v": 1, "type": "list", "id": "7", "job": "-"}')["id"] is None
+    # ... so the CLI says what was wrong at once, instead of "the daemon did not answer" after its timeout (exit 4)
+    res = ctl(env["run"], "list", "--job", "-")
+    assert res.returncode == 1 and "field 'job' '-': expected 1-128 letters" in res.stderr, res.stderr
     # a frame over the transport limit drops that connection; the daemon itself carries on
     sock.send(b"x" * (2 * 1024 * 1024))
     ctx.destroy(linger=0)

@@ -162,6 +162,17 @@ def decode(frame: bytes, schema: Mapping[str, Mapping[str, tuple[type, ...]]],
     return msg
 
 
+def request_id_of(frame: bytes) -> int | None:
+    """The id of a request that decode() refused, when it can still be read: the client waits for an answer to its
+    own id, so an error without it leaves ondemandctl waiting until its timeout instead of saying what was wrong."""
+    try:
+        msg = loads(frame, MAX_MESSAGE_BYTES)
+    except UnsafeJSON:
+        return None
+    rid = msg.get("id") if isinstance(msg, dict) else None
+    return rid if bounded_int(rid, *INT_DEFAULT_BOUNDS) else None
+
+
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 _TOKEN = re.compile(r"[A-Za-z0-9_ .:+-]{0,64}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")

@@ -23,7 +23,7 @@ import zmq
 from ..core.version import __version__
 from ..core.bounds import MAX_STEP, bounded_int
 from ..core.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, RANK_MESSAGES, ProtocolError, decode, encode, \
-    endpoint, reply_error, socket_path
+    endpoint, reply_error, request_id_of, socket_path
 from ..core.files import write_atomic
 from ..core.safedir import UnsafeDirectory, ensure_private_dir
 from .commands import CLI_MESSAGES, DAEMON_COMMANDS
@@ -348,7 +348,7 @@ class Daemon:
         except ProtocolError as exc:
             log.warning("ondemand-profd: bad message (%d bytes): %s", len(frame), exc)
             self.invalid_messages += 1
-            self._send(route, reply_error(None, str(exc)))
+            self._send(route, reply_error(request_id_of(frame), str(exc)))
             return
         self.messages[msg["type"]] = self.messages.get(msg["type"], 0) + 1  # types: the schema's, bounded
         msg["_peer"] = peer_of(carrier) if carrier is not None else None  # the kernel's word, not the sender's

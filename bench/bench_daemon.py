@@ -258,7 +258,7 @@ def cpu_window(dproc: psutil.Process, client: Client, seconds: float) -> tuple[f
     c0, w0, t0 = dproc.cpu_times(), time.monotonic(), thread_cpu(dproc.pid)
     while time.monotonic() - w0 < seconds:
         t = time.perf_counter()
-        client.request("list", limit=1, job="no-such-job", wait_s=30)
+        client.request("list", limit=1, wait_s=30)
         probe.append(time.perf_counter() - t)
         time.sleep(0.1)
     c1, w1, t1 = dproc.cpu_times(), time.monotonic(), thread_cpu(dproc.pid)

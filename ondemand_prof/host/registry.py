@@ -354,19 +354,20 @@ class Registry:
         return [live[r] for r in ranks]
 
 
-def match_id(given: str, known: Iterable[str], what: str) -> str:
+def match_id(given: str, known: Iterable[str], what: str, plural: str | None = None) -> str:
     """`given`, or the one id of `known` it begins (torchrun's job ids are whole UUIDs: their first characters
-    are enough). ValueError names the candidates."""
+    are enough). ValueError names the candidates (`plural`: what several are called, `what` + "s" by default)."""
     known = sorted(set(known))
+    many = plural or f"{what}s"
     if given in known:
         return given
     matches = [k for k in known if k.startswith(given)]
     if len(matches) == 1:
         return matches[0]
     if matches:
-        raise ValueError(f"{given!r} begins {len(matches)} {what}s ({', '.join(matches[:8])}"
+        raise ValueError(f"{given!r} begins {len(matches)} {many} ({', '.join(matches[:8])}"
                          f"{', ...' if len(matches) > 8 else ''}): give more of it")
-    raise ValueError(f"no {what} {given!r}; {what}s: {', '.join(known[:20]) or 'none'}"
+    raise ValueError(f"no {what} {given!r}; {many}: {', '.join(known[:20]) or 'none'}"
                      f"{', ...' if len(known) > 20 else ''}")
 
 

@@ -46,7 +46,8 @@ class List(Command):
         job = opt_str(msg, "job") or None
         if job:
             try:
-                job = match_id(job, (r.data["job"] for r in service.store.records.values()), "job with captures")
+                job = match_id(job, (r.data["job"] for r in service.store.records.values()), "job with captures",
+                               "jobs with captures")
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
         return {"captures": [r.summary() for r in service.store.newest(limit, job)]}

@@ -47,8 +47,9 @@ def stalled(env: dict[str, Any], status: Path, n: int) -> None:
 def test_stacks_show_the_rank_blocked_in_the_collective(env: dict[str, Any]) -> None:
     daemon(env)
     status = env["save"].parent / "steps.jsonl"
+    # the stall outlasts the test (which kills the ranks): a loaded machine's CLI calls cannot see it end
     procs = ranks(env, 2, "--steps", "40", "--step-sleep", "0.01", "--stall-rank", "0", "--stall-at-step", "30",
-                  "--stall-s", "25", "--status-file", str(status))
+                  "--stall-s", "120", "--status-file", str(status))
     stalled(env, status, 2)
     time.sleep(0.5)  # rank 1 reaches its all_reduce
     res = ctl(env["run"], "stacks", "--ranks", "-1", "--timeout", "20")

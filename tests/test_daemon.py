@@ -45,7 +45,7 @@ def ranks(env: dict[str, Any], world: int, steps: int, *extra: str) -> list[subp
     return procs
 
 
-def wait_stepping(env: dict[str, Any], n: int, timeout: float = 60) -> None:
+def wait_stepping(env: dict[str, Any], n: int, timeout: float = 300) -> None:
     """Until n ranks are registered and have reported a step time (they are past their first steps)."""
     wait_for(lambda: (lambda rs: len(rs) == n and all(r["step_time_s"] for r in rs))(live_ranks(env["run"])),
              timeout, f"{n} ranks registered and stepping")
@@ -136,26 +136,29 @@ def test_training_without_daemon_then_daemon_appears_restarts_and_loses_nothing(
     assert all(p.poll() is None for p in procs)
     proc = daemon(env)
     # (how soon is a benchmark's business, not this test's: under load it can take a few heartbeats)
-    wait_for(lambda: len(live_ranks(env["run"])) == 2, 60, "ranks to register with a daemon started later")
+    wait_for(lambda: len(live_ranks(env["run"])) == 2, 300, "ranks to register with a daemon started later")
     wait_stepping(env, 2)  # (a capture planned before any step time is known is late on both ranks)
 
     # a capture in flight when the daemon is killed: its record survives and completes after the restart
-    res = ctl(env["run"], "capture", "--steps", "200", "--no-wait", "--json")  # long enough to be seen recording
+    # long enough to be seen in flight: these ranks are not in lockstep (no process group), so on a loaded machine
+    # one may finish its window before the other begins; killed while any records and none has finished
+    res = ctl(env["run"], "capture", "--steps", "500", "--no-wait", "--json")
     assert res.returncode == 0, res.stderr
     capture_id = json.loads(res.stdout)["capture_id"]
-    wait_for(lambda: part_states(env, capture_id) == ["recording"] * 2, 90, "recording")
+    wait_for(lambda: (lambda st: "recording" in st and not set(st) & {"done", "failed", "rejected", "cancelled"})(
+        part_states(env, capture_id)), 90, "recording")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     time.sleep(0.5)
     daemon(env)
-    wait_for(lambda: len(live_ranks(env["run"])) == 2, 60, "ranks to re-register after a restart")
+    wait_for(lambda: len(live_ranks(env["run"])) == 2, 300, "ranks to re-register after a restart")
     record = wait_for(lambda: (lambda r: r if r["status"] != "running" else None)(
         json.loads(ctl(env["run"], "show", capture_id, "--json").stdout)), 180,
         "the capture to finish after the restart")
     # both ranks wrote their whole window; these two are not in lockstep (no process group), so where a loaded
     # machine delivered the window late to one of them, show rightly says they recorded different steps
     assert record["status"] in ("done", "misaligned"), record
-    assert all(p["state"] == "done" and len(p["steps"]) == 200 for p in record["parts"].values()), record
+    assert all(p["state"] == "done" and len(p["steps"]) == 500 for p in record["parts"].values()), record
     for part in record["parts"].values():
         assert Path(part["path"]).is_dir()
 
@@ -194,14 +197,20 @@ def test_training_without_daemon_then_daemon_appears_restarts_and_loses_nothing(
 
 def test_rank_killed_mid_window_fails_its_part_only(env: dict[str, Any]) -> None:
     daemon(env)
-    procs = ranks(env, 2, 5000, "--no-dist")
+    procs = ranks(env, 2, 1_000_000, "--no-dist", "--profile-max-window-steps", "500")
     wait_stepping(env, 2)
-    # a window long enough (200 steps, the longest by default: 4 s and more) that polling on a loaded machine sees
-    # both ranks in it
-    cli = subprocess.Popen([str(ROOT / "bin" / "ondemandctl"), "capture", "--steps", "200", "--wait"],
+    # rank 1 is killed while it records a 500-step window; these ranks are not in lockstep (no process group), so
+    # rank 0 may record before or after it: only rank 1's state is waited for
+    cli = subprocess.Popen([str(ROOT / "bin" / "ondemandctl"), "capture", "--steps", "500", "--wait"],
                            env={**os.environ, "ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])}, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: part_states(env) == ["recording"] * 2, 90, "both recording")
+    env["procs"].append(cli)
+
+    def rank1_recording() -> bool:
+        caps = ctl_json(env["run"], "list")["captures"]
+        return bool(caps) and ctl_json(env["run"], "show", caps[0]["capture_id"])["parts"]["1"]["state"] == "recording"
+
+    wait_for(rank1_recording, 90, "rank 1 recording", pause=0.2)
     procs[1].send_signal(signal.SIGKILL)
     out, err = cli.communicate(timeout=120)
     assert cli.returncode == 3, out + err  # partial
@@ -264,7 +273,7 @@ def test_no_daemon_and_stale_socket_are_reported_quickly(tmp_path: Path) -> None
         s.bind(str(run_dir / "profd.sock"))
     res = ctl(run_dir, "list", "--connect-timeout", "1")
     assert res.returncode == 4 and "did not answer within 1 s" in res.stderr
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 60  # said, not waited out (a loaded machine's CLI start-ups take seconds)
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -340,9 +349,11 @@ def test_cancel_progress_and_usage_errors(env: dict[str, Any]) -> None:
     """A long capture shows 'recording step k of N' while it records; `cancel` stops it on every rank and what was
     recorded is written, marked cancelled; bad usage prints the command's own usage."""
     daemon(env)
-    procs = ranks(env, 2, 100000, "--step-sleep", "0.05")
+    # a 2000-step window (100 s): the show polls and the cancel, seconds each on a loaded machine, happen well
+    # inside it (150 steps, 7.5 s, left a few seconds); the cancel ends it
+    procs = ranks(env, 2, 100000, "--step-sleep", "0.05", "--profile-max-window-steps", "2000")
     wait_stepping(env, 2)
-    follow = subprocess.Popen([str(ROOT / "bin" / "ondemandctl"), "capture", "--steps", "150", "--wait",
+    follow = subprocess.Popen([str(ROOT / "bin" / "ondemandctl"), "capture", "--steps", "2000", "--wait",
                                "--timeout", "120"], env={**os.environ, "ONDEMAND_PROF_RUNTIME_DIR": str(env["run"]),
                                                           "PYTHONPATH": str(ROOT)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -355,7 +366,7 @@ def test_cancel_progress_and_usage_errors(env: dict[str, Any]) -> None:
     cancelled = ctl(env["run"], "cancel", capture_id[-6:])  # any unique part of the id
     assert cancelled.returncode == 0 and "cancel sent to rank(s) 0-1" in cancelled.stdout, cancelled.stderr
     out, err = follow.communicate(timeout=120)
-    assert re.search(r"rank [01]\s+recording step \d+ of 150", out), out
+    assert re.search(r"rank [01]\s+recording step \d+ of 2000", out), out
     shown = ctl(env["run"], "show", capture_id, "--json")
     record = json.loads(shown.stdout)
     assert record["status"] == "cancelled" and shown.returncode == 1, record  # not done as asked: exit 1
@@ -363,7 +374,7 @@ def test_cancel_progress_and_usage_errors(env: dict[str, Any]) -> None:
     assert len(caps) == 2 and all(c["window"]["cancelled"] for c in caps)
     for cap in caps:  # the steps recorded before the cancel are in the trace, no more
         steps = trace_steps(cap)
-        assert steps and steps == cap["window"]["recorded_steps"] and len(steps) < 150
+        assert steps and steps == cap["window"]["recorded_steps"] and len(steps) < 2000
     again = ctl(env["run"], "cancel", capture_id)
     assert again.returncode == 1 and "already cancelled" in again.stderr
     bogus = ctl(env["run"], "capture", "--bogus")

@@ -68,7 +68,7 @@ def start_up_line(env: dict[str, Any], rank: int) -> str:
         found = [ln for ln in stderr_of(env, rank).splitlines() if "capture with `" in ln]
         return found[-1] if found else None
 
-    return wait_for(line, 60, f"rank {rank}'s start-up line")
+    return wait_for(line, 300, f"rank {rank}'s start-up line")
 
 
 def test_the_default_relative_save_path_captures_through_the_daemon(env: dict[str, Any]) -> None:
@@ -165,7 +165,7 @@ def test_a_rank_hung_before_a_collective_is_stalled_in_status_and_capture_says_s
     assert {r["step"] for r in ctl_json(env["run"], "status")["jobs"][job_id]} == {30}
     t0 = time.monotonic()
     cap = ctl(env["run"], "capture", "--steps", "2", "--wait")
-    assert cap.returncode == 1 and time.monotonic() - t0 < 20, cap.stdout + cap.stderr
+    assert cap.returncode == 1 and time.monotonic() - t0 < 60, cap.stdout + cap.stderr  # refused, not waited (300 s)
     assert f"job {job_id} is STALLED: rank(s) 0-1" in cap.stderr and "ondemandctl stacks" in cap.stderr
     assert "No window can start until they step again" in cap.stderr
     assert ctl_json(env["run"], "list")["captures"] == []  # nothing was planned
@@ -179,11 +179,11 @@ def test_a_second_process_claiming_a_rank_is_refused_and_shown(env: dict[str, An
     daemon(env)
     common = ("--steps", "1000000", "--step-sleep", "0.02", "--no-dist", "--profile-job-id", "shared")
     (first,) = job(env, 2, *common, daemon_dir=env["run"], only=[1])
-    wait_for(lambda: [r["pid"] for r in live_ranks(env["run"]) if r["rank"] == 1] == [first.pid], 60, "rank 1")
+    wait_for(lambda: [r["pid"] for r in live_ranks(env["run"]) if r["rank"] == 1] == [first.pid], 300, "rank 1")
     env["tmp"] = env["tmp"] / "second"
     env["tmp"].mkdir()
     (second,) = job(env, 2, *common, daemon_dir=env["run"], only=[1])
-    data = wait_for(lambda: (lambda d: d if d["conflicts"] else None)(ctl_json(env["run"], "status")), 60,
+    data = wait_for(lambda: (lambda d: d if d["conflicts"] else None)(ctl_json(env["run"], "status")), 300,
                     "the conflict to show", pause=0.3)
     (conflict,) = data["conflicts"]["shared"]
     assert (conflict["rank"], conflict["pid"], conflict["refused_pid"]) == (1, first.pid, second.pid)

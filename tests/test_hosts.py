@@ -429,7 +429,9 @@ def test_a_dead_host_in_the_list_makes_no_rank_late(cluster: Cluster) -> None:
 
 
 def test_capture_without_waiting_then_cancel_across_hosts(cluster: Cluster) -> None:
-    res = cluster.ctl("capture", "--steps", "400", "--no-wait")
+    # planned 3000 steps ahead: the window cannot end (a capped rank's 160 steps are 3-6 s) before the cancel,
+    # a fan-out to every host that takes seconds on a loaded machine, reaches every rank
+    res = cluster.ctl("capture", "--steps", "400", "--start", "3000", "--no-wait")
     assert res.returncode == 0, res.stderr
     head = res.stdout.splitlines()[0]
     assert f"{RANKS} rank(s) on {RANKS} host(s), steps [" in head, res.stdout
@@ -448,19 +450,26 @@ def test_capture_without_waiting_then_cancel_across_hosts(cluster: Cluster) -> N
 # ----------------------------------------------------------------------------------------------------------
 # A host that stalls (SIGSTOP: a pause, a partition) or whose daemon is killed, during a capture
 
-def _stop_after_status(monkeypatch: pytest.MonkeyPatch, proc: subprocess.Popen) -> None:
+def _stop_after_status(monkeypatch: pytest.MonkeyPatch, proc: subprocess.Popen,
+                       resume_after: float | None = None) -> list[threading.Timer]:
     """The fault, injected where it hurts: the victim daemon stops right after it answered the status round
-    (the CLI's own fan-out, in this process, does everything else as ondemandctl does)."""
+    (the CLI's own fan-out, in this process, does everything else as ondemandctl does); with `resume_after`, it
+    goes on that many seconds after it stopped (the timers returned, to join)."""
     real = fanout.Fanout.request
+    timers: list[threading.Timer] = []
 
     def request(self: Any, msg_type: str, *args: Any, **kw: Any) -> Any:
         replies = real(self, msg_type, *args, **kw)
         if msg_type == "status" and proc.poll() is None and not getattr(proc, "stopped", False):
             proc.send_signal(signal.SIGSTOP)
             proc.stopped = True  # type: ignore[attr-defined]
+            if resume_after is not None:
+                timers.append(threading.Timer(resume_after, _resume, [proc]))
+                timers[-1].start()
         return replies
 
     monkeypatch.setattr(fanout.Fanout, "request", request)
+    return timers
 
 
 def _resume(proc: subprocess.Popen) -> None:
@@ -505,17 +514,18 @@ def _ctl_here(cluster: Cluster, capsys: pytest.CaptureFixture[str], *args: str) 
 @pytest.mark.usefixtures("restored")
 def test_a_host_that_stalls_after_the_status_round_refuses_the_late_window(
         cluster: Cluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """Its daemon gets the capture 4 s (200 steps) after the start was planned: it refuses it, says why in its
-    record, and its rank records nothing, instead of recording other steps than the rest under the same id."""
+    """Its daemon gets the capture 8 s (400 steps) after it answered the status round, well after the planned start
+    (the lead is at most a few seconds): it refuses it, says why in its record, and its rank records nothing,
+    instead of recording other steps than the rest under the same id. (The 8 s count from the stop itself: a
+    timer started before the CLI left a loaded machine's status round eat into them.)"""
     victim = cluster.daemons[RANKS - 1]
-    _stop_after_status(monkeypatch, victim["proc"])
-    timer = threading.Timer(4.0, _resume, [victim["proc"]])
-    timer.start()
+    timers = _stop_after_status(monkeypatch, victim["proc"], resume_after=8.0)
     try:
         code, out, err = _ctl_here(cluster, capsys, "capture", "--steps", "3", "--wait", "--json", "--timeout",
                                    "120", "--connect-timeout", "2")
     finally:
-        timer.join()
+        for timer in timers:
+            timer.join()
         _resume(victim["proc"])
     assert code == 3, out + err
     record = json.loads(out)

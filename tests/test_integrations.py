@@ -133,7 +133,7 @@ def check_example(env: dict[str, Any], argv: list[str], world: int, static_steps
         out, err = proc.communicate()
         raise AssertionError(f"example did not register:\n{out[-3000:]}\n{err[-12000:]}") from None
     static = wait_for(lambda: (lambda cs: cs if len(cs) == world else None)(
-        [c for c in captures(env["save"]) if c["trigger"]["source"] == "static"]), 60, "the static window")
+        [c for c in captures(env["save"]) if c["trigger"]["source"] == "static"]), 300, "the static window")
     assert sorted(c["rank"] for c in static) == list(range(world))
     for cap in static:
         assert trace_steps(cap) == (static_steps or [2, 3]) and cap["job_id"] == job and cap["world_size"] == world
@@ -161,7 +161,7 @@ def test_example_megatron_style_resumed(env: dict[str, Any]) -> None:
             "--profile", "--profile-step-start", "103", "--profile-step-end", "105", "--profile-ranks", "0"]
     proc = spawn(env, argv, ONDEMAND_PROF_SAVE_PATH=str(env["save"]), ONDEMAND_PROF_MIN_FREE_MB="0")
     job, _ = wait_registered(env, 1)
-    static = wait_for(lambda: [c for c in captures(env["save"]) if c["trigger"]["source"] == "static"], 60,
+    static = wait_for(lambda: [c for c in captures(env["save"]) if c["trigger"]["source"] == "static"], 300,
                       "the static window")
     assert trace_steps(static[0]) == [103, 104]
     cap = capture_rank(env, job, 0)
@@ -262,7 +262,7 @@ def test_zero_code_shows_itself_in_a_loop_that_updates_weights_by_hand(env: dict
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     env["procs"].append(proc)
     try:
-        [rank] = wait_for(lambda: live_ranks(env["run"]), 60, "the hand-updating process to register")
+        [rank] = wait_for(lambda: live_ranks(env["run"]), 300, "the hand-updating process to register")
         assert rank["pid"] == proc.pid and rank["step"] == 0  # no step counted: nothing calls optimizer.step()
         time.sleep(2.0)  # past the 1.5 s without an optimizer step
     finally:

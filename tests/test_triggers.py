@@ -190,12 +190,13 @@ def test_unreadable_trigger(dirs) -> None:
 
 def test_overlapping_request_is_busy_and_static_window_yields(dirs) -> None:
     save, trig, steps = dirs
-    # a static window far ahead, and a long on-demand window that will cover it
-    procs = start_ranks(["--steps", "160", "--step-sleep", "0.02", "--status-file", str(steps),
-                         "--profile", "--profile-step-start", "60", "--profile-step-end", "62",
+    # a static window far ahead, and a long on-demand window that will cover it (the trigger, written at step 40,
+    # may be seen up to 60 steps later, 1.2 s on a loaded machine; the second is seen within its 2 s of recording)
+    procs = start_ranks(["--steps", "240", "--step-sleep", "0.02", "--status-file", str(steps),
+                         "--profile", "--profile-step-start", "100", "--profile-step-end", "102",
                          *trigger_args(save, trig)])
     wait_for(lambda: last_step(steps) >= 40, what="training to reach step 40")
-    (trig / "capture").write_text('{"steps": 30}')
+    (trig / "capture").write_text('{"steps": 100}')
     wait_for(lambda: (s := rank_status(trig, 0)) and s["latest"]["state"] == "recording", what="recording")
     (trig / "capture").write_text('{"steps": 2}')
     busy = wait_for(lambda: (s := rank_status(trig, 0)) and s["latest"]["state"] == "rejected" and s, what="busy")
@@ -205,8 +206,8 @@ def test_overlapping_request_is_busy_and_static_window_yields(dirs) -> None:
     assert "holds the profiler" in busy["latest"]["error"]
     caps = captures(save)
     assert [c["trigger"]["source"] for c in caps] == ["file"]
-    assert len(trace_steps(caps[0])) == 30
-    assert "static window [60, 62) skipped: on-demand window" in results[0][2]
+    assert len(trace_steps(caps[0])) == 100
+    assert "static window [100, 102) skipped: on-demand window" in results[0][2]
 
 
 def test_signal_storm_opens_one_window(dirs) -> None:

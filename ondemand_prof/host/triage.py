@@ -319,6 +319,11 @@ def _i(value: Any, lo: int = 0, hi: int = 1 << 62) -> int | None:
     return value if bounded_int(value, lo, hi) else None
 
 
+def _or_empty(value: Any, kind: type) -> Any:
+    """`value` when it is a `kind` (dict, list), else an empty one."""
+    return value if isinstance(value, kind) else kind()
+
+
 class _Malformed(ValueError):
     pass
 
@@ -355,18 +360,15 @@ def _threads(threads: Any) -> list[dict[str, Any]]:
 
 
 def _memory(res: dict[str, Any]) -> dict[str, Any]:
-    summary = res.get("summary")
-    summary = summary if isinstance(summary, dict) else {}
+    summary = _or_empty(res.get("summary"), dict)
     steps = res.get("steps")
     if not (isinstance(steps, list) and len(steps) == 2 and all(_i(x, -1, MAX_STEP) is not None for x in steps)):
         raise _Malformed("steps")
     clean = {k: _need(_i(summary.get(k)), k) for k in ("reserved_bytes", "allocated_bytes", "history_entries")}
     clean["segments"] = _i(summary.get("segments")) or 0
-    actions = summary.get("actions")
-    actions = actions if isinstance(actions, dict) else {}
+    actions = _or_empty(summary.get("actions"), dict)
     clean["actions"] = {str(k)[:64]: v for k, v in list(actions.items())[:32] if _i(v) is not None}
-    blocks = summary.get("largest_blocks")
-    blocks = blocks if isinstance(blocks, list) else []
+    blocks = _or_empty(summary.get("largest_blocks"), list)
     clean["largest_blocks"] = [{"bytes": _i(b.get("bytes")) or 0, "where": _s(b.get("where"), 512)}
                                for b in blocks[:5] if isinstance(b, dict)]
     return {"path": _need(_s(res.get("path"), 4096) or None, "path"), "bytes": _need(_i(res.get("bytes")), "bytes"),
@@ -387,8 +389,7 @@ def _flight_recorder(res: dict[str, Any]) -> dict[str, Any]:
                       "p2p_seq": _i(e.get("p2p_seq"), -1) if _i(e.get("p2p_seq"), -1) is not None else -1,
                       "is_p2p": e.get("is_p2p") is True, "name": _s(e.get("name"), 256),
                       "state": _s(e.get("state"), 32)})
-    status = res.get("pg_status")
-    status = status if isinstance(status, dict) else {}
+    status = _or_empty(res.get("pg_status"), dict)
     return {"path": _need(_s(res.get("path"), 4096) or None, "path"), "bytes": _i(res.get("bytes")) or 0,
             "version": _s(res.get("version"), 32), "entries": clean,
             "total_entries": _i(res.get("total_entries")) or len(clean),

@@ -51,15 +51,20 @@ def wait_stepping(env: dict[str, Any], n: int, timeout: float = 300) -> None:
              timeout, f"{n} ranks registered and stepping")
 
 
-def part_states(env: dict[str, Any], capture_id: str | None = None) -> list[str]:
-    """Each rank's state in a capture (the newest one by default)."""
+def part_state_of(env: dict[str, Any], capture_id: str | None = None) -> dict[str, str]:
+    """Each rank's state in a capture (the newest one by default), by rank ("0", "1", ...); {} before any."""
     if capture_id is None:
         caps = ctl_json(env["run"], "list")["captures"]
         if not caps:
-            return []
+            return {}
         capture_id = caps[0]["capture_id"]
     record = ctl_json(env["run"], "show", capture_id)
-    return [p["state"] for p in record["parts"].values()]
+    return {rank: p["state"] for rank, p in record["parts"].items()}
+
+
+def part_states(env: dict[str, Any], capture_id: str | None = None) -> list[str]:
+    """Each rank's state in a capture (the newest one by default)."""
+    return list(part_state_of(env, capture_id).values())
 
 
 def window_of(output: str) -> tuple[int, int]:
@@ -205,12 +210,7 @@ def test_rank_killed_mid_window_fails_its_part_only(env: dict[str, Any]) -> None
                            env={**os.environ, "ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])}, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     env["procs"].append(cli)
-
-    def rank1_recording() -> bool:
-        caps = ctl_json(env["run"], "list")["captures"]
-        return bool(caps) and ctl_json(env["run"], "show", caps[0]["capture_id"])["parts"]["1"]["state"] == "recording"
-
-    wait_for(rank1_recording, 90, "rank 1 recording", pause=0.2)
+    wait_for(lambda: part_state_of(env).get("1") == "recording", 90, "rank 1 recording", pause=0.2)
     procs[1].send_signal(signal.SIGKILL)
     out, err = cli.communicate(timeout=120)
     assert cli.returncode == 3, out + err  # partial

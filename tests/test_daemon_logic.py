@@ -208,6 +208,41 @@ def test_service_handlers_without_sockets(tmp_path) -> None:
         assert err["type"] == "error" and text in err["error"], err
 
 
+def test_a_rank_reports_several_events_in_one_message(tmp_path: Path) -> None:
+    """The daemon says at registration how many events a message may carry; a batch is applied in order, and a
+    batch with one bad item (or too many) is refused whole, with the reason."""
+    from ondemand_prof.host.commands import DAEMON_COMMANDS
+    from ondemand_prof.host.records import RecordStore
+    from ondemand_prof.host.service import Service
+    from ondemand_prof.core.options import ProfileConfig
+    from ondemand_prof.core.requests import WindowDefaults
+    from ondemand_prof.host.transport import SCHEMA
+
+    defaults = WindowDefaults.from_config(ProfileConfig()).to_wire()
+    svc = Service(RecordStore(tmp_path), DAEMON_COMMANDS, host="h", runtime_dir=tmp_path, state_dir=tmp_path,
+                  pid_check=lambda pid, thorough: True)
+    for r in (0, 1):
+        reply = json.loads(svc.handle(f"r{r}".encode(), {"type": "register", "job": "j", "rank": r, "world_size": 2,
+                                                         "host": "h", "pid": 10 + r, "step": 100,
+                                                         "began": time.time(), "defaults": defaults}))
+        assert reply["type"] == "registered" and reply["events_batch"] == 32
+    cid = json.loads(svc.handle(b"cli", {"type": "capture", "id": 1, "request": {"steps": 2}}))["data"]["capture_id"]
+
+    def events(*items: tuple[str, str, dict]) -> dict:
+        frame = encode("events", events=[{"capture_id": c, "event": e, "info": i} for c, e, i in items])
+        return decode(frame, SCHEMA)  # what the transport hands the service
+
+    assert svc.handle(b"r0", events((cid, "received", {"current_step": 101}), (cid, "scheduled", {}))) is None
+    part = svc.store.records[cid].data["parts"]["0"]
+    assert part["state"] == "scheduled" and [h["state"] for h in part["history"]] == ["sent", "received", "scheduled"]
+    for msg, text in [(events((cid, "recording", {}), ("../x", "done", {})), "item 1 is not"),
+                      (events(*[(cid, "recording", {})] * 33), "1 to 32 events a message, got 33"),
+                      ({"type": "events", "events": []}, "got 0")]:
+        err = json.loads(svc.handle(b"r1", msg))
+        assert err["type"] == "error" and text in err["error"], err
+    assert svc.store.records[cid].data["parts"]["1"]["state"] == "sent"  # nothing of a refused batch applied
+
+
 def test_the_lead_grows_when_windows_reached_ranks_late(tmp_path) -> None:
     """A rank that took a window five steps after the plan had it (a loaded host) makes the next plan start
     far enough ahead for that; `status` says so. A stalled rank cannot push windows out beyond 5 s."""
@@ -271,3 +306,64 @@ def test_a_reported_output_path_with_a_nul_is_refused_not_raised(tmp_path: Path)
     (tmp_path / "trace.json").write_text("{}")
     assert output_path_problem(str(tmp_path / "trace.json"), str(tmp_path), os.getuid()) is None
     assert output_path_problem(str(tmp_path) + "/tr\0ace.json", str(tmp_path), os.getuid()) == "not a path"
+
+
+def test_the_rank_link_batches_events_only_for_a_daemon_that_takes_them(tmp_path: Path) -> None:
+    """The rank's real DaemonLink against a bare ROUTER socket standing for the daemon: a window's "received" and
+    "scheduled" leave in one "events" message when the daemon's "registered" reply allows it, and as two "event"
+    messages for a daemon that does not say so (an older one)."""
+    from types import SimpleNamespace
+
+    import zmq
+
+    from ondemand_prof.core.options import ProfileConfig
+    from ondemand_prof.core.protocol import endpoint
+    from ondemand_prof.rank.backends import Identity
+    from ondemand_prof.rank.daemon_link import DaemonLink
+
+    ident = Identity(rank=0, world_size=1, local_rank=0, host="h", pid=os.getpid(), job_id="j", dist_initialized=True)
+    prof = SimpleNamespace(config=ProfileConfig(save_path=str(tmp_path)), identity=lambda: ident, current_step=5,
+                           state="idle")
+    agent = SimpleNamespace(config=prof.config, prof=prof, trigger_dir="", wake=lambda: None,
+                            step_time=lambda: 0.1, step_began=lambda: (5, time.time()),
+                            triage=SimpleNamespace(native=SimpleNamespace(announce=lambda: None)))
+    ctx = zmq.Context()
+    try:
+        for announced, expected in (({"events_batch": 32}, ["events"]), ({}, ["event", "event"])):
+            run = tmp_path / f"run{len(announced)}"
+            run.mkdir(mode=0o700)
+            router = ctx.socket(zmq.ROUTER)
+            router.bind(endpoint(run))
+            link = DaemonLink(agent, run, context=ctx)  # type: ignore[arg-type]
+
+            def received(timeout_ms: int = 5000) -> list[dict]:
+                out = []
+                while router.poll(timeout_ms if not out else 200):
+                    route, body = router.recv_multipart()
+                    out.append(json.loads(body))
+                    link_route[0] = route
+                return out
+
+            link_route = [b""]
+            deadline = time.monotonic() + 10
+            while not router.poll(50) and time.monotonic() < deadline:  # until the connection is made
+                link._next_beat = 0.0  # noqa: SLF001 - register at once, not a second later
+                link.poll(time.monotonic())
+            assert [m["type"] for m in received()] == ["register"]
+            router.send_multipart([link_route[0], encode("registered", **announced)])
+            deadline = time.monotonic() + 5
+            while not link.acknowledged and time.monotonic() < deadline:
+                link.poll(time.monotonic())
+                time.sleep(0.01)
+            listen = link.listener_for("CID1")
+            listen("received", {"current_step": 5})
+            listen("scheduled", {"window": [7, 9], "current_step": 5})
+            link.poll(time.monotonic())
+            msgs = [m for m in received() if m["type"] != "hb"]
+            assert [m["type"] for m in msgs] == expected
+            items = msgs[0]["events"] if expected == ["events"] else msgs
+            assert [(i["capture_id"], i["event"]) for i in items] == [("CID1", "received"), ("CID1", "scheduled")]
+            link.close()
+            router.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)  # closes whatever a failed assertion left open

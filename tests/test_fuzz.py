@@ -118,6 +118,26 @@ def test_a_rank_message_cut_and_extended_is_refused_or_bounded(tail: bytes) -> N
 
 
 @FUZZ
+@given(st.lists(st.from_regex(r"-?[0-9]{1,40}(\.[0-9]{1,40})?([eE][+-]?[0-9]{1,4})?", fullmatch=True),
+                min_size=1, max_size=4))
+def test_numbers_are_taken_or_refused_as_the_checking_decoder_does(numbers: list[str]) -> None:
+    """loads() parses text without long numbers with json's own number parsers: the values and the refusals must
+    be those of the decoder that checks every number (its hooks)."""
+    from ondemand_prof.core import safejson
+
+    text = "[" + ",".join(numbers) + "]"
+    try:
+        expected: Any = safejson._DECODER.decode(text)  # noqa: SLF001 - the reference
+    except ValueError:
+        expected = UnsafeJSON
+    try:
+        got: Any = loads(text.encode(), 10**6)
+    except UnsafeJSON:
+        got = UnsafeJSON
+    assert got == expected, text
+
+
+@FUZZ
 @given(st.integers(1, 200_000), st.integers(0, 3))
 def test_nesting_depth_is_measured_without_recursion(depth: int, kind: int) -> None:
     raw = [nested(depth), b"{\"a\":" * depth + b"1" + b"}" * depth,

@@ -14,11 +14,21 @@ from pathlib import Path
 from typing import Any
 
 
+_iso_second: tuple[Any, str, str] = (None, "", "")  # (local second, its text, its UTC offset): the last one asked
+
+
 def iso_time(t: float | None = None) -> str:
     """Local time with offset, to the millisecond, of epoch seconds `t` (now by default): every timestamp we
-    write (metadata, status files, capture records) has this one form."""
-    return _dt.datetime.fromtimestamp(time.time() if t is None else t).astimezone().isoformat(
-        timespec="milliseconds")
+    write (metadata, status files, capture records) has this one form. The zone lookup (astimezone) is done once
+    a second: the daemon stamps every event of every rank, and it was most of the cost."""
+    global _iso_second
+    local = _dt.datetime.fromtimestamp(time.time() if t is None else t)
+    second = (local.replace(microsecond=0), local.fold)  # fold: the repeated hour when clocks go back
+    cached = _iso_second  # read once: another thread may replace it
+    if cached[0] != second:
+        text = local.replace(microsecond=0).astimezone().isoformat()
+        cached = _iso_second = (second, text[:19], text[19:])
+    return f"{cached[1]}.{local.microsecond // 1000:03d}{cached[2]}"
 
 
 def write_atomic(path: Path, data: bytes | str, mode: int = 0o600, *, replace: bool = True) -> os.stat_result:

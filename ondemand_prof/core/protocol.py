@@ -40,6 +40,8 @@ MAX_SOCKET_PATH = 107
 # what happens to a rank's part of a capture ends in one of these (the daemon records it, the CLI shows it)
 FINAL_STATES = ("done", "failed", "rejected", "cancelled")
 
+MAX_BATCHED_EVENTS = 32  # items of one "events" message (the daemon refuses more; a rank sends at most what it says)
+
 TCP_PORT = 7355  # ondemand-profd --listen's customary port across hosts (ondemandctl --port's default)
 HEARTBEAT_S = 1.0  # a rank's heartbeat period
 RANK_TIMEOUT_S = 3.5  # no heartbeat for this long: the rank is gone
@@ -50,6 +52,10 @@ RANK_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
                  "step": (int,)},
     "hb": {"step": (int,)},
     "event": {"capture_id": (str,), "event": (str,), "info": (dict,)},
+    # several events in one message (each item as an "event" message's fields): sent only to a daemon whose
+    # "registered" reply says it takes them (events_batch: how many at most); a window's "received" and
+    # "scheduled" leave a rank together, so a capture costs the daemon one decode a rank instead of two
+    "events": {"events": (list,)},
     "bye": {},
     "triage_result": {"triage_id": (str,), "result": (dict,)},
     "auto_capture": {"window": (dict,)},

@@ -17,7 +17,8 @@ from typing import Any, Callable, Mapping
 
 from ..core.version import __version__
 from ..core.files import iso_time, pid_alive
-from ..core.protocol import FINAL_STATES, HEARTBEAT_S, RANK_TIMEOUT_S, encode, reply_error, reply_ok
+from ..core.protocol import FINAL_STATES, HEARTBEAT_S, MAX_BATCHED_EVENTS, RANK_TIMEOUT_S, encode, reply_error, \
+    reply_ok
 from ..core.ids import valid_id
 from .records import CaptureRecord, RecordRefused, RecordStore
 from .registry import DeliveryBook, RankConflict, RankInfo, Registry
@@ -56,7 +57,8 @@ class Service:
         self.commands = commands
         self.triage = TriageBook(self)  # stacks, memory, flight-recorder requests waiting for their ranks
         self.rank_handlers: dict[str, Callable[[bytes, dict[str, Any]], bytes | None]] = {
-            "register": self.on_register, "hb": self.on_heartbeat, "event": self.on_event, "bye": self.on_bye,
+            "register": self.on_register, "hb": self.on_heartbeat, "event": self.on_event, "events": self.on_events,
+            "bye": self.on_bye,
             "triage_result": self.triage.on_result, "auto_capture": self.triage.on_auto_capture}
 
     # ------------------------------------------------------------------------------------------------------
@@ -115,7 +117,8 @@ class Service:
         for item in recent[:64] if isinstance(recent, list) else []:  # what happened while we could not hear it
             if isinstance(item, dict) and valid_id(item.get("capture_id")):
                 self._apply_event(info, item["capture_id"], str(item.get("event")), item.get("info") or {})
-        return encode("registered", daemon_pid=os.getpid(), heartbeat_s=HEARTBEAT_S)
+        # events_batch: this daemon takes several events in one message (protocol.py "events")
+        return encode("registered", daemon_pid=os.getpid(), heartbeat_s=HEARTBEAT_S, events_batch=MAX_BATCHED_EVENTS)
 
     def on_heartbeat(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
         info = self.registry.heartbeat(route, msg, time.monotonic(), time.time())
@@ -140,13 +143,36 @@ class Service:
         info = self.registry.by_route.get(route)
         if info is None:
             return encode("register")
+        if self._believed(info, msg):
+            self._apply_event(info, msg["capture_id"], msg["event"], msg["info"])
+        return None
+
+    def on_events(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
+        """Several events of one rank in one message; each item is checked as an "event" message is, and the
+        message is refused whole (nothing applied) when one is not."""
+        items = msg["events"]
+        if not 0 < len(items) <= MAX_BATCHED_EVENTS:
+            raise BadRequest(f"events: 1 to {MAX_BATCHED_EVENTS} events a message, got {len(items)}")
+        for i, item in enumerate(items):
+            if not (isinstance(item, dict) and valid_id(item.get("capture_id")) and
+                    isinstance(item.get("event"), str) and isinstance(item.get("info"), dict)):
+                raise BadRequest(f"events: item {i} is not {{capture_id, event, info}} with a valid capture id")
+        info = self.registry.by_route.get(route)
+        if info is None:
+            return encode("register")
+        if self._believed(info, msg):
+            for item in items:
+                self._apply_event(info, item["capture_id"], item["event"], item["info"])
+        return None
+
+    def _believed(self, info: RankInfo, msg: dict[str, Any]) -> bool:
+        """An event comes from the rank's own uid (or root): the kernel's word on the sender (`_peer`)."""
         peer = msg.get("_peer")
         if peer is not None and info.uid is not None and peer.uid != info.uid and peer.uid != 0:
             log.warning("ondemand-profd: ignoring an event for rank %d of job %s from uid %d (the rank is uid %d)",
                         info.rank, info.job, peer.uid, info.uid)
-            return None
-        self._apply_event(info, msg["capture_id"], msg["event"], msg["info"])
-        return None
+            return False
+        return True
 
     def _apply_event(self, info: RankInfo, capture_id: str, event: str, data: Any) -> None:
         record = self.store.records.get(capture_id)

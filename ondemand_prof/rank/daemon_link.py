@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..core.version import __version__
-from ..core.protocol import HEARTBEAT_S, MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, ProtocolError, decode, \
-    default_runtime_dir, encode, endpoint, socket_path
+from ..core.bounds import bounded_int
+from ..core.protocol import HEARTBEAT_S, MAX_BATCHED_EVENTS, MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, ProtocolError, \
+    decode, default_runtime_dir, encode, endpoint, socket_path
 from ..core.safedir import daemon_socket_problem
 from ..core.requests import WindowDefaults, window_from_wire
 from ..core.window import Window
@@ -86,6 +87,7 @@ class DaemonLink(Extension):
         self._last_error = ""
         self._next_beat = 0.0
         self._outbox: collections.deque[tuple[str, str, dict[str, Any]]] = collections.deque()
+        self._batch = 1  # events a message: what the daemon's "registered" reply allows (an older daemon: 1)
         self._recent: collections.OrderedDict[str, tuple[str, dict[str, Any]]] = collections.OrderedDict()
         self._recent_lock = threading.Lock()
         self._replies: collections.deque[bytes] = collections.deque()  # triage answers (rank/triage.py)
@@ -110,10 +112,11 @@ class DaemonLink(Extension):
             if self._distrust is None:  # nothing from a daemon we did not register with is acted on
                 self._on_message(frame)
         while self._outbox and self.registered:
-            capture_id, event, info = self._outbox[0]
-            if not self._send(encode("event", capture_id=capture_id, event=event, info=info)):
+            body, n = self._events_message(min(len(self._outbox), self._batch))
+            if not self._send(body):
                 break
-            self._outbox.popleft()
+            for _ in range(n):
+                self._outbox.popleft()
         while self._replies and self.registered:
             if not self._send(self._replies[0]):
                 break
@@ -153,6 +156,17 @@ class DaemonLink(Extension):
         except self._zmq.Again:  # no daemon connected (IMMEDIATE), or it is not reading
             self.registered = False
             return False
+
+    def _events_message(self, n: int) -> tuple[bytes, int]:
+        """(message, how many it holds): up to the first `n` queued events ("event" for one, "events" for more)."""
+        if n == 1:
+            capture_id, event, info = self._outbox[0]
+            return encode("event", capture_id=capture_id, event=event, info=info), 1
+        # indexed, not iterated: other threads append while this one reads (only this thread pops)
+        items = [{"capture_id": c, "event": e, "info": i} for c, e, i in (self._outbox[k] for k in range(n))]
+        body = encode("events", events=items)
+        # an event's info is small, but together they must fit one message: halve until they do
+        return (body, n) if len(body) <= MAX_MESSAGE_BYTES else self._events_message(n // 2)
 
     def _beat(self) -> None:
         if not self.registered:
@@ -213,6 +227,8 @@ class DaemonLink(Extension):
         if kind == "registered":
             self.acknowledged = True
             self._last_error = ""
+            batch = msg.get("events_batch")
+            self._batch = min(batch, MAX_BATCHED_EVENTS) if bounded_int(batch, 1, MAX_BATCHED_EVENTS) else 1
         elif kind == "register":
             self.registered = False
             self._next_beat = 0.0  # at once, not in a second

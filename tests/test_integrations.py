@@ -151,6 +151,8 @@ def test_example_plain_loop(env: dict[str, Any]) -> None:
 def test_example_ddp_torchrun(env: dict[str, Any]) -> None:
     daemon(env)
     check_example(env, [*torchrun(2), str(EXAMPLES / "ddp_torchrun.py"), "--steps", LONG], 2)
+    # gloo: every window's stop first let gloo's worker threads finish their profiler ranges (torch_backend.py)
+    assert all("gloo_settle_ms" in c["backend"] for c in captures(env["save"])), captures(env["save"])
 
 
 def test_example_megatron_style_resumed(env: dict[str, Any]) -> None:

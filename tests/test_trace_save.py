@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.autograd.profiler import record_function
 
-from conftest import ROOT, assert_ok, captures, load_trace, run_ranks, trace_steps, wait_for
+from conftest import ROOT, assert_ok, captures, free_port, load_trace, run_ranks, trace_steps, wait_for
 from ondemand_prof.rank import native_save, trace_save
 
 STEPS = [0, 1, 2]
@@ -373,3 +373,27 @@ def test_an_unknown_save_mode_is_named_and_auto_used(monkeypatch: pytest.MonkeyP
     with caplog.at_level(logging.WARNING, logger=trace_save.__name__):
         assert trace_save.save_mode() == "auto"
     assert "ONDEMAND_PROF_TRACE_SAVE=forked is not one of auto, in-process, fork" in caplog.text
+
+
+def test_a_gloo_rank_lets_other_threads_finish_before_the_profiler_stops() -> None:
+    """torch's gloo worker threads end their profiler ranges after completing the collective (torch_backend.py
+    GLOO_SETTLE_S): with a gloo group, the stop waits while another thread runs, at most the bound; without one,
+    or once the other threads sleep, it does not wait."""
+    import torch.distributed as dist
+
+    from ondemand_prof.rank.backends.torch_backend import settle_gloo_threads
+
+    assert settle_gloo_threads(0.3) == 0.0  # no process group: nothing to wait for
+    stop = threading.Event()
+    spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        spinner.start()
+        assert settle_gloo_threads(0.3) >= 0.3  # a thread that keeps running: waited for, up to the bound
+        stop.set()
+        spinner.join()
+        assert settle_gloo_threads(5.0) < 5.0  # everything else asleep: no wait to the bound
+    finally:
+        stop.set()
+        dist.destroy_process_group()

@@ -17,7 +17,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -87,6 +90,61 @@ def _without_importing_inductor() -> Iterator[None]:
             setattr(torch, "__getattr__", lazy)
 
 
+# torch.distributed's gloo backend ends a collective's profiler range on its own worker thread *after* it has
+# completed the work's future (ProcessGroupGloo's AsyncWork: markCompleted, then finish() runs the RecordFunction
+# end callback, with the training thread's profiler state propagated). The training thread, woken by that
+# future, can reach the window's end and stop the profiler while the callback still runs: it then writes the
+# range's end (a small thread id among them) into profiler storage the stop has just freed. Seen on 2-rank gloo
+# DDP under load, with plain torch.profiler too: "free(): invalid pointer" (free of 0x2) destroying the window's
+# results, or a segfault in _disable_profiler. Before stopping, a rank that uses gloo lets such threads finish:
+# it waits until no other thread of the process is running, for at most GLOO_SETTLE_S. This narrows torch's race
+# (a gloo thread starved for longer still hits it; collectives left running past the window are not covered).
+GLOO_SETTLE_S = 0.05
+
+
+def _uses_gloo() -> bool:
+    """Whether a torch.distributed group of this process runs on gloo (the default group, or any other)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return False
+        if "gloo" in str(dist.get_backend()).lower():
+            return True
+        pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {})  # torch's registry of groups
+        return any("gloo" in str(entry[0] if isinstance(entry, tuple) else entry).lower() for entry in pg_map.values())
+    except Exception:  # noqa: BLE001 - a torch without these: no wait
+        return False
+
+
+def _others_running(me: int) -> bool:
+    """Whether a thread of this process other than `me` is running or waiting for a CPU (state R)."""
+    for task in os.listdir("/proc/self/task"):
+        if task == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{task}/stat", "rb") as fh:
+                if fh.read().rsplit(b")", 1)[1].split(None, 1)[0] == b"R":
+                    return True
+        except (OSError, IndexError):
+            continue  # the thread ended
+    return False
+
+
+def settle_gloo_threads(max_s: float = GLOO_SETTLE_S) -> float:
+    """On the training thread, before the profiler stops: with gloo in use, wait (sleeping, so that they get the
+    CPU) until no other thread is running, for at most `max_s`. Returns the seconds waited; never raises."""
+    if not _uses_gloo():
+        return 0.0
+    started = time.monotonic()
+    try:
+        me = str(threading.get_native_id())
+        while _others_running(me) and time.monotonic() - started < max_s:
+            time.sleep(0.001)
+    except OSError:  # no /proc: a plain pause instead
+        time.sleep(0.002)
+    return time.monotonic() - started
+
+
 def _prepare(prof: Any) -> None:
     with _without_importing_inductor():
         prof.prepare_trace()
@@ -128,11 +186,14 @@ class TorchSession:
             raise RuntimeError("finish() before the window began")
         if self._state == "warmup":
             self._prof.start_trace()  # torch has no way to leave warmup other than through a trace
+        waited = settle_gloo_threads()
         self._prof.stop_trace()
         note_training_cpu()  # the helpers that write and post-process this trace keep off its core
         self._state = "done"
         prof = self._prof
         info: dict[str, Any] = {"torch_profile_kwargs": _describe(self.kwargs)}
+        if waited:
+            info["gloo_settle_ms"] = round(waited * 1e3, 1)
 
         def kineto_results() -> Any:
             # prof.profiler is set by start_trace, which ran above (were it None, trace_save gives the error and
@@ -153,6 +214,7 @@ class TorchSession:
             if self._state in ("warmup", "recording"):
                 if self._state == "warmup":
                     self._prof.start_trace()
+                settle_gloo_threads()
                 self._prof.stop_trace()
         except Exception:  # noqa: BLE001 - abort is the last resort; the cause was logged by the caller
             log.debug("abort: profiler stop failed", exc_info=True)

@@ -48,7 +48,8 @@ _DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_float, parse_
 # above refuse: every integer is short and every float below 1e130, finite. Such text (every message of ours) is
 # parsed by json's C number parsers, which give the same values; the Python hooks were a call per number.
 _PLAIN = json.JSONDecoder(parse_constant=_constant)
-_LONG_NUMBER = re.compile(r"[0-9]{%d}|[eE][+-]?[0-9]{3}" % (MAX_INT_DIGITS + 1))
+# (both forms start at a digit: a JSON exponent always follows one; the regex then tries only at digits)
+_LONG_NUMBER = re.compile(r"[0-9](?:[0-9]{%d}|[eE][+-]?[0-9]{3})" % MAX_INT_DIGITS)
 
 
 def nesting_depth(raw: bytes, stop_at: int = MAX_DEPTH) -> int:

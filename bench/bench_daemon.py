@@ -45,6 +45,7 @@ import zmq  # noqa: E402
 from ondemand_prof.rank.backends import Identity  # noqa: E402
 from ondemand_prof.core.options import ProfileConfig  # noqa: E402
 from ondemand_prof.host.client import Client, CtlError  # noqa: E402
+from ondemand_prof.host.commands.follow import merge_watched  # noqa: E402
 from ondemand_prof.rank.daemon_link import DaemonLink  # noqa: E402
 from ondemand_prof.rank.triage import collect_stacks, fit_stacks  # noqa: E402
 
@@ -194,8 +195,9 @@ def capture_until(client: Client, states: tuple[str, ...], ranks: Any = -1) -> f
     t0 = time.perf_counter()
     rec = client.request("capture", job="bench", request={"ranks": [ranks] if isinstance(ranks, int) else ranks,
                                                           "steps": 1}, wait_s=30)
-    while any(p["state"] not in states for p in rec["parts"].values()):
-        rec = client.request("watch", capture_id=rec["capture_id"], seen=rec["version"], timeout_s=10, wait_s=30)
+    while any(p["state"] not in states for p in rec["parts"].values()):  # as ondemandctl capture --wait asks
+        rec = merge_watched(rec, client.request("watch", capture_id=rec["capture_id"], seen=rec["version"],
+                                                timeout_s=10, changed_only=True, wait_s=30))
     return time.perf_counter() - t0
 
 

@@ -308,6 +308,32 @@ def test_a_reported_output_path_with_a_nul_is_refused_not_raised(tmp_path: Path)
     assert output_path_problem(str(tmp_path) + "/tr\0ace.json", str(tmp_path), os.getuid()) == "not a path"
 
 
+def test_a_watch_answers_with_the_parts_changed_since_the_callers_version(tmp_path: Path) -> None:
+    """watch with changed_only: the reply carries only the parts that moved after the version the caller holds,
+    and merged into the caller's copy it equals the whole record; a version from before the daemon read the
+    record back (a restart), or one it never gave out, gets the whole record."""
+    from ondemand_prof.host.commands.follow import Watch, merge_watched
+    from ondemand_prof.host.records import RecordStore
+
+    store = RecordStore(tmp_path)
+    record = CaptureRecord.new("20260101-000000-aaaaaa", "j", {"steps": 1}, {"start_step": 5, "end_step": 6},
+                               {}, [{"rank": r, "host": "h", "pid": 10 + r} for r in range(4)], 0.0)
+    store.add(record)
+    held = record.view()
+    assert record.update(2, "received", {"current_step": 3}, 1.0) and record.update(3, "received", {}, 1.0)
+    svc = type("S", (), {"find": lambda self, cid: store.records[cid]})()
+    reply = Watch().execute(svc, b"cli", {"capture_id": record.capture_id, "seen": held["version"],
+                                          "changed_only": True})
+    assert reply["changed_only"] and sorted(reply["parts"]) == ["2", "3"] and reply["version"] == 2
+    assert merge_watched(held, reply) == record.view()
+    assert "changed_only" not in Watch().execute(svc, b"cli", {"capture_id": record.capture_id, "seen": 1})
+    assert "changed_only" not in record.view(since=99)  # a version this daemon never gave out
+    store.save(record)
+    again = RecordStore(tmp_path).records[record.capture_id]  # read back, as after a restart
+    assert again.version > 10**12 and len(again.view(since=held["version"])["parts"]) == 4
+    assert again.view(since=again.version)["parts"] == {}
+
+
 def test_the_rank_link_batches_events_only_for_a_daemon_that_takes_them(tmp_path: Path) -> None:
     """The rank's real DaemonLink against a bare ROUTER socket standing for the daemon: a window's "received" and
     "scheduled" leave in one "events" message when the daemon's "registered" reply allows it, and as two "event"

@@ -175,6 +175,17 @@ def test_background_helpers_run_at_low_priority(sched: str, monkeypatch: pytest.
         assert policy == os.SCHED_OTHER and nice == min(19, ours + trace_save.FALLBACK_NICE)
 
 
+def test_a_helper_left_idle_too_long_is_raised_to_a_share_of_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every core busy at normal priority starves SCHED_IDLE: a helper not done after RAISE_AFTER_S moves to the
+    normal policy, FALLBACK_NICE levels down (it reports its priority after that point)."""
+    monkeypatch.setenv(trace_save.SCHED_ENV, "idle")
+    monkeypatch.setattr(trace_save, "RAISE_AFTER_S", 0.5)
+    code = "import os, time; time.sleep(2.5); print(os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))"
+    proc = trace_save.spawn_background([sys.executable, "-c", code], dict(os.environ), timeout_s=60)
+    assert proc.returncode == 0, proc.stderr
+    assert list(map(int, proc.stdout.split())) == [os.SCHED_OTHER, trace_save.FALLBACK_NICE]
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to keep one for training")
 def test_background_helpers_keep_off_the_training_threads_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     training_cpu = min(os.sched_getaffinity(0))

@@ -13,6 +13,7 @@ import datetime as _dt
 import json
 import logging
 import secrets
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -72,9 +73,14 @@ def new_capture_id(wall: float) -> str:
 class CaptureRecord:
     """One capture: the request, the window, and a part per target rank."""
 
-    def __init__(self, data: dict[str, Any]) -> None:
+    def __init__(self, data: dict[str, Any], first_version: int = 0) -> None:
         self.data = data
-        self.version = 0  # bumped on every change; "watch" replies when it moves
+        self.version = first_version  # bumped on every change; "watch" replies when it moves
+        # the version that last changed each part (absent: first_version), so that a watch can answer with only
+        # the parts changed since the version its caller holds: a 64-rank capture is watched about seven times,
+        # and the whole record each time was most of what the daemon and the CLI spent on it
+        self._first_version = first_version
+        self._part_changed: dict[str, int] = {}
         # counted once here and kept up to date, so an event costs O(1) however many ranks a capture has
         self.open_parts = sum(p["state"] not in FINAL_STATES for p in data["parts"].values())
 
@@ -121,8 +127,22 @@ class CaptureRecord:
                         part[key] = value
         if self.open_parts == 0:
             self._settle()
-        self.version += 1
+        self.part_changed(rank)
         return True
+
+    def part_changed(self, rank: int) -> None:
+        """A part of this record changed (in place): a new version, and the part is in the next changes-only view."""
+        self.version += 1
+        self._part_changed[str(rank)] = self.version
+
+    def view(self, since: int | None = None) -> dict[str, Any]:
+        """The record as the CLI gets it, with its version; given `since` (a version the caller holds, of this
+        daemon's numbering), only the parts changed after it, marked changed_only (the caller merges them)."""
+        if since is None or not self._first_version <= since <= self.version:
+            return {**self.data, "version": self.version}
+        first, changed = self._first_version, self._part_changed
+        parts = {k: p for k, p in self.data["parts"].items() if changed.get(k, first) > since}
+        return {**self.data, "parts": parts, "version": self.version, "changed_only": True}
 
     def fail_rank(self, rank: int, error: str, wall: float) -> bool:
         part = self.part(rank)
@@ -166,7 +186,9 @@ class RecordStore:
                     problem = f"its capture id {data['capture_id']!r} is not its file name"
                 if problem:
                     raise ValueError(problem)
-                self.records[data["capture_id"]] = CaptureRecord(data)
+                # versions of records read back start past any an earlier daemon gave out (a microsecond clock), so
+                # a CLI still holding one of those gets every part, never only some
+                self.records[data["capture_id"]] = CaptureRecord(data, first_version=time.time_ns() // 1000)
                 if data.get("status") == "running":
                     self._running.add(data["capture_id"])
             except (OSError, ValueError, KeyError, TypeError) as exc:

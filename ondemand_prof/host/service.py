@@ -50,7 +50,8 @@ class Service:
         self.outbox: list[tuple[bytes, bytes]] = []  # (route, frame) for the transport to send
         self.refused: dict[str, int] = {}  # error replies by message type, for the metrics (host/metrics.py)
         self.caught_up = float("inf")  # monotonic time the transport last found no message waiting (inf: always)
-        self.watches: list[tuple[bytes, Any, str, float]] = []  # (route, request id, capture id, deadline)
+        # (route, request id, capture id, deadline, the version for a changes-only answer or None)
+        self.watches: list[tuple[bytes, Any, str, float, int | None]] = []
         self._watch_due: set[str] = set()
         self._next_pid_check = 0.0
         self._last_housekeeping: float | None = None
@@ -136,7 +137,7 @@ class Service:
         if record is not None and part is not None and part["state"] == "recording" and \
                 part.get("at_step") != info.step:
             part["at_step"] = info.step
-            record.version += 1
+            record.part_changed(info.rank)
             self.changed(record)
 
     def on_event(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
@@ -224,19 +225,19 @@ class Service:
         if self.watches:
             self._watch_due.add(record.capture_id)  # answered after this batch of messages: one reply, not 4096
 
-    def watch(self, route: bytes, rid: Any, record: CaptureRecord, timeout: float) -> None:
-        self.watches.append((route, rid, record.capture_id, time.monotonic() + timeout))
+    def watch(self, route: bytes, rid: Any, record: CaptureRecord, timeout: float, since: int | None = None) -> None:
+        self.watches.append((route, rid, record.capture_id, time.monotonic() + timeout, since))
 
     def answer_due_watches(self, now: float | None = None) -> None:
         """Reply to watches whose capture changed (or whose time ran out, given `now`)."""
         due, self._watch_due = self._watch_due, set()
         keep = []
-        for route, rid, capture_id, deadline in self.watches:
+        for watch in self.watches:
+            route, rid, capture_id, deadline, since = watch
             if capture_id in due or (now is not None and now >= deadline):
-                record = self.store.records[capture_id]
-                self.send(route, reply_ok(rid, {**record.data, "version": record.version}))
+                self.send(route, reply_ok(rid, self.store.records[capture_id].view(since)))
             else:
-                keep.append((route, rid, capture_id, deadline))
+                keep.append(watch)
         self.watches = keep
 
     @property

@@ -16,8 +16,9 @@ So save_trace() writes the raw trace, by ONDEMAND_PROF_TRACE_SAVE:
               is saved in-process.
 spawn_background() starts a helper process (post-processing) at SCHED_IDLE, and the native saver thread and the
 forked saver lower themselves the same way: they run on cores the training run leaves idle.
-ONDEMAND_PROF_EXPORT_SCHED=nice lowers them by 10 nice levels instead (for a host whose cores are always busy,
-where SCHED_IDLE could starve them).
+A helper still at SCHED_IDLE after RAISE_AFTER_S (every core busy at normal priority, which SCHED_IDLE yields to
+almost entirely) is raised to the normal policy 10 nice levels down, so the trace is not held until the load ends.
+ONDEMAND_PROF_EXPORT_SCHED=nice lowers them by 10 nice levels from the start instead.
 
 Nothing here raises into the training loop: these functions run on the exporter thread, and they raise only
 what an in-process save raises (the exporter records it in the capture's metadata).
@@ -45,6 +46,10 @@ CPUS_ENV = "ONDEMAND_PROF_HELPER_CPUS"  # auto: off the training thread's core; 
 FORK_SAVE_TIMEOUT_S = 300.0  # a SCHED_IDLE child on busy cores is slow, not stuck; this bounds a stuck one
 FALLBACK_NICE = 10
 SLOW_FORK_S = 0.1
+# A helper still at SCHED_IDLE after this long is on a host whose cores are all kept busy at normal priority (CPU
+# training, data loader workers): SCHED_IDLE yields to that almost entirely, and the trace would wait for the load
+# to end (minutes; `capture --wait` times out). It is then moved to the normal policy FALLBACK_NICE levels down.
+RAISE_AFTER_S = 10.0
 
 # Python 3.12+ warns at every fork of a process with threads; this module forks a threaded process on purpose
 # and its child runs no code that needs another thread's locks (see _child_main).
@@ -106,7 +111,8 @@ def _save_native(kineto_result: Callable[[], Any], path: Path) -> str | None:
         return f"no kineto result: {type(exc).__name__}: {exc}"
     idle = idle_priority_enabled()
     try:
-        module.save(result, str(path), idle, 0 if idle else FALLBACK_NICE, helper_cpus())
+        module.save(result, str(path), idle, 0 if idle else FALLBACK_NICE, helper_cpus(), RAISE_AFTER_S,
+                    FALLBACK_NICE)
     except TypeError as exc:  # the module does not know this result type (a pybind11 registry apart): unsaved
         return f"the native module cannot take this result: {exc}"
     return None
@@ -199,7 +205,10 @@ def _wait_child(pid: int, timeout_s: float) -> int | None:
     if fd is None:
         return _poll_child(pid, timeout_s)
     try:
-        ready, _, _ = select.select([fd], [], [], timeout_s)
+        ready, _, _ = select.select([fd], [], [], min(RAISE_AFTER_S, timeout_s))
+        if not ready and timeout_s > RAISE_AFTER_S:
+            raise_priority(pid)
+            ready, _, _ = select.select([fd], [], [], timeout_s - RAISE_AFTER_S)
     finally:
         os.close(fd)
     if ready:
@@ -259,6 +268,25 @@ def lower_priority(pid: int) -> None:
         pass
 
 
+def raise_priority(pid: int) -> None:
+    """A helper process left at SCHED_IDLE too long (RAISE_AFTER_S): each of its threads to the normal policy,
+    FALLBACK_NICE levels down. Best effort; nothing to do when it was lowered by nice levels only."""
+    if not idle_priority_enabled():
+        return
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, FALLBACK_NICE)
+        except (OSError, AttributeError):
+            pass
+    log.info("ondemand_prof: a trace helper (pid %d) still running after %.0f s at idle priority (every core is "
+             "busy): raised to nice %d", pid, RAISE_AFTER_S, FALLBACK_NICE)
+
+
 def spawn_background(cmd: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True) with the child at background priority, off the training
     thread's core (helper_cpus). The priority and CPUs are set from here right after exec (not with preexec_fn, which runs Python between fork and exec in a
@@ -273,7 +301,13 @@ def spawn_background(cmd: list[str], env: dict[str, str], timeout_s: float) -> s
             except OSError:
                 pass
         try:
-            out, err = proc.communicate(timeout=timeout_s)
+            try:
+                out, err = proc.communicate(timeout=min(RAISE_AFTER_S, timeout_s))
+            except subprocess.TimeoutExpired:
+                if timeout_s <= RAISE_AFTER_S:
+                    raise
+                raise_priority(proc.pid)
+                out, err = proc.communicate(timeout=timeout_s - RAISE_AFTER_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()

@@ -131,7 +131,7 @@ class Capture(Command):
             refuse_parts(record, late, wall)
             service.store.add(record)
             log.warning("ondemand-profd: capture %s: %s", capture_id, late)
-            return {**record.data, "version": record.version}
+            return record.view()
         service.store.add(record)
         bodies: dict[int, bytes] = {}  # each distinct window encoded once, now that the plan's note is known
         for _, window in distinct:
@@ -141,7 +141,7 @@ class Capture(Command):
             service.send(t.route, bodies[id(windows[t.rank])])
         log.info("ondemand-profd: capture %s: job %s, %d rank(s), steps [%d, %d)%s", capture_id, job, len(targets),
                  plan["start_step"], plan["end_step"], f" ({plan['note']})" if plan["note"] else "")
-        return {**record.data, "version": record.version}
+        return record.view()
 
     # ------------------------------------------------------------------------------------------------------
     # ondemandctl: one host

@@ -94,7 +94,7 @@ class Show(OneCapture):
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         record = service.find(msg["capture_id"])
-        shown = {**record.data, "version": record.version}
+        shown = record.view()
         mark_misaligned(shown)  # what is shown says so; the stored record keeps what happened
         return shown
 

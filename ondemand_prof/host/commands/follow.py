@@ -33,7 +33,9 @@ def running(data: dict[str, Any]) -> bool:
 
 
 class Watch(Command):
-    """Long poll: reply when the capture changes from the version the caller has seen, or after timeout_s."""
+    """Long poll: reply when the capture changes from the version the caller has seen, or after timeout_s.
+    With changed_only (true), the reply holds only the parts changed since that version, marked changed_only,
+    when the daemon can tell which (else the whole record, unmarked); the caller merges them into its copy."""
 
     name = "watch"
     cli = False
@@ -46,10 +48,20 @@ class Watch(Command):
             checked_number(timeout, 0, MAX_WATCH_S, "field 'timeout_s'")
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+        since = msg["seen"] if msg.get("changed_only") is True else None
         if record.version != msg["seen"] or record.status != "running" or timeout == 0:
-            return {**record.data, "version": record.version}
-        service.watch(route, msg.get("id"), record, timeout)
+            return record.view(since)
+        service.watch(route, msg.get("id"), record, timeout, since)
         return None
+
+
+def merge_watched(held: dict[str, Any] | None, reply: dict[str, Any]) -> dict[str, Any]:
+    """A watch reply applied to the record the caller held: a changes-only reply updates its parts."""
+    if not reply.get("changed_only"):
+        return reply
+    merged = {k: v for k, v in reply.items() if k != "changed_only"}
+    merged["parts"] = {**(held or {}).get("parts", {}), **reply["parts"]}
+    return merged
 
 
 def follow(fan: Fanout | OneHost, found: dict[str, dict[str, Any]], failed: dict[str, str], timeout: float,
@@ -84,13 +96,13 @@ def follow(fan: Fanout | OneHost, found: dict[str, dict[str, Any]], failed: dict
         hold = min(HOLD_ONE_S if one_host else WATCH_HOLD_S, left)
         seen = {n: d["version"] for n, d in found.items()}
         # a host whose record we lack is asked for it at once (timeout_s 0), the others hold for a change
-        per_host = {n: {"capture_id": capture_id, "seen": found[n]["version"], "timeout_s": hold} if n in found
-                    else {"capture_id": capture_id, "seen": 0, "timeout_s": 0} for n in waiting}
+        per_host = {n: {"capture_id": capture_id, "seen": found[n]["version"], "timeout_s": hold, "changed_only": True}
+                    if n in found else {"capture_id": capture_id, "seen": 0, "timeout_s": 0} for n in waiting}
         began = time.monotonic()
         replies = fan.request("watch", per_host=per_host, wait_s=hold + fan.timeout_s, hosts=waiting)
         for name, reply in replies.items():
             if reply.ok:
-                found[name] = reply.data
+                found[name] = merge_watched(found.get(name), reply.data)
                 quiet.pop(name, None)
             elif reply.kind == "error":
                 quiet.pop(name, None)

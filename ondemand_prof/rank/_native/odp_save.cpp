@@ -15,8 +15,12 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <memory>
 #include <new>
 #include <string>
@@ -73,17 +77,32 @@ void lower_this_thread(bool idle, int nice, const std::vector<int>& cpus) {
   }
 }
 
+// A saver still at idle priority after the grace period: every core is kept busy by work of normal priority (CPU
+// training, data loader workers), which SCHED_IDLE yields to almost entirely, so the trace would wait for the
+// load to end. It moves to the normal policy `nice` levels down: a small but real share of a busy core.
+void raise_thread(pid_t tid, int nice) {
+  struct sched_param param = {0};
+  sched_setscheduler(tid, SCHED_OTHER, &param);
+  setpriority(PRIO_PROCESS, tid, nice);
+}
+
 // Writes `result` (a torch._C._autograd._ProfilerResult) to `path` and, where kCanTake, frees its contents, all
 // with the GIL released; the caller's thread waits. Errors from kineto come back as the exception save() would
 // have raised. Returns whether the contents were freed here (the Python object then holds an empty result,
-// which must not be saved again).
-bool save(py::object result, const std::string& path, bool idle, int nice, std::vector<int> cpus) {
+// which must not be saved again). An idle saver not done after `raise_after_s` (> 0) is raised (raise_thread).
+bool save(py::object result, const std::string& path, bool idle, int nice, std::vector<int> cpus,
+          double raise_after_s, int raised_nice) {
   ProfilerResult* r = result.cast<ProfilerResult*>();  // the caller holds `result`, so it outlives the save
   ProfilerResult* taken = kCanTake ? take(r) : nullptr;
   std::exception_ptr error;
   {
     py::gil_scoped_release nogil;
+    std::mutex lock;
+    std::condition_variable finished_cv;
+    bool finished = false;
+    std::atomic<pid_t> saver_tid{0};
     std::thread saver([&] {
+      saver_tid = static_cast<pid_t>(syscall(SYS_gettid));
       try {
         lower_this_thread(idle, nice, cpus);
         (taken ? taken : r)->save(path);
@@ -91,7 +110,17 @@ bool save(py::object result, const std::string& path, bool idle, int nice, std::
         error = std::current_exception();
       }
       if (taken) destroy(taken);
+      std::lock_guard<std::mutex> guard(lock);
+      finished = true;
+      finished_cv.notify_all();
     });
+    if (idle && raise_after_s > 0) {
+      std::unique_lock<std::mutex> waiting(lock);
+      auto grace = std::chrono::duration<double>(raise_after_s);
+      if (!finished_cv.wait_for(waiting, grace, [&] { return finished; }) && saver_tid.load() != 0) {
+        raise_thread(saver_tid.load(), raised_nice);
+      }
+    }
     saver.join();
   }
   if (error) std::rethrow_exception(error);
@@ -101,7 +130,8 @@ bool save(py::object result, const std::string& path, bool idle, int nice, std::
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("save", &save, py::arg("result"), py::arg("path"), py::arg("idle"), py::arg("nice"), py::arg("cpus"));
+  m.def("save", &save, py::arg("result"), py::arg("path"), py::arg("idle"), py::arg("nice"), py::arg("cpus"),
+        py::arg("raise_after_s"), py::arg("raised_nice"));
   m.attr("frees_result") = kCanTake;
   m.attr("torch_version") = ODP_TORCH_VERSION;
   m.attr("source_key") = ODP_SOURCE_KEY;

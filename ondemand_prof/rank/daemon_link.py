@@ -212,6 +212,7 @@ class DaemonLink(Extension):
                       trigger_dir=str(self.agent.trigger_dir),
                       version=__version__, recent=recent, defaults=WindowDefaults.from_config(prof.config).to_wire(),
                       native_dump=self._native_dump(), **self._progress())
+        self._batch = 1  # until this daemon's "registered" reply says what it takes (it may be an older one)
         self.registered = self._send(body)
         if self.registered:
             log.info("ondemand_prof: registered with ondemand-profd at %s (job %s, rank %d)", self.url, ident.job_id,

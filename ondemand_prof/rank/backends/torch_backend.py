@@ -116,8 +116,9 @@ def _uses_gloo() -> bool:
         return False
 
 
-def _others_running(me: int) -> bool:
-    """Whether a thread of this process other than `me` is running or waiting for a CPU (state R)."""
+def _others_running(me: str) -> bool:
+    """Whether a thread of this process other than `me` (a native thread id, as /proc names it) is running or
+    waiting for a CPU (state R)."""
     for task in os.listdir("/proc/self/task"):
         if task == me:
             continue

@@ -23,10 +23,11 @@ def iso_time(t: float | None = None) -> str:
     a second: the daemon stamps every event of every rank, and it was most of the cost."""
     global _iso_second
     local = _dt.datetime.fromtimestamp(time.time() if t is None else t)
-    second = (local.replace(microsecond=0), local.fold)  # fold: the repeated hour when clocks go back
+    whole = local.replace(microsecond=0)
+    second = (whole, local.fold)  # fold: the repeated hour when clocks go back
     cached = _iso_second  # read once: another thread may replace it
     if cached[0] != second:
-        text = local.replace(microsecond=0).astimezone().isoformat()
+        text = whole.astimezone().isoformat()
         cached = _iso_second = (second, text[:19], text[19:])
     return f"{cached[1]}.{local.microsecond // 1000:03d}{cached[2]}"
 
@@ -85,6 +86,15 @@ def read_nofollow(path: Path, limit: int) -> bytes | None:
         os.close(fd)
 
 
+def proc_stat_fields(path: str) -> list[bytes]:
+    """The fields of a /proc/<pid>[/task/<tid>]/stat file after the command name (which may hold spaces and
+    parentheses), so [0] is the state (field 3 of proc(5)), [19] the start time (22), [36] the CPU it last ran on
+    (39). OSError when it cannot be read; [] when it has no command name."""
+    with open(path, "rb") as fh:
+        _, paren, rest = fh.read().rpartition(b")")
+    return rest.split() if paren else []
+
+
 def pid_alive(pid: int, thorough: bool = False) -> bool:
     """Whether a process runs; `thorough` also rules out a zombie (a killed rank its launcher has not reaped)."""
     try:
@@ -95,8 +105,7 @@ def pid_alive(pid: int, thorough: bool = False) -> bool:
         pass
     if thorough:
         try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+            return proc_stat_fields(f"/proc/{pid}/stat")[0] not in (b"Z", b"X")
         except (OSError, IndexError):
             return True  # no /proc here: trust kill()
     return True
@@ -191,8 +200,7 @@ class ProcessIdentity:
 def process_identity(pid: int) -> ProcessIdentity | None:
     """Who holds `pid` now; None when nobody does (or /proc cannot say)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
+        fields = proc_stat_fields(f"/proc/{pid}/stat")
         uid = os.stat(f"/proc/{pid}").st_uid
         return ProcessIdentity(pid, int(fields[19]), uid)
     except (OSError, IndexError, ValueError):

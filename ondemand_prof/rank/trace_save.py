@@ -36,6 +36,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
+from ..core.files import proc_stat_fields
+
 log = logging.getLogger(__name__)
 
 FORK_ENV = "ONDEMAND_PROF_FORK_SAVE"
@@ -126,8 +128,7 @@ def note_training_cpu() -> None:
     (/proc/thread-self/stat field 39; about 20 us)."""
     global _training_cpu
     try:
-        with open("/proc/thread-self/stat", "rb") as fh:
-            _training_cpu = int(fh.read().rsplit(b")", 1)[1].split()[36])
+        _training_cpu = int(proc_stat_fields("/proc/thread-self/stat")[36])
     except (OSError, ValueError, IndexError):
         _training_cpu = None
 

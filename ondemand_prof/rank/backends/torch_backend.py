@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from ...core.files import proc_stat_fields
 from ...core.options import OPTIONS, Option, window_options
 from ...core.window import Window
 from ..trace_save import note_training_cpu, save_trace
@@ -123,9 +124,8 @@ def _others_running(me: str) -> bool:
         if task == me:
             continue
         try:
-            with open(f"/proc/self/task/{task}/stat", "rb") as fh:
-                if fh.read().rsplit(b")", 1)[1].split(None, 1)[0] == b"R":
-                    return True
+            if proc_stat_fields(f"/proc/self/task/{task}/stat")[0] == b"R":
+                return True
         except (OSError, IndexError):
             continue  # the thread ended
     return False

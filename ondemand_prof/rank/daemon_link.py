@@ -229,7 +229,7 @@ class DaemonLink(Extension):
             self.acknowledged = True
             self._last_error = ""
             batch = msg.get("events_batch")
-            self._batch = min(batch, MAX_BATCHED_EVENTS) if bounded_int(batch, 1, MAX_BATCHED_EVENTS) else 1
+            self._batch = batch if bounded_int(batch, 1, MAX_BATCHED_EVENTS) else 1
         elif kind == "register":
             self.registered = False
             self._next_beat = 0.0  # at once, not in a second

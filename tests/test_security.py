@@ -1008,6 +1008,15 @@ def test_the_record_store_stays_within_its_cap_and_only_evicts_the_flooders_reco
     (tmp_path / "captures" / "broken.json").write_text('{"capture_id": "broken", "window": {"x": 1}}')
     again = RecordStore(tmp_path)
     assert set(again.records) == set(store.records)
+    # and still oldest first, whatever order the files are listed in: the next eviction takes the oldest "other-"
+    again.add(record("late", 20_000.0))
+    assert "other-00000" not in again.records and "other-00001" in again.records
+    # one uid's records: its oldest finished one makes room, a running one stays
+    own = RecordStore(tmp_path / "own")
+    own.add(record("u-0000", 1.0, done=False), owner=7)
+    for i in range(1, KEEP_PER_UID + 5):
+        own.add(record(f"u-{i:04d}", 1.0 + i), owner=7)
+    assert sorted(own.records)[:2] == ["u-0000", "u-0006"] and len(own.records) == KEEP_PER_UID
 
 
 def test_a_summary_is_read_only_through_real_directories_of_the_ranks_user(

@@ -172,9 +172,12 @@ class RecordStore:
     def __init__(self, state_dir: Path) -> None:
         self.dir = state_dir / "captures"
         ensure_private_dir(self.dir)  # owner-only; an existing one not ours is refused (UnsafeDirectory)
+        # oldest first (created_at): eviction takes the first finished record it meets, not a scan and a min() of
+        # all 1000 (a tenth of a long-lived daemon's time per capture)
         self.records: dict[str, CaptureRecord] = {}
         self.dirty: set[str] = set()
         self._running: set[str] = set()
+        self._owned: dict[int, int] = {}  # records per owner uid (automatic captures), kept as they come and go
         self._load()
 
     def _load(self) -> None:
@@ -193,22 +196,26 @@ class RecordStore:
                     self._running.add(data["capture_id"])
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("ondemand-profd: skipping unreadable capture record %s: %s", path, exc)
+        self.records = dict(sorted(self.records.items(), key=lambda kv: kv[1].data["created_at"]))
+        for record in self.records.values():
+            self._own(record, 1)
         if self.records:
             log.info("ondemand-profd: loaded %d capture records from %s", len(self.records), self.dir)
         while len(self.records) > KEEP_RECORDS and self._evict(None):
             pass
 
-    def add(self, record: CaptureRecord, owner: int | None = None) -> None:
+    def add(self, record: CaptureRecord, owner: int | None = None, save: bool = True) -> None:
         """Take a new record; RecordRefused when its id exists (a record is never replaced) or no room can be
         made. `owner`: the uid whose rank asked for it (automatic captures); such a record can only push out
-        older finished records of that same uid, and that uid holds at most KEEP_PER_UID of them."""
+        older finished records of that same uid, and that uid holds at most KEEP_PER_UID of them. `save`:
+        False when the caller writes it (save()) once its windows are sent."""
         if not valid_id(record.capture_id):
             raise RecordRefused(f"capture id {record.capture_id[:80]!r} is not a valid id")
         if record.capture_id in self.records:
             raise RecordRefused(f"capture {record.capture_id} already exists")
         if owner is not None:
             record.data["owner_uid"] = owner
-            mine = sum(1 for r in self.records.values() if r.data.get("owner_uid") == owner)
+            mine = self._owned.get(owner, 0)
             if mine >= KEEP_PER_UID and not self._evict(owner):
                 raise RecordRefused(f"uid {owner} holds {mine} capture records, all running")
         while len(self.records) >= KEEP_RECORDS:
@@ -216,9 +223,16 @@ class RecordStore:
                 raise RecordRefused(f"the daemon holds {len(self.records)} capture records (its limit) and none "
                                     "it may drop" + (f" for uid {owner}" if owner is not None else ""))
         self.records[record.capture_id] = record
+        self._own(record, 1)
         if record.status == "running":
             self._running.add(record.capture_id)
-        self.save(record)
+        if save:
+            self.save(record)
+
+    def _own(self, record: CaptureRecord, n: int) -> None:
+        owner = record.data.get("owner_uid")
+        if isinstance(owner, int):
+            self._owned[owner] = self._owned.get(owner, 0) + n
 
     def mark(self, record: CaptureRecord) -> None:
         self.dirty.add(record.capture_id)
@@ -262,12 +276,12 @@ class RecordStore:
 
     def _evict(self, owner: int | None) -> bool:
         """Drop the oldest finished record (of `owner`'s records when given); False when there is none."""
-        candidates = [r for r in self.records.values() if r.status != "running" and
-                      (owner is None or r.data.get("owner_uid") == owner)]
-        if not candidates:
+        record = next((r for r in self.records.values() if r.status != "running" and
+                       (owner is None or r.data.get("owner_uid") == owner)), None)
+        if record is None:
             return False
-        record = min(candidates, key=lambda r: str(r.data.get("created_at", "")))
         self.records.pop(record.capture_id, None)
+        self._own(record, -1)
         self.dirty.discard(record.capture_id)
         try:
             (self.dir / f"{record.capture_id}.json").unlink()

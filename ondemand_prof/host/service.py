@@ -48,6 +48,9 @@ class Service:
         self.started = time.monotonic()
         self.started_wall = time.time()
         self.outbox: list[tuple[bytes, bytes]] = []  # (route, frame) for the transport to send
+        # work done once the outbox has left and before the request's own reply (a new capture's record is written
+        # after its windows are sent: the file write was an eighth of the way from request to windows)
+        self.after_send: list[Callable[[], None]] = []
         self.refused: dict[str, int] = {}  # error replies by message type, for the metrics (host/metrics.py)
         self.caught_up = float("inf")  # monotonic time the transport last found no message waiting (inf: always)
         # (route, request id, capture id, deadline, the version for a changes-only answer or None)
@@ -81,6 +84,10 @@ class Service:
 
     def send(self, route: bytes, body: bytes) -> None:
         self.outbox.append((route, body))
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run `fn` once what is in the outbox now has been sent, before the reply to the request being served."""
+        self.after_send.append(fn)
 
     def daemon_info(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -353,6 +353,7 @@ class Daemon:
         self.messages[msg["type"]] = self.messages.get(msg["type"], 0) + 1  # types: the schema's, bounded
         msg["_peer"] = peer_of(carrier) if carrier is not None else None  # the kernel's word, not the sender's
         out = service.handle(route, msg)
+        self._flush_outbox()  # what the request sends to ranks leaves before its reply (a new capture's windows)
         if out is not None:
             self._send(route, out)
 
@@ -363,6 +364,8 @@ class Daemon:
             out, service.outbox = service.outbox, []
             for route, body in out:
                 self._send(route, body)
+        while service.after_send:
+            service.after_send.pop(0)()
 
     def _serve_tcp(self) -> None:
         """Authenticate new TCP peers, then serve their requests (ondemandctl's messages only: a rank never

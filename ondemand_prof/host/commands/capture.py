@@ -132,7 +132,8 @@ class Capture(Command):
             service.store.add(record)
             log.warning("ondemand-profd: capture %s: %s", capture_id, late)
             return record.view()
-        service.store.add(record)
+        service.store.add(record, save=False)
+        service.then(lambda: service.store.save(record))  # on disk before the CLI's reply, after the windows leave
         bodies: dict[int, bytes] = {}  # each distinct window encoded once, now that the plan's note is known
         for _, window in distinct:
             wire = dataclasses.replace(window, note=plan["note"]) if plan.get("after") else window

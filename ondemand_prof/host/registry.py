@@ -305,11 +305,18 @@ class Registry:
         pid_alive(pid, thorough): a cheap existence check, or (thorough, for a rank already late with its
         heartbeat) one that also sees a zombie nobody has reaped yet."""
         gone = []
+        late = now - 1.5 * HEARTBEAT_S
+        alive: dict[tuple[int, bool], bool] = {}  # one look per process and sweep (ranks may share a process)
         for route, info in list(self.by_route.items()):
-            silent = now - info.last_seen
-            if silent > timeout:
-                reason = f"no heartbeat for {silent:.1f} s"
-            elif info.pid_visible and not pid_alive(info.pid, silent > 1.5 * HEARTBEAT_S):
+            if now - info.last_seen > timeout:
+                reason = f"no heartbeat for {now - info.last_seen:.1f} s"
+            elif info.pid_visible:
+                key = (info.pid, info.last_seen < late)
+                ok = alive.get(key)
+                if ok is None:
+                    ok = alive[key] = pid_alive(*key)
+                if ok:
+                    continue
                 reason = f"process {info.pid} on {info.host} exited"
             else:
                 continue

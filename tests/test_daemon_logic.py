@@ -393,3 +393,28 @@ def test_the_rank_link_batches_events_only_for_a_daemon_that_takes_them(tmp_path
             router.close(linger=0)
     finally:
         ctx.destroy(linger=0)  # closes whatever a failed assertion left open
+
+
+def test_record_times_are_local_with_offset_across_a_dst_fold_and_a_rounding_carry(monkeypatch) -> None:
+    """What `show` prints beside each state: local time with its offset, to the millisecond. iso_time keeps each
+    second's text; the repeated hour when clocks go back (same local second, two offsets) and a fraction that
+    rounds up into the next second must still read as datetime reads them."""
+    import datetime as dt
+    from ondemand_prof.core import files
+
+    monkeypatch.setenv("TZ", "Europe/Berlin")
+    time.tzset()
+    try:
+        fold = 1792887600.25  # 2026-10-25 00:20 UTC: 02:20 CEST (+02:00); an hour later 02:20 again, CET (+01:00)
+        for t, want in [(fold, "2026-10-25T02:20:00.250+02:00"), (fold + 3600, "2026-10-25T02:20:00.250+01:00"),
+                        (fold + 0.7499996, "2026-10-25T02:20:01.000+02:00")]:
+            assert files.iso_time(t) == want
+            local = dt.datetime.fromtimestamp(t).astimezone()
+            assert want == local.replace(microsecond=0).isoformat()[:19] + f".{local.microsecond // 1000:03d}" + \
+                local.isoformat()[-6:]
+        record = CaptureRecord.new("c1", "j", {}, {"start_step": 1, "end_step": 2}, {},
+                                   [{"rank": 0, "host": "h", "pid": 1}], fold + 3600)
+        assert record.data["created_at"] == "2026-10-25T02:20:00.250+01:00"
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import stat
 import tempfile
@@ -14,22 +15,25 @@ from pathlib import Path
 from typing import Any
 
 
-_iso_second: tuple[Any, str, str] = (None, "", "")  # (local second, its text, its UTC offset): the last one asked
+_iso_second: tuple[Any, str, str] = (None, "", "")  # (epoch second, its local text, its UTC offset): the last one asked
 
 
 def iso_time(t: float | None = None) -> str:
     """Local time with offset, to the millisecond, of epoch seconds `t` (now by default): every timestamp we
-    write (metadata, status files, capture records) has this one form. The zone lookup (astimezone) is done once
-    a second: the daemon stamps every event of every rank, and it was most of the cost."""
+    write (metadata, status files, capture records) has this one form. The local text of a whole second is made
+    once (the daemon stamps every event of every rank: the zone lookup, then building a datetime per stamp, were
+    most of the cost); the fraction is rounded to the microsecond as datetime.fromtimestamp rounds it."""
     global _iso_second
-    local = _dt.datetime.fromtimestamp(time.time() if t is None else t)
-    whole = local.replace(microsecond=0)
-    second = (whole, local.fold)  # fold: the repeated hour when clocks go back
+    t = time.time() if t is None else t
+    second = math.floor(t)
+    micro = round((t - second) * 1e6)
+    if micro >= 1_000_000:  # rounded up into the next second
+        second, micro = second + 1, 0
     cached = _iso_second  # read once: another thread may replace it
     if cached[0] != second:
-        text = whole.astimezone().isoformat()
+        text = _dt.datetime.fromtimestamp(second).astimezone().isoformat()
         cached = _iso_second = (second, text[:19], text[19:])
-    return f"{cached[1]}.{local.microsecond // 1000:03d}{cached[2]}"
+    return f"{cached[1]}.{micro // 1000:03d}{cached[2]}"
 
 
 def write_atomic(path: Path, data: bytes | str, mode: int = 0o600, *, replace: bool = True) -> os.stat_result:

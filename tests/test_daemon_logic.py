@@ -418,3 +418,63 @@ def test_record_times_are_local_with_offset_across_a_dst_fold_and_a_rounding_car
     finally:
         monkeypatch.delenv("TZ")
         time.tzset()
+
+
+def test_stacks_ask_the_ranks_in_waves_and_every_rank_is_answered(monkeypatch, tmp_path: Path) -> None:
+    """`ondemandctl stacks` of many ranks: at most TRIAGE_WAVE ranks are asked at once (each answer waits in
+    libzmq until the loop reads it: 4096 at once held ~290 MiB), each answer lets the next rank be asked, a rank
+    that stays silent gives up its place after SLOT_S, and the reply still has every rank. The daemon object is
+    real; its 8 ranks are SYNTHETIC (registered and answering through Daemon.dispatch from this thread)."""
+    from ondemand_prof.core.options import ProfileConfig
+    from ondemand_prof.core.requests import WindowDefaults
+    from ondemand_prof.host import triage
+    from ondemand_prof.host.transport import Daemon
+
+    monkeypatch.setattr(triage, "TRIAGE_WAVE", 3)
+    (tmp_path / "run").mkdir(mode=0o700)
+    d = Daemon(tmp_path / "run", tmp_path / "state")
+    d.open()
+    sent: list[tuple[bytes, bytes]] = []
+    try:
+        d._send = lambda route, body: sent.append((route, body))  # type: ignore[method-assign]  # noqa: SLF001
+        defaults = WindowDefaults.from_config(ProfileConfig(save_path=str(tmp_path))).to_wire()
+        routes = [b"r/%d" % r for r in range(8)]
+        for r, route in enumerate(routes):
+            d.dispatch(route, encode("register", job="j", rank=r, world_size=8, host="h", pid=os.getpid(),
+                                     local_rank=r, save_root=str(tmp_path), defaults=defaults, step=0,
+                                     began=time.time(), state="idle", step_time=0.01))
+        sent.clear()
+        d.dispatch(b"cli", encode("stacks", id=7, ranks=[-1], timeout_s=60, args={}))
+
+        def asked() -> list[bytes]:
+            out = [route for route, body in sent if json.loads(body)["type"] == "triage"]
+            sent[:] = [(route, body) for route, body in sent if route == b"cli"]
+            return out
+
+        first = asked()
+        assert first == routes[:3]  # the first wave, in rank order
+        triage_id = next(iter(d.service.triage.pending))
+
+        def answer(route: bytes) -> None:
+            d.dispatch(route, encode("triage_result", triage_id=triage_id, result={
+                "ok": True, "method": "python", "current_step": 5,
+                "threads": [{"name": "MainThread", "frames": [["train.py", 10, "step", ""]]}]}))
+
+        answer(routes[0])
+        assert asked() == [routes[3]]  # one answer, one more rank asked
+        answer(routes[1])
+        assert asked() == [routes[4]]
+        # ranks 2, 3, 4 are waited on and stay silent: nothing more leaves until their places are given up
+        d._guarded(d.service.triage.tick, time.monotonic())  # noqa: SLF001 - as the loop runs it
+        assert asked() == []
+        monkeypatch.setattr(triage, "SLOT_S", 0.0)
+        d._guarded(d.service.triage.tick, time.monotonic())  # noqa: SLF001 - as the loop runs it
+        assert asked() == routes[5:8]
+        for route in routes[2:]:  # late answers are still taken
+            answer(route)
+        reply = [json.loads(body) for route, body in sent if route == b"cli"]
+        assert len(reply) == 1 and reply[0]["id"] == 7
+        ranks = reply[0]["data"]["ranks"]
+        assert sorted(ranks, key=int) == [str(r) for r in range(8)] and all(v["ok"] for v in ranks.values())
+    finally:
+        d.close()

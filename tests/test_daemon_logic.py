@@ -7,6 +7,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -418,3 +419,80 @@ def test_record_times_are_local_with_offset_across_a_dst_fold_and_a_rounding_car
     finally:
         monkeypatch.delenv("TZ")
         time.tzset()
+
+
+def _inprocess_daemon(tmp_path: Path, ranks: int = 1) -> tuple[Any, list[tuple[bytes, bytes]]]:
+    """A real Daemon object without its loop: SYNTHETIC ranks registered through dispatch; what it sends is kept."""
+    from ondemand_prof.core.options import ProfileConfig
+    from ondemand_prof.core.requests import WindowDefaults
+    from ondemand_prof.host.transport import Daemon
+
+    (tmp_path / "run").mkdir(mode=0o700)
+    d = Daemon(tmp_path / "run", tmp_path / "state")
+    d.open()
+    sent: list[tuple[bytes, bytes]] = []
+    d._send = lambda route, body: sent.append((route, body))  # noqa: SLF001
+    defaults = WindowDefaults.from_config(ProfileConfig(save_path=str(tmp_path))).to_wire()
+    for r in range(ranks):
+        d.dispatch(b"r/%d" % r, encode("register", job="j", rank=r, world_size=ranks, host="h", pid=os.getpid(),
+                                       local_rank=r, save_root=str(tmp_path), defaults=defaults, step=0,
+                                       began=time.time(), state="idle", step_time=0.01))
+    return d, sent
+
+
+def test_text_no_terminal_prints_never_reaches_status(tmp_path: Path) -> None:
+    """A rank's heartbeat or registration with a lone surrogate (a JSON escape; the heartbeat's own fast path
+    took it) is refused, so `ondemandctl status` still prints for every user of the daemon."""
+    import argparse
+
+    from ondemand_prof.host.commands import DAEMON_COMMANDS
+
+    d, sent = _inprocess_daemon(tmp_path)
+    try:
+        d.dispatch(b"r/0", b'{"v":1,"type":"hb","step":5,"state":"idle\\ud800","windows":[{"capture_id":"x",'
+                           b'"start":1,"end":2,"source":"s\\udfff","state":"w"}]}')
+        d.dispatch(b"r/9", b'{"v":1,"type":"register","job":"j","rank":1,"world_size":2,"host":"h","pid":%d,'
+                           b'"step":0,"save_root":"/tmp/evil\\ud800"}' % os.getpid())
+        errors = [json.loads(body)["error"] for _, body in sent if b'"error"' in body]
+        assert len(errors) == 2 and all("lone UTF-16 surrogate" in e for e in errors), errors
+        info = d.service.registry.by_route[b"r/0"]
+        assert info.state == "idle" and info.step == 0 and b"r/9" not in d.service.registry.by_route
+        sent.clear()
+        d.dispatch(b"cli", encode("status", id=3))
+        reply = json.loads(sent[-1][1])
+        text = DAEMON_COMMANDS["status"].console(reply["data"], argparse.Namespace(
+            json=False, job=None, brief=False, verbose=False, watch=None, all=False))
+        text.encode("utf-8")
+        assert "idle" in text
+    finally:
+        d.close()
+
+
+def test_a_watch_on_a_record_dropped_to_make_room_is_answered(tmp_path: Path, monkeypatch) -> None:
+    """The store drops its oldest finished record for a new one; a CLI still watching it gets an answer saying
+    so, and the daemon's watches go on being answered (a KeyError there once left them unanswered for good)."""
+    from ondemand_prof.host import records
+
+    monkeypatch.setattr(records, "KEEP_RECORDS", 2)
+    d, sent = _inprocess_daemon(tmp_path)
+    try:
+        (tmp_path / "out").mkdir()
+        ids = []
+        for i in range(2):
+            sent.clear()
+            d.dispatch(b"cli", encode("capture", id=i, job="j", request={"ranks": [0], "steps": 1}))
+            ids.append(json.loads([b for r, b in sent if r == b"cli"][-1])["data"]["capture_id"])
+        d.dispatch(b"cli", encode("watch", id=10, capture_id=ids[0], seen=0, timeout_s=30))
+        d.dispatch(b"cli2", encode("watch", id=11, capture_id=ids[1], seen=0, timeout_s=30))
+        # in one batch of messages: the watched capture finishes, and a third capture pushes it out of the store
+        d.dispatch(b"r/0", encode("event", capture_id=ids[0], event="done", info={"path": str(tmp_path / "out")}))
+        d.dispatch(b"r/0", encode("event", capture_id=ids[1], event="received", info={}))
+        sent.clear()
+        d.dispatch(b"cli3", encode("capture", id=3, job="j", request={"ranks": [0], "steps": 1}))
+        assert ids[0] not in d.service.store.records
+        d._guarded(d.service.answer_due_watches)  # noqa: SLF001 - as the loop runs it after the batch
+        answers = {route: json.loads(body) for route, body in sent if route in (b"cli", b"cli2")}
+        assert "was dropped" in answers[b"cli"]["error"] and answers[b"cli2"]["data"]["capture_id"] == ids[1]
+        assert d.service.watches == []
+    finally:
+        d.close()

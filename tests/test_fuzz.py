@@ -61,6 +61,13 @@ def frames() -> st.SearchStrategy[bytes]:
         st.integers(60, 5000).map(lambda n: b'{"v":1,"type":"status","id":' + nested(n) + b"}"),
         st.integers(1, 6000).map(lambda n: b'{"v":1,"type":"hb","step":' + b"9" * n + b"}"),
         st.sampled_from([b"NaN", b"Infinity", b"-Infinity", b"1e400", b'{"v":1,"type":"hb","step":1e999}']),
+        # text no terminal can print: lone surrogates, escaped or as (invalid) UTF-8 bytes, anywhere in a message
+        st.tuples(st.sampled_from([b"\\ud800", b"\\uDFFF", b"\\udc80x", b"\xed\xa0\x80", b"\\ud83d\\ude00"]),
+                  st.sampled_from([b'{"v":1,"type":"hb","step":1,"state":"i%s"}',
+                                   b'{"v":1,"type":"event","capture_id":"c1","event":"failed","info":{"error":"%s"}}',
+                                   b'{"v":1,"type":"register","job":"j","rank":0,"world_size":1,"host":"h","pid":1,'
+                                   b'"step":0,"save_root":"/tmp/%s"}', b'{"v":1,"type":"status","id":1,"k%s":1}'])
+                  ).map(lambda t: t[1].replace(b"%s", t[0])),
     )
 
 
@@ -75,8 +82,10 @@ def test_protocol_decoder_accepts_or_refuses_cleanly(frame: bytes) -> None:
         assert isinstance(msg, dict) and msg["type"] in schema
         for name in schema[msg["type"]]:
             assert name in msg
-        # what was accepted is finite and shallow: re-encoding it is safe and strict
+        # what was accepted is finite and shallow: re-encoding it is safe and strict; and printable (the CLI writes
+        # UTF-8: a lone surrogate stored by the daemon made every ondemandctl that printed it fail)
         json.dumps(msg, allow_nan=False)
+        json.dumps(msg, ensure_ascii=False).encode("utf-8")
 
 
 REGISTER = {"v": 1, "type": "register", "job": "j", "rank": 0, "world_size": 1, "host": "h", "pid": 1, "step": 0}
@@ -135,6 +144,19 @@ def test_numbers_are_taken_or_refused_as_the_checking_decoder_does(numbers: list
     except UnsafeJSON:
         got = UnsafeJSON
     assert got == expected, text
+
+
+def test_only_utf8_without_lone_surrogates_is_taken() -> None:
+    """UTF-8 only (a byte-order mark allowed): UTF-16 hid brackets from the depth scan (an escaped quote read as
+    UTF-8), and a lone surrogate, escaped or raw, could be stored and printed to other users."""
+    deep = "[" * 100 + "]" * 100
+    for raw in [deep.encode("utf-16"), deep.encode("utf-32-le"), json.dumps({"a": "x"}).encode("utf-16-le"),
+                b'{"a":"idle\\ud800"}', b'{"k\\udfff":1}', b'["\\uD83D"]', b'{"a":"\xed\xa0\x80"}', "[\"\udc80\"]"]:
+        with pytest.raises(UnsafeJSON):
+            loads(raw, 1 << 20)
+    assert loads(b'{"a":"\\ud83d\\ude00 \\u00e9"}', 1 << 20) == {"a": "\U0001f600 \u00e9"}  # a pair is one character
+    assert loads(b'\xef\xbb\xbf{"a":"\xc3\xa9"}', 1 << 20) == {"a": "\u00e9"}  # UTF-8 with a byte-order mark
+    assert loads(b'{"a":"\\\\ud800"}', 1 << 20) == {"a": "\\ud800"}  # an escaped backslash, not an escape
 
 
 @FUZZ

@@ -1008,6 +1008,19 @@ def test_the_record_store_stays_within_its_cap_and_only_evicts_the_flooders_reco
     (tmp_path / "captures" / "broken.json").write_text('{"capture_id": "broken", "window": {"x": 1}}')
     again = RecordStore(tmp_path)
     assert set(again.records) == set(store.records)
+    # hand-edited (or older) records missing what list and show print, or holding text no terminal prints, are
+    # skipped (and left on disk); a good one beside them is served
+    (tmp_path / "edited" / "captures").mkdir(parents=True, mode=0o700)
+    good = record("x", 1.0).data
+    for name, edit in [("no-window", lambda d: d.pop("window")), ("no-request", lambda d: d.pop("request")),
+                       ("misaligned", lambda d: d.update(misaligned="x")),
+                       ("surrogate", lambda d: d["parts"]["0"].update(error="\ud800")), ("good", lambda d: None)]:
+        data = json.loads(json.dumps(good))
+        edit(data)
+        data["capture_id"] = f"edited-{name}"
+        (tmp_path / "edited" / "captures" / f"edited-{name}.json").write_text(json.dumps(data))
+    assert list(RecordStore(tmp_path / "edited").records) == ["edited-good"]
+    assert len(list((tmp_path / "edited" / "captures").glob("*.json"))) == 5
     # and still oldest first, whatever order the files are listed in: the next eviction takes the oldest "other-"
     again.add(record("late", 20_000.0))
     assert "other-00000" not in again.records and "other-00001" in again.records

@@ -50,6 +50,9 @@ _DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_float, parse_
 _PLAIN = json.JSONDecoder(parse_constant=_constant)
 # (both forms start at a digit: a JSON exponent always follows one; the regex then tries only at digits)
 _LONG_NUMBER = re.compile(r"[0-9](?:[0-9]{%d}|[eE][+-]?[0-9]{3})" % MAX_INT_DIGITS)
+# a \uD800-\uDFFF escape: half of a surrogate pair (json joins a valid pair into one character) or a lone one,
+# which no UTF-8 output can hold: stored, it made every ondemandctl that printed it fail, for every user
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def nesting_depth(raw: bytes, stop_at: int = MAX_DEPTH) -> int:
@@ -65,29 +68,44 @@ def nesting_depth(raw: bytes, stop_at: int = MAX_DEPTH) -> int:
     return max(itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
 
 
-def _encoding(data: bytes) -> str:
-    """json.detect_encoding's answer; at once for what every sender of ours writes (UTF-8 opening with { or [)."""
-    if len(data) > 1 and data[0] in b"{[" and data[1] != 0:
-        return "utf-8"
-    return json.detect_encoding(data)
+def _lone_surrogate(value: Any) -> bool:
+    """Whether a decoded value holds a string with a lone surrogate (depth already bounded by the scan)."""
+    if isinstance(value, str):
+        return not value.isascii() and any("\ud800" <= c <= "\udfff" for c in value)
+    if isinstance(value, dict):
+        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_lone_surrogate(v) for v in value)
+    return False
 
 
 def loads(raw: bytes | str, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
-    """Parse untrusted JSON; UnsafeJSON (a ValueError) for anything we do not take."""
-    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    """Parse untrusted JSON; UnsafeJSON (a ValueError) for anything we do not take. Only UTF-8 is taken (what
+    every writer of ours sends; the depth scan reads UTF-8: in UTF-16 an escaped quote hid brackets from it), and
+    no string may hold a lone surrogate."""
+    try:
+        data = raw.encode("utf-8") if isinstance(raw, str) else bytes(raw)
+        if data.startswith(b"\xef\xbb\xbf"):  # a byte-order mark, as some editors write a trigger file
+            data = data[3:]
+        text = data.decode("utf-8")
+    except UnicodeError as exc:
+        raise UnsafeJSON(f"not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     if len(data) > max_bytes:
         raise UnsafeJSON(f"{len(data)} bytes is over the limit of {max_bytes}")
     if nesting_depth(data, max_depth) > max_depth:
         raise UnsafeJSON(f"nested deeper than {max_depth} levels")
     try:
         # json.loads(data, **hooks) would build a decoder per call: a third of the daemon's cost of an event
-        text = data.decode(_encoding(data), "surrogatepass")
-        return (_DECODER if _LONG_NUMBER.search(text) else _PLAIN).decode(text)
+        value = (_DECODER if _LONG_NUMBER.search(text) else _PLAIN).decode(text)
     except UnsafeJSON:
         raise
     except RecursionError:  # the depth scan makes this unreachable; kept so nothing escapes as a crash
         raise UnsafeJSON("nested too deeply") from None
     except json.JSONDecodeError as exc:
         raise UnsafeJSON(f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except (UnicodeDecodeError, ValueError) as exc:
+    except ValueError as exc:
         raise UnsafeJSON(f"not valid JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(text) and _lone_surrogate(value):
+        raise UnsafeJSON("a string holds a lone UTF-16 surrogate (\\uD800-\\uDFFF without its pair), which no text "
+                         "output can print")
+    return value

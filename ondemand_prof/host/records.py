@@ -231,7 +231,7 @@ class RecordStore:
 
     def _own(self, record: CaptureRecord, n: int) -> None:
         owner = record.data.get("owner_uid")
-        if isinstance(owner, int):
+        if type(owner) is int:  # (not a bool from a hand-edited file)
             self._owned[owner] = self._owned.get(owner, 0) + n
 
     def mark(self, record: CaptureRecord) -> None:
@@ -302,11 +302,20 @@ def record_problem(data: Any) -> str | None:
             return f"{key} is not a string"
     if data.get("status") not in RECORD_STATUSES:
         return f"status {str(data.get('status'))[:40]!r} is not one of {', '.join(RECORD_STATUSES)}"
-    if data.get("window") is not None and _window(data["window"]) is None:
-        return "window is not [start, end]"
-    for key in ("request", "plan", "options"):
+    if "window" not in data or (data["window"] is not None and _window(data["window"]) is None):
+        return "window is not [start, end] or null"
+    if not isinstance(data.get("request"), dict):
+        return "request is not an object"
+    for key in ("plan", "options"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             return f"{key} is not an object"
+    misaligned = data.get("misaligned")
+    if misaligned is not None and not (isinstance(misaligned, dict) and isinstance(misaligned.get("text"), str)):
+        return "misaligned is not an object with a text"
+    try:  # what no terminal can print (a lone surrogate) made every ondemandctl that printed it fail
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return "a string holds a lone UTF-16 surrogate"
     parts = data.get("parts")
     if not isinstance(parts, dict):
         return "parts is not an object"

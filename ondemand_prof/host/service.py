@@ -20,7 +20,7 @@ from ..core.files import iso_time, pid_alive
 from ..core.protocol import FINAL_STATES, HEARTBEAT_S, MAX_BATCHED_EVENTS, RANK_TIMEOUT_S, encode, reply_error, \
     reply_ok
 from ..core.ids import valid_id
-from .records import CaptureRecord, RecordRefused, RecordStore
+from .records import KEEP_RECORDS, CaptureRecord, RecordRefused, RecordStore
 from .registry import DeliveryBook, RankConflict, RankInfo, Registry
 from .triage import TriageBook
 
@@ -242,7 +242,9 @@ class Service:
         for watch in self.watches:
             route, rid, capture_id, deadline, since = watch
             if capture_id in due or (now is not None and now >= deadline):
-                self.send(route, reply_ok(rid, self.store.records[capture_id].view(since)))
+                record = self.store.records.get(capture_id)
+                self.send(route, reply_ok(rid, record.view(since)) if record is not None else reply_error(
+                    rid, f"capture {capture_id} was dropped: the daemon keeps its newest {KEEP_RECORDS} records"))
             else:
                 keep.append(watch)
         self.watches = keep
@@ -322,8 +324,9 @@ def check_registration(peer: Any, msg: dict[str, Any], registry: Registry) -> No
 def output_path_problem(path: Any, save_root: str, uid: int | None) -> str | None:
     """Why a path a rank reports as its output is not believed: outside its save root, missing, or not owned
     by the rank's uid (a rank saying 'done path=/etc/shadow'). None when it is fine."""
-    if not isinstance(path, str) or not path or len(path) > 4096 or "\0" in path:
-        return "not a path"
+    if not isinstance(path, str) or not path or len(path) > 4096 or "\0" in path or \
+            not (path.isascii() or all(not "\ud800" <= c <= "\udfff" for c in path)):
+        return "not a path"  # (a lone surrogate: os.open cannot encode it; the decoder refuses them already)
     if not save_root:
         return f"{path} cannot be checked: the rank registered no save root"
     st: os.stat_result | None = None

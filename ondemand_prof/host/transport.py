@@ -321,7 +321,8 @@ class Daemon:
         assert service is not None
         # the common case, a heartbeat (as the ranks' encoder writes it): checked here without the general decoder;
         # anything else is parsed once, by that decoder (trying json here first cost every event a second parse)
-        if len(frame) < 512 and frame.startswith(HB_PREFIX):
+        # (a frame with a \u escape takes the general decoder, which refuses lone surrogates: ours never have one)
+        if len(frame) < 512 and frame.startswith(HB_PREFIX) and b"\\u" not in frame:
             try:
                 msg = _json_decode(frame.decode())  # json.loads without its encoding sniffing: the frame is UTF-8
             except ValueError:  # UnicodeDecodeError included: the general decoder says what is wrong

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -71,8 +72,10 @@ class DaemonLink(Extension):
         self._own_ctx = context is None  # bench/ runs thousands of links on one context
         self._ctx = zmq.Context(io_threads=1) if context is None else context
         sock = self._ctx.socket(zmq.DEALER)
-        # a stable identity: after a daemon restart the same rank is the same peer
-        sock.setsockopt(zmq.IDENTITY, f"r/{ident.host}/{ident.pid}/{id(self):x}".encode())
+        # a stable identity: after a daemon restart the same rank is the same peer. The daemon lets a peer that
+        # reconnects with it take its route over (ROUTER_HANDOVER), so it must not be guessable by another local
+        # user (an object address was: host and pid are in `status`); at most 255 bytes (ZMQ's limit)
+        sock.setsockopt(zmq.IDENTITY, f"r/{ident.host[:64]}/{ident.pid}/{secrets.token_hex(12)}".encode())
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing toward a daemon that is not there: we re-register instead
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)

@@ -15,6 +15,7 @@ import logging
 import os
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -30,6 +31,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("ondemand_prof.daemon")
 
 NATIVE_WAIT_S = 0.5  # from sending the dump signal to reading what faulthandler wrote
+# requests out at once: each answer (up to 56 KiB of stacks) is allocated by libzmq's I/O thread and freed by the
+# loop, and 4096 ranks asked at once raised the daemon's peak by ~500 MiB (glibc's thread arenas), in waves by
+# ~220 (docs/benchmarks.md, stop 27); each answer lets the next rank be asked. A host of 8-16 ranks is one wave
+TRIAGE_WAVE = 256
+SLOT_S = 1.0  # a rank silent this long frees its place in the wave (its answer is still taken when it comes)
 MAX_NATIVE_BYTES = 256 * 1024
 SLOW_RATIO = 1.2  # a rank this much slower than its job's median step time is marked slow in status
 
@@ -59,6 +65,9 @@ class Pending:
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
     native_sent: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> (file, offset)
     folder: "StackFolder | None" = None  # stacks: answers folded as they arrive (their frames are not kept)
+    request: bytes = b""  # the message each target rank is sent, in waves (TRIAGE_WAVE)
+    unsent: deque[bytes] = field(default_factory=deque)  # routes not asked yet, in rank order
+    asked: dict[bytes, float] = field(default_factory=dict)  # routes asked and not answered -> monotonic time
 
     def __post_init__(self) -> None:
         if self.action == "stacks" and self.folder is None:
@@ -193,8 +202,18 @@ class TriageBook:
                 out.append(info)
         return sorted(out, key=lambda i: i.rank)
 
-    def add(self, pending: Pending) -> None:
+    def add(self, pending: Pending, now: float) -> None:
+        """Take a request whose `unsent` routes are to be sent `request`; the first wave leaves now."""
         self.pending[pending.triage_id] = pending
+        self._ask(pending, now)
+
+    def _ask(self, p: Pending, now: float) -> None:
+        """Send the request to more ranks while fewer than TRIAGE_WAVE are waited on (all of them once the
+        answers are due: a timeout too short for the ranks' number gives up the bound, not ranks)."""
+        while p.unsent and (len(p.asked) < TRIAGE_WAVE or now >= p.answer_by):
+            route = p.unsent.popleft()
+            self.service.send(route, p.request)
+            p.asked[route] = now
 
     def on_auto_capture(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
         """A rank opened an automatic window on itself: open the same one on the rank of its job whose step
@@ -256,10 +275,16 @@ class TriageBook:
         p.results[target.rank] = p.folder.add(target.rank, result) if p.folder is not None else result
         if p.complete:
             self._answer(p)
+        elif p.asked.pop(route, None) is not None and p.unsent:
+            self._ask(p, time.monotonic())
         return None
 
     def tick(self, now: float) -> None:
         for p in list(self.pending.values()):
+            if p.unsent:
+                for route in [r for r, at in p.asked.items() if now - at >= SLOT_S]:
+                    del p.asked[route]
+                self._ask(p, now)
             if now >= p.deadline:
                 self._answer(p)
             elif now >= p.answer_by and p.action == "stacks" and not p.native_sent:

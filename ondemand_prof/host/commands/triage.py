@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections import deque
 from typing import Any, TextIO
 
 from ...core.bounds import checked_number
@@ -72,15 +73,14 @@ class _TriageCommand(Command):
             raise BadRequest(str(exc)) from None
         wall, now = time.time(), time.monotonic()
         triage_id = f"{self.name}-{new_capture_id(wall)}"
-        for t in targets:
-            service.send(t.route, encode("triage", triage_id=triage_id, action=self.action, args=args,
-                                         capture_id=triage_id))
         job = (targets or silent)[0].job
         by_route = {t.route: target_of(t, service.host) for t in targets}
         by_route.update({b"silent/%d" % t.rank: target_of(t, service.host) for t in silent})
+        request = encode("triage", triage_id=triage_id, action=self.action, args=args, capture_id=triage_id)
         service.triage.add(Pending(triage_id, self.action, route, msg.get("id"), job, by_route,
                                    answer_by=now + max(0.5, timeout - 1.0), deadline=now + timeout,
-                                   finish=self.finish))
+                                   finish=self.finish, request=request, unsent=deque(t.route for t in targets)),
+                           now)
         log.info("ondemand-profd: %s %s: job %s, %d rank(s)", self.name, triage_id, job, len(targets))
         return None
 

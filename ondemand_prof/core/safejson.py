@@ -88,7 +88,7 @@ def loads(raw: bytes | str, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
         if data.startswith(b"\xef\xbb\xbf"):  # a byte-order mark, as some editors write a trigger file
             data = data[3:]
         text = data.decode("utf-8")
-    except UnicodeError as exc:
+    except (UnicodeDecodeError, UnicodeEncodeError) as exc:
         raise UnsafeJSON(f"not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     if len(data) > max_bytes:
         raise UnsafeJSON(f"{len(data)} bytes is over the limit of {max_bytes}")

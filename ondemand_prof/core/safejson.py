@@ -68,14 +68,15 @@ def nesting_depth(raw: bytes, stop_at: int = MAX_DEPTH) -> int:
     return max(itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
 
 
-def _lone_surrogate(value: Any) -> bool:
-    """Whether a decoded value holds a string with a lone surrogate (depth already bounded by the scan)."""
+def holds_lone_surrogate(value: Any) -> bool:
+    """Whether a decoded JSON value (bounded depth) holds a string with a lone surrogate, which no UTF-8 output
+    can print (json joins a valid pair into one character, so any surrogate left in a str is lone)."""
     if isinstance(value, str):
         return not value.isascii() and any("\ud800" <= c <= "\udfff" for c in value)
     if isinstance(value, dict):
-        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
+        return any(holds_lone_surrogate(k) or holds_lone_surrogate(v) for k, v in value.items())
     if isinstance(value, list):
-        return any(_lone_surrogate(v) for v in value)
+        return any(holds_lone_surrogate(v) for v in value)
     return False
 
 
@@ -105,7 +106,7 @@ def loads(raw: bytes | str, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
         raise UnsafeJSON(f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except ValueError as exc:
         raise UnsafeJSON(f"not valid JSON: {exc}") from None
-    if _SURROGATE_ESCAPE.search(text) and _lone_surrogate(value):
+    if _SURROGATE_ESCAPE.search(text) and holds_lone_surrogate(value):
         raise UnsafeJSON("a string holds a lone UTF-16 surrogate (\\uD800-\\uDFFF without its pair), which no text "
                          "output can print")
     return value

@@ -19,6 +19,7 @@ from typing import Any, Iterable
 
 from ..core.files import iso_time, write_json_atomic
 from ..core.ids import valid_id
+from ..core.safejson import holds_lone_surrogate
 from ..core.safedir import ensure_private_dir
 from ..core.protocol import FINAL_STATES, PID_MAX
 from ..core.ranks import MAX_RANK
@@ -312,9 +313,7 @@ def record_problem(data: Any) -> str | None:
     misaligned = data.get("misaligned")
     if misaligned is not None and not (isinstance(misaligned, dict) and isinstance(misaligned.get("text"), str)):
         return "misaligned is not an object with a text"
-    try:  # what no terminal can print (a lone surrogate) made every ondemandctl that printed it fail
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
+    if holds_lone_surrogate(data):  # what no terminal prints: it made every ondemandctl that printed it fail
         return "a string holds a lone UTF-16 surrogate"
     parts = data.get("parts")
     if not isinstance(parts, dict):

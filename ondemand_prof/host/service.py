@@ -20,6 +20,7 @@ from ..core.files import iso_time, pid_alive
 from ..core.protocol import FINAL_STATES, HEARTBEAT_S, MAX_BATCHED_EVENTS, RANK_TIMEOUT_S, encode, reply_error, \
     reply_ok
 from ..core.ids import valid_id
+from ..core.safejson import holds_lone_surrogate
 from .records import KEEP_RECORDS, CaptureRecord, RecordRefused, RecordStore
 from .registry import DeliveryBook, RankConflict, RankInfo, Registry
 from .triage import TriageBook
@@ -324,8 +325,7 @@ def check_registration(peer: Any, msg: dict[str, Any], registry: Registry) -> No
 def output_path_problem(path: Any, save_root: str, uid: int | None) -> str | None:
     """Why a path a rank reports as its output is not believed: outside its save root, missing, or not owned
     by the rank's uid (a rank saying 'done path=/etc/shadow'). None when it is fine."""
-    if not isinstance(path, str) or not path or len(path) > 4096 or "\0" in path or \
-            not (path.isascii() or all(not "\ud800" <= c <= "\udfff" for c in path)):
+    if not isinstance(path, str) or not path or len(path) > 4096 or "\0" in path or holds_lone_surrogate(path):
         return "not a path"  # (a lone surrogate: os.open cannot encode it; the decoder refuses them already)
     if not save_root:
         return f"{path} cannot be checked: the rank registered no save root"

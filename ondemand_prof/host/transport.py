@@ -336,8 +336,7 @@ class Daemon:
                 if out is not None:
                     self._send(route, out)
                 return
-        self._request(route, frame, SCHEMA, carrier)
-        self._flush_outbox()
+        self._request(route, frame, SCHEMA, carrier)  # (it sends what the request queued, then the reply)
 
     def _request(self, route: bytes, frame: bytes, schema: dict[str, Any], carrier: Any = None) -> None:
         """Decode one message against `schema` and send the service's reply (or the decoder's error).
@@ -376,7 +375,6 @@ class Daemon:
         tcp.answer_zap()
         for route, frame in tcp.receive():
             self._request(route, frame, CLI_MESSAGES)
-        self._flush_outbox()
 
     def _send(self, route: bytes, body: bytes) -> None:
         assert self._sock is not None

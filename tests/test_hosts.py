@@ -396,7 +396,7 @@ def test_unauthorised_client_is_refused_and_logged(cluster: Cluster, tmp_path: P
 
 def test_host_that_does_not_answer_is_named_and_the_rest_proceed(cluster: Cluster) -> None:
     dead, port = f"127.0.0.1:{free_port()}", free_port()
-    res = cluster.ctl("status", "--json", "--connect-timeout", "1", hosts=f"{cluster.hosts},{dead},no-such-host.invalid")
+    res = cluster.ctl("status", "--json", "--connect-timeout", "3", hosts=f"{cluster.hosts},{dead},no-such-host.invalid")
     assert res.returncode == 3
     hosts = json.loads(res.stdout)["hosts"]
     assert sum(h["ok"] for h in hosts.values()) == DAEMONS
@@ -422,7 +422,7 @@ def test_a_dead_host_in_the_list_makes_no_rank_late(cluster: Cluster) -> None:
         meta = json.loads((Path(part["path"]) / "metadata.json").read_text())
         assert trace_steps({**meta, "dir": Path(part["path"])}) == list(range(start, end)), part["rank"]
     assert "nothing listens on port" in record["unanswered"][dead] and record["missing_ranks"] == []
-    text = cluster.ctl("capture", "--steps", "2", "--wait", "--timeout", "120", "--connect-timeout", "1",
+    text = cluster.ctl("capture", "--steps", "2", "--wait", "--timeout", "120", "--connect-timeout", "3",
                        hosts=f"{dead},{cluster.hosts}")
     assert text.returncode == 0 and f"host {dead} did not answer the status round: {dead}: nothing listens" in \
         text.stdout, text.stdout

@@ -72,7 +72,7 @@ def test_multi_rank_report_through_the_cli(tmp_path: Path) -> None:
                          "--profile-min-free-mb", "0"], world=2))
     caps = captures(save)
     assert len(caps) == 2
-    res = ctl(tmp_path, "report", str(save), "--top", "5")
+    res = ctl(tmp_path, "report", str(save), "--top", "15")  # c10d::allreduce_ is among the top 15 on any host
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "across ranks" in out and "slowest: rank" in out

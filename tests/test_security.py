@@ -265,6 +265,14 @@ def train(tmp: Path, job: str, *extra: str, env: dict[str, str] | None = None, s
                             env=base_env(**(env or {})), stdout=out, stderr=out, text=True)
 
 
+def _stepping(status_file: Path) -> bool:
+    """The toy rank wrote its first step line (--status-file)."""
+    try:
+        return bool(status_file.read_text().strip())
+    except FileNotFoundError:
+        return False
+
+
 def published(save: Path) -> list[Path]:
     return [d for d in save.glob("*/*") if d.is_dir() and not d.name.startswith(".")] if save.is_dir() else []
 
@@ -281,11 +289,12 @@ def _squat_and_trigger(tmp_path: Path, prepare: Any, job: str) -> tuple[str, Pat
     xdg.mkdir(mode=0o700)
     squatted = tmpdir / f"ondemand_prof-{os.getuid()}" / job
     prepare(squatted)
-    proc = train(tmp_path, job, env={"TMPDIR": str(tmpdir), "XDG_RUNTIME_DIR": str(xdg)})
+    steps = tmp_path / "steps.jsonl"
+    proc = train(tmp_path, job, "--status-file", str(steps), env={"TMPDIR": str(tmpdir), "XDG_RUNTIME_DIR": str(xdg)})
     fallback = xdg / "ondemand_prof" / job
     try:
-        wait_for(lambda: (fallback / "capture.status").is_dir() or proc.poll() is not None, 300, "the fallback dir")
-        time.sleep(0.5)
+        # a step taken: the trigger was opened before the loop (one written earlier is, rightly, not acted on)
+        wait_for(lambda: _stepping(steps) or proc.poll() is not None, 300, "training to start")
         (fallback / "capture").write_text('{"steps": 1}')
         wait_for(lambda: published(tmp_path / "profile") or proc.poll() is not None, 300, "a capture")
     finally:
@@ -496,9 +505,9 @@ def test_a_stale_daemon_never_removes_its_successors_socket(dirs: dict[str, Path
 
 def _rank_with_open_window(tmp_path: Path, job: str) -> tuple[subprocess.Popen, Path]:
     trig = tmp_path / "trig"
-    proc = train(tmp_path, job, "--profile-trigger-dir", str(trig), steps=5000)
-    wait_for(lambda: (trig / "capture.status").is_dir() or proc.poll() is not None, 300, "the trigger dir")
-    time.sleep(0.5)
+    steps = tmp_path / "steps.jsonl"
+    proc = train(tmp_path, job, "--profile-trigger-dir", str(trig), "--status-file", str(steps), steps=5000)
+    wait_for(lambda: _stepping(steps) or proc.poll() is not None, 300, "training to start")
     (trig / "capture").write_text('{"steps": 2000}')
     status = trig / "capture.status" / "rank0.json"
     wait_for(lambda: status.exists() and json.loads(status.read_text())["latest"]["state"] == "recording", 300,

@@ -163,6 +163,7 @@ def test_an_in_process_save_error_reaches_the_exporter(monkeypatch: pytest.Monke
 @pytest.mark.parametrize("sched", ["idle", "nice"])
 def test_background_helpers_run_at_low_priority(sched: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(trace_save.SCHED_ENV, sched)
+    monkeypatch.setattr(trace_save, "RAISE_AFTER_S", 600)  # never raised here, however starved (its own test: below)
     # the child reports after a pause: its priority is set by the parent right after exec
     code = "import os, time; time.sleep(0.5); print(os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))"
     proc = trace_save.spawn_background([sys.executable, "-c", code], dict(os.environ), timeout_s=60)

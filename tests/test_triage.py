@@ -145,8 +145,9 @@ def test_memory_and_flight_recorder_on_cpu_say_so(env: dict[str, Any]) -> None:
     # gloo on this torch keeps a flight recorder: a real dump per rank, and both ranks entered the same collectives
     res = ctl(env["run"], "flight-recorder", "--timeout", "60")  # (the default 5 s is short on a loaded machine)
     assert res.returncode == 0, res.stdout + res.stderr
-    files = sorted(env["save"].glob("flight-recorder-*/*.fr_trace.pickle"))
-    assert len(files) == 2 and all(f.name.endswith(f"_rank{i}.fr_trace.pickle") for i, f in enumerate(files)), files
+    # named {host}_{pid}_rank{R}: ordered by rank here, not by name (a pid that wrapped would sort first)
+    files = sorted(env["save"].glob("flight-recorder-*/*.fr_trace.pickle"), key=lambda f: f.name.rsplit("_rank", 1)[1])
+    assert [f.name.rsplit("_rank", 1)[1] for f in files] == ["0.fr_trace.pickle", "1.fr_trace.pickle"], files
     dump = pickle.loads(files[0].read_bytes())
     assert any(e["profiling_name"] == "gloo:all_reduce" for e in dump["entries"])
     assert "process group 0 (default_pg), rank(s) 0-1" in res.stdout, res.stdout

@@ -55,7 +55,8 @@ def test_touch_opens_the_default_window(dirs) -> None:
     assert trace_steps(cap) == list(range(start, end))
     assert latest["path"] == str(cap["dir"])
     assert latest["seen_at_step"] < start  # scheduled ahead of time, not late
-    assert latest["detect_latency_ms"] < 500
+    # from the touch to the agent's read: inotify, not a poll (the bound is loose: a loaded CI host starves threads)
+    assert latest["watch"] == "inotify" and latest["detect_latency_ms"] < 10_000
     assert [h["state"] for h in latest["history"]] == ["scheduled", "started", "recording", "writing", "done"]
     assert cap["trigger"]["source"] == "file"
 
@@ -87,7 +88,8 @@ def test_each_write_acts_once_and_old_triggers_are_not_replayed(dirs) -> None:
     assert captures(save) == [] and rank_status(trig, 0) is None
     # the same content twice within one second: two requests
     (trig / "capture").write_text('{"steps": 1}')
-    time.sleep(0.4)
+    wait_for(lambda: all((s := rank_status(trig, r)) and len(s["triggers"]) == 1 for r in (0, 1)),
+             what="both ranks to read the first write")
     # a writer that stalls between truncating and writing (a loaded host does this to "echo > capture"):
     # the empty file in between is not a request of its own, however long the stall
     with open(trig / "capture", "w") as f:
@@ -178,9 +180,11 @@ def test_unreadable_trigger(dirs) -> None:
     procs = start_ranks(["--steps", "300", "--step-sleep", "0.01", "--status-file", str(steps),
                          *trigger_args(save, trig)], prefix=prefix)
     wait_for(lambda: last_step(steps) >= 5, 120, "training to start")
-    path = trig / "capture"
-    path.write_text("{}")
-    path.chmod(0)
+    # made unreadable before it takes the trigger's name (a rank could read "{}" between a write and a chmod)
+    staged = trig / "capture.tmp"
+    staged.write_text("{}")
+    staged.chmod(0)
+    staged.rename(trig / "capture")
     status = wait_for(lambda: (s := rank_status(trig, 0)) and s["latest"]["state"] == "rejected" and s,
                       timeout=20, what="rejection")
     assert "is not readable by uid" in status["latest"]["error"]

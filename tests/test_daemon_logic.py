@@ -423,6 +423,49 @@ def test_record_times_are_local_with_offset_across_a_dst_fold_and_a_rounding_car
         time.tzset()
 
 
+def test_records_are_ordered_by_time_not_text_across_a_dst_fold(tmp_path: Path, monkeypatch) -> None:
+    """Clocks go back: 02:50 CEST is older than the 02:10 CET that follows it, though its text sorts later.
+    `list` (one host, and merged from two), the order read back from disk and so what is evicted first follow
+    time; a record whose created_at is no time is skipped when read back, and says why."""
+    from ondemand_prof.host.client import Reply
+    from ondemand_prof.host.planning import merge_lists
+    from ondemand_prof.host.records import RecordStore
+
+    monkeypatch.setenv("TZ", "Europe/Berlin")
+    time.tzset()
+    try:
+        fold = 1792887600.0  # 2026-10-25 00:20 UTC, 02:20 CEST
+        store = RecordStore(tmp_path)
+        older, newer = (CaptureRecord.new(cid, "j", {}, {"start_step": 1, "end_step": 2}, {},
+                                          [{"rank": 0, "host": "h", "pid": 1}], wall)
+                        for cid, wall in (("older", fold + 1800), ("newer", fold + 3000)))
+        assert (older.data["created_at"][11:16], newer.data["created_at"][11:16]) == ("02:50", "02:10")
+        for record in (older, newer):
+            record.data["status"] = "done"
+            store.add(record)
+        assert [r.capture_id for r in store.newest(10)] == ["newer", "older"]
+        (tmp_path / "captures" / "bad.json").write_text(json.dumps({**older.data, "capture_id": "bad",
+                                                                     "created_at": "yesterday"}))
+        again = RecordStore(tmp_path)
+        assert list(again.records) == ["older", "newer"]  # oldest first: the one eviction takes first
+        assert again._evict(None) and list(again.records) == ["newer"]  # noqa: SLF001
+        summaries = [older.summary(), newer.summary()]
+        replies = {"h1": Reply("ok", {"captures": summaries[:1]}), "h2": Reply("ok", {"captures": summaries[1:]})}
+        assert [c["capture_id"] for c in merge_lists(replies, 10)] == ["newer", "older"]
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+
+
+def test_a_record_whose_created_at_is_no_time_is_refused_with_the_reason() -> None:
+    from ondemand_prof.host.records import record_problem
+
+    good = CaptureRecord.new("c1", "j", {}, {"start_step": 1, "end_step": 2}, {}, [{"rank": 0, "host": "h", "pid": 1}],
+                             1792887600.0).data
+    assert record_problem(good) is None
+    assert record_problem({**good, "created_at": "yesterday"}) == "created_at 'yesterday' is not a time"
+
+
 def _inprocess_daemon(tmp_path: Path, ranks: int = 1) -> tuple[Any, list[tuple[bytes, bytes]]]:
     """A real Daemon object without its loop: SYNTHETIC ranks registered through dispatch; what it sends is kept."""
     from ondemand_prof.core.options import ProfileConfig

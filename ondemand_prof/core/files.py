@@ -36,6 +36,16 @@ def iso_time(t: float | None = None) -> str:
     return f"{cached[1]}.{micro // 1000:03d}{cached[2]}"
 
 
+def iso_epoch(text: Any) -> float:
+    """Epoch seconds of an iso_time text: what orders records. Their text does not: the hour repeated when clocks
+    go back reads earlier than the hour before it, and hosts in other zones merge into one list. A text that is
+    not a time (a record edited by hand, a reply from an odd daemon) sorts first, as the oldest."""
+    try:
+        return _dt.datetime.fromisoformat(text).timestamp()
+    except (TypeError, ValueError, OverflowError, OSError):
+        return -math.inf
+
+
 def write_atomic(path: Path, data: bytes | str, mode: int = 0o600, *, replace: bool = True) -> os.stat_result:
     """The one way we publish a file: readers see the old file or the new one, never a partial one. The
     temporary file has an unpredictable name and is created exclusively (mkstemp: O_EXCL, so a planted symlink

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from ..core.files import iso_epoch
 from ..core.protocol import FINAL_STATES
 from ..core.ranks import spans
 from ..core.bounds import finite_number
@@ -300,7 +301,7 @@ def merge_lists(replies: Replies, limit: int) -> list[dict[str, Any]]:
                 m["states"][state] = m["states"].get(state, 0) + n
     for m in merged.values():
         m["status"] = merge_status(m.pop("statuses"))
-    return sorted(merged.values(), key=lambda c: c["created_at"], reverse=True)[:limit]
+    return sorted(merged.values(), key=lambda c: iso_epoch(c["created_at"]), reverse=True)[:limit]
 
 
 def merged_record(found: dict[str, dict[str, Any]], failed: dict[str, str],

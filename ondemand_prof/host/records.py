@@ -12,12 +12,13 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import math
 import secrets
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..core.files import iso_time, write_json_atomic
+from ..core.files import iso_epoch, iso_time, write_json_atomic
 from ..core.ids import valid_id
 from ..core.safejson import holds_lone_surrogate
 from ..core.safedir import ensure_private_dir
@@ -84,6 +85,7 @@ class CaptureRecord:
         self._part_changed: dict[str, int] = {}
         # counted once here and kept up to date, so an event costs O(1) however many ranks a capture has
         self.open_parts = sum(p["state"] not in FINAL_STATES for p in data["parts"].values())
+        self.created = iso_epoch(data["created_at"])  # (its text misorders across a DST fold)
 
     @classmethod
     def new(cls, capture_id: str, job: str, request: dict[str, Any], plan: dict[str, Any], options: dict[str, Any],
@@ -197,7 +199,7 @@ class RecordStore:
                     self._running.add(data["capture_id"])
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("ondemand-profd: skipping unreadable capture record %s: %s", path, exc)
-        self.records = dict(sorted(self.records.items(), key=lambda kv: kv[1].data["created_at"]))
+        self.records = dict(sorted(self.records.items(), key=lambda kv: kv[1].created))
         for record in self.records.values():
             self._own(record, 1)
         if self.records:
@@ -272,7 +274,7 @@ class RecordStore:
 
     def newest(self, limit: int, job: str | None = None) -> list[CaptureRecord]:
         records = [r for r in self.records.values() if job is None or r.data["job"] == job]
-        records.sort(key=lambda r: r.data["created_at"], reverse=True)
+        records.sort(key=lambda r: r.created, reverse=True)
         return records[:limit]
 
     def _evict(self, owner: int | None) -> bool:
@@ -301,6 +303,8 @@ def record_problem(data: Any) -> str | None:
     for key in ("job", "created_at"):
         if not isinstance(data.get(key), str):
             return f"{key} is not a string"
+    if iso_epoch(data["created_at"]) == -math.inf:
+        return f"created_at {data['created_at'][:40]!r} is not a time"
     if data.get("status") not in RECORD_STATUSES:
         return f"status {str(data.get('status'))[:40]!r} is not one of {', '.join(RECORD_STATUSES)}"
     if "window" not in data or (data["window"] is not None and _window(data["window"]) is None):

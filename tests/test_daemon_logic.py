@@ -457,6 +457,27 @@ def test_records_are_ordered_by_time_not_text_across_a_dst_fold(tmp_path: Path, 
         time.tzset()
 
 
+def test_a_watch_holding_a_version_from_before_a_restart_gets_the_whole_record(tmp_path: Path, monkeypatch) -> None:
+    """Two restarts with the clock stepped back between them: the CLI holds a version the first daemon gave out,
+    the second has made as many changes; it must get every part, not the changes since a number it never gave."""
+    from ondemand_prof.host.records import RecordStore
+
+    record = CaptureRecord.new("c1", "j", {}, {"start_step": 1, "end_step": 2}, {},
+                               [{"rank": r, "host": "h", "pid": 1} for r in range(2)], 1792887600.0)
+    RecordStore(tmp_path).add(record)
+    clock = iter([10_000_000, 9_000_000])  # microseconds x 1000: the second start's clock is 1 ms behind
+    monkeypatch.setattr(time, "time_ns", lambda: next(clock))
+    first = RecordStore(tmp_path).records["c1"]
+    for _ in range(2000):
+        first.part_changed(1)
+    held = first.version
+    second = RecordStore(tmp_path).records["c1"]
+    for _ in range(4000):  # past the version held
+        second.part_changed(1)
+    view = second.view(held)
+    assert "changed_only" not in view and sorted(view["parts"]) == ["0", "1"]
+
+
 def test_a_record_whose_created_at_is_no_time_is_refused_with_the_reason() -> None:
     from ondemand_prof.host.records import record_problem
 

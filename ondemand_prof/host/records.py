@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import secrets
-import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -65,6 +64,12 @@ PART_FIELDS: dict[str, Any] = {
     "steps": _step_list, "window": _window,
     "cancelled": lambda v: v if isinstance(v, bool) else None,
 }
+
+
+def _fresh_version() -> int:
+    """A first version for a record read back: 2**52 to 2**53 (an exact JSON number anywhere), random, so the
+    chance that it lands within the few thousand versions of a watch an earlier daemon answered is ~1e-12."""
+    return (1 << 52) + secrets.randbelow(1 << 51)
 
 
 def new_capture_id(wall: float) -> str:
@@ -192,9 +197,10 @@ class RecordStore:
                     problem = f"its capture id {data['capture_id']!r} is not its file name"
                 if problem:
                     raise ValueError(problem)
-                # versions of records read back start past any an earlier daemon gave out (a microsecond clock), so
-                # a CLI still holding one of those gets every part, never only some
-                self.records[data["capture_id"]] = CaptureRecord(data, first_version=time.time_ns() // 1000)
+                # versions of a record read back start at a random place far from any an earlier daemon gave out
+                # (not a clock, which can be stepped back between two restarts), so a CLI still holding one of
+                # those gets every part, never only some
+                self.records[data["capture_id"]] = CaptureRecord(data, first_version=_fresh_version())
                 if data.get("status") == "running":
                     self._running.add(data["capture_id"])
             except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -464,6 +464,7 @@ def test_spoofed_ranks_are_refused(tmp_path: Path, other_user: dict[str, Any]) -
         replies = [json.loads(spoof.stdout.readline()) for _ in range(3)]
         assert replies[0]["type"] == "error" and "is not a process of uid" in replies[0]["error"], replies
         assert replies[1]["type"] == "error" and "belongs to uid 0" in replies[1]["error"], replies
+        assert "give this one its own: --profile-job-id or ONDEMAND_PROF_JOB_ID" in replies[1]["error"]
         assert replies[2]["type"] == "registered", replies
         res = ctl(run, "capture", "--job", "mine", "--steps", "1", "--wait", "--timeout", "30")
         assert res.returncode != 0 and "/etc/shadow" in res.stdout + res.stderr, res.stdout + res.stderr

@@ -319,7 +319,9 @@ def check_registration(peer: Any, msg: dict[str, Any], registry: Registry) -> No
     # the sender's word
     for other in registry.jobs().get(msg["job"], []):
         if other.uid is not None and other.uid != peer.uid:
-            raise BadRequest(f"register: job {msg['job']!r} belongs to uid {other.uid}; uid {peer.uid} cannot join it")
+            raise BadRequest(f"register: job {msg['job']!r} belongs to uid {other.uid}; uid {peer.uid} cannot join it "
+                             "(two users' jobs with one job id on this host, from a shared MASTER_PORT? give this "
+                             "one its own: --profile-job-id or ONDEMAND_PROF_JOB_ID)")
 
 
 def output_path_problem(path: Any, save_root: str, uid: int | None) -> str | None:

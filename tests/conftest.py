@@ -6,13 +6,14 @@ import ctypes
 import gzip
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -138,10 +139,32 @@ def _cpu_log(request: pytest.FixtureRequest) -> Any:
         fh.write(f"{used() - before:.1f} {time.monotonic() - wall:.1f} {request.node.nodeid}\n")
 
 
+def _bind_low(s: socket.socket) -> int:
+    """Bind `s` to a free loopback port below the kernel's ephemeral range (32768 up); the port."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port in 20000-32767")
+
+
 def free_port() -> int:
+    """A port nothing holds now, chosen below the ephemeral range: a port the kernel picks (bind 0) can be handed
+    to any process's outgoing connection before the test's own process binds it."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return _bind_low(s)
+
+
+@pytest.fixture
+def down_port() -> Iterator[int]:
+    """A port held bound and never listened on while the test runs: connecting is refused, as on a host whose
+    daemon is down, and no other process can start listening there meanwhile."""
+    with socket.socket() as s:
+        yield _bind_low(s)
 
 
 # ranks started by tests never find a daemon the developer runs; daemon tests pass their own runtime dir

@@ -394,8 +394,8 @@ def test_unauthorised_client_is_refused_and_logged(cluster: Cluster, tmp_path: P
     assert f"the daemon at {one} requires CurveZMQ keys: pass --keys DIR" in plain.stderr, plain.stderr
 
 
-def test_host_that_does_not_answer_is_named_and_the_rest_proceed(cluster: Cluster) -> None:
-    dead, port = f"127.0.0.1:{free_port()}", free_port()
+def test_host_that_does_not_answer_is_named_and_the_rest_proceed(cluster: Cluster, down_port: int) -> None:
+    dead, port = f"127.0.0.1:{down_port}", free_port()
     res = cluster.ctl("status", "--json", "--connect-timeout", "3", hosts=f"{cluster.hosts},{dead},no-such-host.invalid")
     assert res.returncode == 3
     hosts = json.loads(res.stdout)["hosts"]
@@ -407,10 +407,10 @@ def test_host_that_does_not_answer_is_named_and_the_rest_proceed(cluster: Cluste
     assert text.returncode == 4 and "cannot resolve host no-such-host.invalid" in text.stderr, text.stderr
 
 
-def test_a_dead_host_in_the_list_makes_no_rank_late(cluster: Cluster) -> None:
+def test_a_dead_host_in_the_list_makes_no_rank_late(cluster: Cluster, down_port: int) -> None:
     """The status round waits the dead host's whole --connect-timeout (5 s, 250 steps here); each live host's
     steps are anchored at its own answer, so the window still lands ahead of every live rank."""
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{down_port}"
     res = cluster.ctl("capture", "--steps", "3", "--wait", "--json", "--timeout", "120",
                       hosts=f"{dead},{cluster.hosts}")
     assert res.returncode == 0, res.stdout + res.stderr  # every rank of the job answered: the capture is whole

@@ -282,9 +282,9 @@ def start_daemon(run_dir: Path, state_dir: Path, *extra: str, env: dict[str, str
     return proc
 
 
-def ctl(run_dir: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def ctl(run_dir: Path, *args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(ROOT / "bin" / "ondemandctl"), *args], env=base_env(ONDEMAND_PROF_RUNTIME_DIR=str(run_dir)),
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def ctl_json(run_dir: Path, *args: str) -> Any:

@@ -609,3 +609,19 @@ def test_stacks_ask_the_ranks_in_waves_and_every_rank_is_answered(monkeypatch, t
         assert sorted(ranks, key=int) == [str(r) for r in range(8)] and all(v["ok"] for v in ranks.values())
     finally:
         d.close()
+
+
+def test_report_finds_a_capture_folder_under_the_default_save_path_by_its_id(tmp_path: Path, monkeypatch) -> None:
+    """Without a daemon, `ondemandctl report ID` reads ./profile/ID (a unique prefix, as the daemon takes ids);
+    several matches are an error that says so; what is not an id (a path) never reaches the folder lookup."""
+    from ondemand_prof.host.client import CtlError
+    from ondemand_prof.host.commands.report import saved_here
+
+    monkeypatch.chdir(tmp_path)
+    assert saved_here("20261202-010101-abcdef") is None  # no ./profile at all
+    for name in ("20261202-010101-abcdef", "20261202-010101-abc999"):
+        (tmp_path / "profile" / name).mkdir(parents=True)
+    assert saved_here("20261202-010101-abcd") == Path("profile/20261202-010101-abcdef")
+    with pytest.raises(CtlError, match="begins 2 capture folders under profile; give more of the id"):
+        saved_here("20261202-010101-abc")
+    assert saved_here("../profile") is None and saved_here("20261203") is None

@@ -73,8 +73,9 @@ def start_up_line(env: dict[str, Any], rank: int) -> str:
 
 def test_the_default_relative_save_path_captures_through_the_daemon(env: dict[str, Any]) -> None:
     """No --profile-save-path (./profile), the daemon in another working directory: `capture` with no flags
-    succeeds, prints the capture folder and each trace; ids are taken by prefix (--job, report)."""
-    daemon(env)
+    succeeds, prints the capture folder and each trace; ids are taken by prefix (--job, report), and report
+    still finds the capture by its id under ./profile once the daemon is gone."""
+    profd = daemon(env)
     procs = job(env, 2, "--steps", "1000000", "--step-sleep", "0.02", daemon_dir=env["run"])
     save = env["tmp"] / "profile"
     for rank in (0, 1):
@@ -100,7 +101,18 @@ def test_the_default_relative_save_path_captures_through_the_daemon(env: dict[st
     rep = ctl(env["run"], "report", capture_id[:17], "--summary")
     assert rep.returncode == 0 and re.search(r"^\s+1\s+2\s+[\d.]+", rep.stdout, re.M), rep.stdout + rep.stderr
     gone = ctl(env["run"], "report", "no-such-capture")
-    assert gone.returncode == 1 and "is not a file or directory here, and not a capture the daemon knows" in gone.stderr
+    assert gone.returncode == 1 and "is not a file or directory here, not a folder under profile, and not a " \
+        "capture the daemon knows" in gone.stderr, gone.stderr
+    # the daemon stopped: from the ranks' working directory the id (a prefix) is still a capture folder's name
+    profd.terminate()
+    profd.wait(timeout=30)
+    alone = ctl(env["run"], "report", capture_id[:17], "--summary", cwd=env["tmp"])
+    def timeless(out: str) -> list[str]:
+        return [ln for ln in out.splitlines() if " read in " not in ln]
+
+    assert alone.returncode == 0 and timeless(alone.stdout) == timeless(rep.stdout), alone.stdout + alone.stderr
+    missing = ctl(env["run"], "report", "no-such-capture", cwd=env["tmp"])
+    assert missing.returncode == 1 and "no daemon" in missing.stderr, missing.stderr
     for p in procs:
         p.terminate()
 

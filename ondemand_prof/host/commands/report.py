@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from ...core.config import ProfileConfig
+from ...core.ids import valid_id
 from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError, dumps
 from ..multihost import ask
 from ..planning import failures, no_capture, one_capture
@@ -90,6 +92,20 @@ class Summaries(Command):
                 "parts": part_summaries(record.data)}
 
 
+DEFAULT_SAVE = Path(ProfileConfig.save_path)  # ./profile: where a rank started from this directory saves
+
+
+def saved_here(capture_id: str) -> Path | None:
+    """The capture folder under the default save path, relative to here, that `capture_id` names or uniquely
+    begins (as the daemon matches ids); None when there is none. CtlError when several match."""
+    if not valid_id(capture_id) or not DEFAULT_SAVE.is_dir():
+        return None
+    matches = sorted(d for d in DEFAULT_SAVE.iterdir() if d.name.startswith(capture_id) and d.is_dir())
+    if len(matches) > 1:
+        raise CtlError(f"{capture_id!r} begins {len(matches)} capture folders under {DEFAULT_SAVE}; give more of the id")
+    return matches[0] if matches else None
+
+
 def capture_folders(capture_id: str, args: argparse.Namespace) -> list[Path]:
     """The capture folders (one per save path) holding what the capture's ranks on this host wrote, from the
     daemon's record. CtlError when it is not a path and the daemon knows no such capture."""
@@ -99,8 +115,11 @@ def capture_folders(capture_id: str, args: argparse.Namespace) -> list[Path]:
         with Client(args.runtime_dir or default_runtime_dir(), args.connect_timeout) as client:
             record = client.request("show", capture_id=capture_id)
     except CtlError as exc:
-        raise CtlError(f"{capture_id!r} is not a file or directory here, and not a capture the daemon knows: "
-                       f"{exc}") from None
+        local = saved_here(capture_id)  # the daemon is gone (or never saw it): the default save path, from here
+        if local is not None:
+            return [local]
+        raise CtlError(f"{capture_id!r} is not a file or directory here, not a folder under {DEFAULT_SAVE}, and not a "
+                       f"capture the daemon knows: {exc}") from None
     folders = sorted({str(Path(p["path"]).parent) for p in record["parts"].values()
                       if p["state"] == "done" and p.get("path")})
     if not folders:

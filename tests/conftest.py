@@ -282,6 +282,14 @@ def start_daemon(run_dir: Path, state_dir: Path, *extra: str, env: dict[str, str
     return proc
 
 
+def status_lines(path: Path) -> list[dict[str, Any]]:
+    """The toy rank's --status-file: a JSON line per step it finished ([] before the first, or mid-write)."""
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
 def ctl(run_dir: Path, *args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(ROOT / "bin" / "ondemandctl"), *args], env=base_env(ONDEMAND_PROF_RUNTIME_DIR=str(run_dir)),
                           capture_output=True, text=True, timeout=timeout, cwd=cwd)

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import pytest
 import zmq
 
-from conftest import ROOT, base_env, ctl, short_dir, start_daemon, wait_for
+from conftest import ROOT, base_env, ctl, short_dir, start_daemon, status_lines, wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="unix sockets, SO_PEERCRED and /proc: Linux only")
 
@@ -265,14 +265,6 @@ def train(tmp: Path, job: str, *extra: str, env: dict[str, str] | None = None, s
                             env=base_env(**(env or {})), stdout=out, stderr=out, text=True)
 
 
-def _stepping(status_file: Path) -> bool:
-    """The toy rank wrote its first step line (--status-file)."""
-    try:
-        return bool(status_file.read_text().strip())
-    except FileNotFoundError:
-        return False
-
-
 def published(save: Path) -> list[Path]:
     return [d for d in save.glob("*/*") if d.is_dir() and not d.name.startswith(".")] if save.is_dir() else []
 
@@ -294,7 +286,7 @@ def _squat_and_trigger(tmp_path: Path, prepare: Any, job: str) -> tuple[str, Pat
     fallback = xdg / "ondemand_prof" / job
     try:
         # a step taken: the trigger was opened before the loop (one written earlier is, rightly, not acted on)
-        wait_for(lambda: _stepping(steps) or proc.poll() is not None, 300, "training to start")
+        wait_for(lambda: status_lines(steps) or proc.poll() is not None, 300, "training to start")
         (fallback / "capture").write_text('{"steps": 1}')
         wait_for(lambda: published(tmp_path / "profile") or proc.poll() is not None, 300, "a capture")
     finally:
@@ -508,7 +500,7 @@ def _rank_with_open_window(tmp_path: Path, job: str) -> tuple[subprocess.Popen, 
     trig = tmp_path / "trig"
     steps = tmp_path / "steps.jsonl"
     proc = train(tmp_path, job, "--profile-trigger-dir", str(trig), "--status-file", str(steps), steps=5000)
-    wait_for(lambda: _stepping(steps) or proc.poll() is not None, 300, "training to start")
+    wait_for(lambda: status_lines(steps) or proc.poll() is not None, 300, "training to start")
     (trig / "capture").write_text('{"steps": 2000}')
     status = trig / "capture.status" / "rank0.json"
     wait_for(lambda: status.exists() and json.loads(status.read_text())["latest"]["state"] == "recording", 300,

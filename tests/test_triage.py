@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import captures, ctl, ctl_json, live_ranks, run_ranks, start_ranks, wait_for
+from conftest import captures, ctl, ctl_json, live_ranks, run_ranks, start_ranks, status_lines, wait_for
 from test_daemon import daemon, env  # noqa: F401 - env is a fixture: a runtime dir, a state dir, the processes
 
 TRAIN = ["--profile-min-free-mb", "0", "--profile-ranks", "-1"]
@@ -29,13 +29,6 @@ def ranks(env: dict[str, Any], world: int, *extra: str, job: str = "tri") -> lis
 
 def poll(pred: Any, what: str, timeout: float = 300) -> Any:
     return wait_for(pred, timeout, what, pause=0.5)
-
-
-def status_lines(path: Path) -> list[dict[str, Any]]:
-    try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (FileNotFoundError, json.JSONDecodeError):
-        return []
 
 
 def stalled(env: dict[str, Any], status: Path, n: int) -> None:

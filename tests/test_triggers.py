@@ -12,15 +12,12 @@ from typing import Any
 
 import pytest
 
-from conftest import assert_ok, captures, start_ranks, trace_steps, wait_all, wait_for
+from conftest import assert_ok, captures, start_ranks, status_lines, trace_steps, wait_all, wait_for
 
 
 def last_step(status_file: Path) -> int:
-    try:
-        lines = status_file.read_text().splitlines()
-    except FileNotFoundError:
-        return -1
-    return json.loads(lines[-1])["step"] if lines else -1
+    lines = status_lines(status_file)
+    return lines[-1]["step"] if lines else -1
 
 
 def rank_status(trigger_dir: Path, rank: int) -> dict[str, Any] | None:

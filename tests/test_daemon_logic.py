@@ -622,6 +622,7 @@ def test_report_finds_a_capture_folder_under_the_default_save_path_by_its_id(tmp
     for name in ("20261202-010101-abcdef", "20261202-010101-abc999"):
         (tmp_path / "profile" / name).mkdir(parents=True)
     assert saved_here("20261202-010101-abcd") == Path("profile/20261202-010101-abcdef")
-    with pytest.raises(CtlError, match="begins 2 capture folders under profile; give more of the id"):
+    with pytest.raises(CtlError, match=r"^'20261202-010101-abc' begins 2 capture folders under profile "
+                                       r"\(20261202-010101-abc999, 20261202-010101-abcdef\): give more of it$"):
         saved_here("20261202-010101-abc")
     assert saved_here("../profile") is None and saved_here("20261203") is None

@@ -15,6 +15,7 @@ from ...core.ids import valid_id
 from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError, dumps
 from ..multihost import ask
 from ..planning import failures, no_capture, one_capture
+from ..registry import match_id
 from ..service import Service
 from .base import Command, nothing_found_here, warn
 
@@ -97,13 +98,17 @@ DEFAULT_SAVE = Path(ProfileConfig.save_path)  # ./profile: where a rank started 
 
 def saved_here(capture_id: str) -> Path | None:
     """The capture folder under the default save path, relative to here, that `capture_id` names or uniquely
-    begins (as the daemon matches ids); None when there is none. CtlError when several match."""
+    begins (match_id, as --job takes ids); None when there is none. CtlError when several match."""
     if not valid_id(capture_id) or not DEFAULT_SAVE.is_dir():
         return None
-    matches = sorted(d for d in DEFAULT_SAVE.iterdir() if d.name.startswith(capture_id) and d.is_dir())
-    if len(matches) > 1:
-        raise CtlError(f"{capture_id!r} begins {len(matches)} capture folders under {DEFAULT_SAVE}; give more of the id")
-    return matches[0] if matches else None
+    names = [d.name for d in DEFAULT_SAVE.iterdir() if d.name.startswith(capture_id) and d.is_dir()]
+    if not names:
+        return None
+    try:
+        return DEFAULT_SAVE / match_id(capture_id, names, f"capture folder under {DEFAULT_SAVE}",
+                                       f"capture folders under {DEFAULT_SAVE}")
+    except ValueError as exc:
+        raise CtlError(str(exc)) from None
 
 
 def capture_folders(capture_id: str, args: argparse.Namespace) -> list[Path]:

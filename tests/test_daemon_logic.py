@@ -626,3 +626,22 @@ def test_report_finds_a_capture_folder_under_the_default_save_path_by_its_id(tmp
                                        r"\(20261202-010101-abc999, 20261202-010101-abcdef\): give more of it$"):
         saved_here("20261202-010101-abc")
     assert saved_here("../profile") is None and saved_here("20261203") is None
+
+
+def test_a_registration_takes_the_kernels_pid_and_keeps_the_pods_beside_it() -> None:
+    """Issue 34 F1 and issue 29: a peer whose connector has exited registers nothing; a rank in a pod (its pid 1 is
+    the daemon's pid 4242) is kept as pid 4242 with ns_pid 1; a non-root rank cannot name another process."""
+    from ondemand_prof.host.listener import Peer
+    from ondemand_prof.host.service import BadRequest, check_registration, with_kernel_pid
+
+    msg = {"job": "j", "rank": 0, "world_size": 1, "host": "h", "pid": 1, "step": 0}
+    with pytest.raises(BadRequest, match="has exited"):
+        check_registration(Peer(0, 0, 4242, alive=False), msg, Registry())
+    pod = Peer(0, 0, 4242, alive=True, nspids=(4242, 1))
+    kept, ns_pid = with_kernel_pid(pod, msg)
+    assert kept["pid"] == 4242 and ns_pid == 1
+    assert with_kernel_pid(Peer(0, 0, 4242, alive=True, nspids=(4242,)), {**msg, "pid": 4242}) == \
+        ({**msg, "pid": 4242}, None)
+    me = Peer(os.getuid() or 1, 0, os.getpid(), alive=True, nspids=(os.getpid(),))
+    with pytest.raises(BadRequest, match="is not the connecting process"):
+        check_registration(me, {**msg, "pid": 1}, Registry())

@@ -454,7 +454,7 @@ def test_spoofed_ranks_are_refused(tmp_path: Path, other_user: dict[str, Any]) -
         wait_for(lambda: "rootjob" in ctl(run, "status").stdout, 300, "the root rank to register")
         spoof = as_user(other_user, SPOOF, str(run), str(os.getpid()), "rootjob")
         replies = [json.loads(spoof.stdout.readline()) for _ in range(3)]
-        assert replies[0]["type"] == "error" and "is not a process of uid" in replies[0]["error"], replies
+        assert replies[0]["type"] == "error" and "is not the connecting process" in replies[0]["error"], replies
         assert replies[1]["type"] == "error" and "belongs to uid 0" in replies[1]["error"], replies
         assert "give this one its own: --profile-job-id or ONDEMAND_PROF_JOB_ID" in replies[1]["error"]
         assert replies[2]["type"] == "registered", replies
@@ -853,35 +853,132 @@ def _reuse_pid(pid: int) -> subprocess.Popen | None:
     return None
 
 
+RAW_RANK = r"""
+import json, os, select, socket, sys
+drop()
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1] + "/profd.sock")  # the kernel records this process's pid, now and for good
+connector = os.getpid()
+r, w = os.pipe()
+if os.fork() != 0:  # the connector: waits until it is told to exit, then leaves its connection to its child
+    s.close()
+    os.read(r, 1)
+    os._exit(0)
+def recvn(n):
+    b = b""
+    while len(b) < n:
+        c = s.recv(n - len(b))
+        if not c:
+            raise SystemExit("the daemon closed the connection")
+        b += c
+    return b
+def frame():
+    flags = recvn(1)[0]
+    return flags, recvn(int.from_bytes(recvn(8), "big") if flags & 2 else recvn(1)[0])
+def send(msg):
+    data = json.dumps({"v": 1, **msg}).encode()
+    s.sendall((b"\x02" + len(data).to_bytes(8, "big") if len(data) > 255 else b"\x00" + bytes([len(data)])) + data)
+def out(**kw):
+    print(json.dumps(kw), flush=True)
+# ZMTP 3.0 with the NULL mechanism, spoken by hand on the inherited connection (libzmq cannot be forked)
+s.sendall(b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + bytes(31))
+recvn(64)
+ready = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+s.sendall(b"\x04" + bytes([len(ready)]) + ready)
+while not frame()[0] & 4:
+    pass
+out(connector=connector, holder=os.getpid())
+beat, pending = False, b""
+while True:
+    ready_fds = select.select([0, s], [], [], 0.5)[0]
+    if s in ready_fds:
+        flags, body = frame()
+        if not flags & 4:
+            out(got=json.loads(body))
+    if 0 in ready_fds:
+        chunk = os.read(0, 1 << 20)
+        if not chunk:
+            sys.exit(0)
+        *lines, pending = (pending + chunk).split(b"\n")
+        for cmd in [json.loads(x) for x in lines if x.strip()]:
+            if "send" in cmd:
+                send(cmd["send"])
+            if "beat" in cmd:
+                beat = cmd["beat"]
+            if "touch" in cmd:
+                open(cmd["touch"], "w").close()
+            if cmd.get("connector_exits"):
+                os.write(w, b"x")
+    if beat:
+        send({"type": "hb", "step": 5})
+"""
+
+
+class RawRank(UserRank):
+    """A process of another user that opens a connection to the daemon and forks: its child holds the connection
+    and speaks for it (ZMTP by hand), so the process the kernel recorded at connect() can exit while its
+    connection lives on (issue 34, F1: what an fd passed with SCM_RIGHTS, or a fork, allows)."""
+
+    def __init__(self, user: dict[str, Any], run: Path) -> None:
+        prelude = (f"import os\ndef drop():\n    os.setgroups([{user['gid']}]); os.setgid({user['gid']}); "
+                   f"os.setuid({user['uid']})\n")
+        self.proc = subprocess.Popen([sys.executable, "-c", prelude + RAW_RANK, str(run)], cwd="/tmp",
+                                     env=base_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.seen: list[dict[str, Any]] = []
+        self._partial = b""
+        first = self.expect(lambda m: "connector" in m)
+        self.connector, self.holder = first["connector"], first["holder"]
+
+    def touch(self, path: Path) -> None:
+        self._cmd({"touch": str(path)})
+
+    def connector_exits(self) -> None:
+        """The process that connected exits (and is reaped: its pid is free); its child keeps the connection."""
+        self._cmd({"connector_exits": True})
+        self.proc.wait(timeout=20)
+
+    def close(self) -> None:
+        super().close()
+        try:
+            os.kill(self.holder, 9)
+        except OSError:
+            pass
+
+
+def _raw_rank(env: dict[str, Any]) -> RawRank:
+    rank = RawRank(env["user"], env["run"])
+    env["ranks"].append(rank)
+    return rank
+
+
 def test_the_native_dump_signal_is_the_daemons_and_never_reaches_a_reused_pid(
         group_daemon: dict[str, Any], tmp_path: Path) -> None:
-    """Issue 18, 1: a member registers a helper pid with native_dump {"signal": 9}, goes silent, lets the helper
-    exit and the pid be reused by a root process; `ondemandctl stacks` must signal nobody."""
+    """Issue 18, 1: a member registers with native_dump {"signal": 9}; `ondemandctl stacks` must not send it. Then
+    a rank registered and beating whose process exits, its connection held on by a child, and its pid reused by a
+    root process: stacks must signal nobody."""
     env = group_daemon
     rank = _user_rank(env)
     status = env["shared"]
-    # the helper: a process of the member's, with the dump file where a rank keeps it
-    helper = rank.run("h = subprocess.Popen(['sleep', '300'], stdout=subprocess.DEVNULL); value = h.pid")
-    dump = status / f"native-stacks-{helper}.txt"
+    me = rank.run("value = os.getpid()")
+    dump = status / f"native-stacks-{me}.txt"
     rank.run(f"open({str(dump)!r}, 'w').close()")
-    reply = _register(rank, "sig9", helper, native_dump={"signal": 9, "file": str(dump)})
+    reply = _register(rank, "sig9", me, native_dump={"signal": 9, "file": str(dump)})
     assert reply["type"] == "registered", reply
     res = ctl(env["run"], "stacks", "--job", "sig9", "--timeout", "1.5")
     assert "registered no native dump signal" in res.stdout + res.stderr, res.stdout + res.stderr
-    assert rank.run(f"os.kill({helper}, 0); value = 'alive'") == "alive"  # signal 9 was never sent
+    assert rank.proc.poll() is None  # signal 9 was never sent
 
     # the daemon's own signal, then the pid reused by root while the rank is still registered and beating
     from ondemand_prof.core.protocol import native_dump_signal
 
-    rank2 = _user_rank(env)
-    helper2 = rank2.run("h = subprocess.Popen(['sleep', '300'], stdout=subprocess.DEVNULL); value = h.pid")
-    dump2 = status / f"native-stacks-{helper2}.txt"
-    rank2.run(f"open({str(dump2)!r}, 'w').close()")
-    assert _register(rank2, "reuse", helper2, native_dump={"signal": native_dump_signal(),
-                                                            "file": str(dump2)})["type"] == "registered"
-    rank2.beat(True)
-    rank2.run("h.kill(); h.wait()")  # the helper exits; its pid is free
-    victim = _reuse_pid(helper2)
+    raw = _raw_rank(env)
+    dump2 = status / f"native-stacks-{raw.connector}.txt"
+    raw.touch(dump2)
+    assert _register(raw, "reuse", raw.connector, native_dump={"signal": native_dump_signal(),
+                                                                "file": str(dump2)})["type"] == "registered"
+    raw.beat(True)
+    raw.connector_exits()  # the registered process exits; its pid is free, its connection still beats
+    victim = _reuse_pid(raw.connector)
     if victim is None:
         pytest.skip("could not place a process at a chosen pid (ns_last_pid)")
     try:
@@ -890,9 +987,42 @@ def test_the_native_dump_signal_is_the_daemons_and_never_reaches_a_reused_pid(
         time.sleep(0.3)
         assert victim.poll() is None, f"the daemon signalled root's process holding the reused pid: {out}"
         assert "NATIVE DUMP" not in out
-        # either the daemon saw the helper go, or it refused to signal the new holder of its pid
+        # either the daemon saw the process go, or it refused to signal the new holder of its pid
         assert "no longer the process that registered" in out or "not registered" in out or \
-            "exited" in out, out
+            "exited" in out or "no live job" in out, out
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_a_connection_outliving_its_connector_registers_nobody(group_daemon: dict[str, Any]) -> None:
+    """Issue 34, F1: a member opens a connection, hands it to a child and exits; a root process takes the pid the
+    kernel recorded for that connection. Registering that pid through the connection is refused, and stacks on
+    the job signals nothing (before: registered, then the native-dump signal killed root's process)."""
+    from ondemand_prof.core.protocol import native_dump_signal
+
+    env = group_daemon
+    raw = _raw_rank(env)
+    dump = env["shared"] / f"native-stacks-{raw.connector}.txt"
+    raw.touch(dump)
+    raw.connector_exits()
+    victim = _reuse_pid(raw.connector)
+    if victim is None:
+        pytest.skip("could not place a process at a chosen pid (ns_last_pid)")
+    try:
+        reply = _register(raw, "stale", raw.connector, native_dump={"signal": native_dump_signal(),
+                                                                     "file": str(dump)})
+        assert reply["type"] == "error", reply
+        assert "has exited" in reply["error"] or "is not a process of uid" in reply["error"], reply
+        # its own pid (the holder) is not the connecting process either
+        reply = _register(raw, "stale", raw.holder)
+        assert reply["type"] == "error" and ("has exited" in reply["error"] or
+                                             "is not the connecting process" in reply["error"]), reply
+        raw.beat(True)
+        res = ctl(env["run"], "stacks", "--job", "stale", "--timeout", "1.5")
+        time.sleep(0.3)
+        assert victim.poll() is None, res.stdout + res.stderr
+        assert "no live job 'stale'" in res.stderr, res.stdout + res.stderr
     finally:
         victim.kill()
         victim.wait()
@@ -904,17 +1034,17 @@ def test_a_silent_rank_whose_process_is_gone_is_forgotten(group_daemon: dict[str
     from ondemand_prof.core.protocol import native_dump_signal
 
     env = group_daemon
-    rank = _user_rank(env)
-    helper = rank.run("h = subprocess.Popen(['sleep', '300'], stdout=subprocess.DEVNULL); value = h.pid")
+    rank = _raw_rank(env)
+    helper = rank.connector
     dump = env["shared"] / f"native-stacks-{helper}.txt"
-    rank.run(f"open({str(dump)!r}, 'w').close()")
+    rank.touch(dump)
     assert _register(rank, "silent", helper, native_dump={"signal": native_dump_signal(),
                                                            "file": str(dump)})["type"] == "registered"
     # its heartbeats stop: no longer live (status lists it as SILENT, its process alive, until it exits)
     wait_for(lambda: "silent" not in json.loads(ctl(env["run"], "status", "--json").stdout)["jobs"], 30,
              "the rank to go silent")
     assert "SILENT: rank 0" in ctl(env["run"], "status").stdout
-    rank.run("h.kill(); h.wait()")
+    rank.connector_exits()
     victim = _reuse_pid(helper)
     if victim is None:
         pytest.skip("could not place a process at a chosen pid (ns_last_pid)")

@@ -56,7 +56,12 @@ _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 class Peer(NamedTuple):
     uid: int
     gid: int
-    pid: int
+    pid: int  # as the kernel recorded it at connect(), in the daemon's pid namespace
+    # From a pidfd of the process that called connect() (SO_PEERPIDFD, Linux 6.5+), read when asked for
+    # (registrations): whether that process still exists, and its pids from the daemon's namespace down to its own
+    # (NSpid: "12345 1" for pid 1 of a pod). None where the kernel cannot say.
+    alive: bool | None = None
+    nspids: tuple[int, ...] = ()
 
 
 def raise_nofile_limit() -> tuple[int, int]:
@@ -80,8 +85,16 @@ def open_fds(limit: int) -> int:
         return limit
 
 
-def peer_of(frame: Any) -> Peer | None:
-    """The connecting process's uid, gid and pid, from a message received with copy=False."""
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+ (Python 3.13 names it)
+
+
+def peer_of(frame: Any, connector: bool = False) -> Peer | None:
+    """The connecting process's uid, gid and pid, from a message received with copy=False. With `connector`, also
+    whether the process that opened the connection is still there (Peer.alive, Peer.nspids).
+
+    Why: the kernel records the pid at connect() and never updates it, while a connection can outlive the process
+    that opened it (its descriptor passed on with SCM_RIGHTS, or inherited across a fork): once that process is
+    gone, its pid number can be taken by anyone's process. A pidfd of the connector tells the two apart."""
     try:
         text = frame.get("Peer-Address")
     except (zmq.ZMQError, AttributeError, TypeError):
@@ -90,9 +103,52 @@ def peer_of(frame: Any) -> Peer | None:
     if len(parts) != 4:
         return None
     try:
-        return Peer(int(parts[1]), int(parts[2]), int(parts[3]))
+        peer = Peer(int(parts[1]), int(parts[2]), int(parts[3]))
     except ValueError:
         return None
+    return _with_connector(peer, frame) if connector else peer
+
+
+def _with_connector(peer: Peer, frame: Any) -> Peer:
+    """`peer` with what a pidfd of its connection's connector says (unchanged where the kernel cannot say)."""
+    try:
+        fd = frame.get(zmq.SRCFD)  # the connection the message was read from (libzmq 4.x)
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return peer
+    if not isinstance(fd, int) or fd < 0:
+        return peer
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return peer
+    pidfd = -1
+    try:
+        cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        if tuple(int.from_bytes(cred[i:i + 4], sys.byteorder, signed=True) for i in (0, 4, 8)) != \
+                (peer.pid, peer.uid, peer.gid):
+            return peer._replace(alive=False)  # the descriptor is another connection's now: not this peer's word
+        pidfd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+        return _pidfd_view(peer, pidfd)
+    except OSError:
+        return peer  # no SO_PEERPIDFD (a kernel before 6.5), or the connection just closed
+    finally:
+        sock.detach()  # libzmq's descriptor: never closed by us
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+def _pidfd_view(peer: Peer, pidfd: int) -> Peer:
+    """The pidfd's fdinfo: "Pid: -1" once its process has exited; NSpid lists its pid in each namespace."""
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}", encoding="ascii") as fh:
+            lines = dict(line.split(":", 1) for line in fh.read().splitlines() if ":" in line)
+        pid = int(lines["Pid"])
+        nspids = tuple(int(x) for x in lines.get("NSpid", "").split())
+    except (OSError, KeyError, ValueError):
+        return peer
+    if pid <= 0:
+        return peer._replace(alive=False)
+    return peer._replace(alive=pid == peer.pid, nspids=nspids or (pid,))
 
 
 def _event(frames: list[bytes]) -> tuple[int, int]:

@@ -124,8 +124,9 @@ class RankInfo:
     rank: int
     world_size: int
     host: str
-    pid: int
+    pid: int  # in the daemon's pid namespace (the kernel's word for a local rank)
     step: int
+    ns_pid: int | None = None  # the rank's own view of its pid where it differs (in a pod's pid namespace)
     step_time: float | None = None
     step_began_at: float | None = None  # wall time the reported step began (same host: same clock)
     state: str = "idle"
@@ -174,7 +175,8 @@ class RankInfo:
         in_step = self.in_step_s(wall)
         in_step = None if in_step is None else round(in_step, 3)
         return {"job": self.job, "rank": self.rank, "world_size": self.world_size, "host": self.host,
-                "pid": self.pid, "step": self.step, "step_estimate": self.estimated_step(wall),
+                "pid": self.pid, **({"ns_pid": self.ns_pid} if self.ns_pid is not None else {}),
+                "step": self.step, "step_estimate": self.estimated_step(wall),
                 "in_step_s": in_step, "stalled_s": None if stalled is None else round(stalled, 1),
                 "step_time_s": self.step_time, "state": self.state, "local_rank": self.local_rank,
                 "save_root": self.save_root, "trigger_dir": self.trigger_dir, "version": self.version,

@@ -110,6 +110,7 @@ class Service:
         peer = msg.get("_peer")
         if peer is not None:
             check_registration(peer, msg, self.registry)
+        msg, ns_pid = with_kernel_pid(peer, msg)
         try:
             info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check)
         except RankConflict as exc:
@@ -119,6 +120,7 @@ class Service:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         info.uid = peer.uid if peer is not None else None
+        info.ns_pid = ns_pid
         self.triage.registered(info)  # the process's identity (pid reuse), its native dump checked
         log.info("ondemand-profd: rank %d/%d of job %s registered (host %s, pid %d, step %d)", info.rank,
                  info.world_size, info.job, info.host, info.pid, info.step)
@@ -308,13 +310,23 @@ def _proc_uid(pid: int) -> int | None:
 
 
 def check_registration(peer: Any, msg: dict[str, Any], registry: Registry) -> None:
-    """A rank registers only processes of its own uid that exist, and only into a job of its own uid; root may
-    register anything. BadRequest says why not."""
+    """A rank registers only itself, seen by the kernel: the process that opened the connection, still there (a
+    connection handed on, or inherited, by a process that then exited carries a pid anyone's process may hold
+    now), and for any uid but root's, a process of the connecting uid, in a job of that uid. Root may register
+    another process. BadRequest says why not."""
+    if peer.alive is False:
+        raise BadRequest(f"register: the process that opened this connection (pid {peer.pid}) has exited; a "
+                         "connection passed on to another process does not make it a rank")
     if peer.uid == 0:
         return
     pid = msg["pid"]
-    if pid != peer.pid and _proc_uid(pid) != peer.uid:
-        raise BadRequest(f"register: pid {pid} is not a process of uid {peer.uid}, which is connecting")
+    if pid != peer.pid and pid not in peer.nspids[1:]:
+        raise BadRequest(f"register: pid {pid} is not the connecting process (pid {peer.pid}, uid {peer.uid}); "
+                         "a rank registers itself")
+    # the uid is checked even for the connector's own pid: the kernel's pid is the one at connect(), and a
+    # process of another uid may hold that number now (pidfd-less kernels cannot tell)
+    if _proc_uid(peer.pid) != peer.uid:
+        raise BadRequest(f"register: pid {peer.pid} is not a process of uid {peer.uid}, which is connecting")
     # whatever host it claims: ranks of one job on one daemon share a machine, and a claimed host name is only
     # the sender's word
     for other in registry.jobs().get(msg["job"], []):
@@ -322,6 +334,16 @@ def check_registration(peer: Any, msg: dict[str, Any], registry: Registry) -> No
             raise BadRequest(f"register: job {msg['job']!r} belongs to uid {other.uid}; uid {peer.uid} cannot join it "
                              "(two users' jobs with one job id on this host, from a shared MASTER_PORT? give this "
                              "one its own: --profile-job-id or ONDEMAND_PROF_JOB_ID)")
+
+
+def with_kernel_pid(peer: Any, msg: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """The registration as the daemon keeps it, and the rank's own view of its pid where that differs (a pod's
+    pid 1; None otherwise): `pid` becomes the process in the daemon's pid namespace, what liveness, conflicts and
+    signals act on. A root rank that names another process keeps that pid (root may register anything)."""
+    claimed = msg["pid"]
+    if peer is None or claimed == peer.pid or (peer.uid == 0 and claimed not in peer.nspids[1:]):
+        return msg, None
+    return {**msg, "pid": peer.pid}, claimed
 
 
 def output_path_problem(path: Any, save_root: str, uid: int | None) -> str | None:

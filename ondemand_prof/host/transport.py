@@ -351,7 +351,8 @@ class Daemon:
             self._send(route, reply_error(request_id_of(frame), str(exc)))
             return
         self.messages[msg["type"]] = self.messages.get(msg["type"], 0) + 1  # types: the schema's, bounded
-        msg["_peer"] = peer_of(carrier) if carrier is not None else None  # the kernel's word, not the sender's
+        # the kernel's word, not the sender's (and, for a registration, whether the connector is still there)
+        msg["_peer"] = peer_of(carrier, connector=msg["type"] == "register") if carrier is not None else None
         out = service.handle(route, msg)
         self._flush_outbox()  # what the request sends to ranks leaves before its reply (a new capture's windows)
         if out is not None:

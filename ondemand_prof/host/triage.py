@@ -177,8 +177,14 @@ class TriageBook:
         later is told apart), and whether its native dump can be asked for."""
         local = info.pid_visible and info.host == self.service.host
         info.process = process_identity(info.pid) if local else None
+        if info.process is not None and info.uid is not None and info.process.uid != info.uid:
+            # never signalled, whoever asks: pid {pid} is another user's process (registered by root for another
+            # uid, or a pid taken over since the kernel recorded it)
+            log.warning("ondemand-profd: rank %d of job %s: pid %d is a process of uid %d, not of the rank's uid %d: "
+                        "it is never signalled", info.rank, info.job, info.pid, info.process.uid, info.uid)
+            info.process = None
         if info.native_dump is not None:
-            problem = native_dump_problem(info.native_dump, info.pid)
+            problem = native_dump_problem(info.native_dump, info.ns_pid or info.pid)
             if problem is None and info.process is None:
                 problem = "its process is not visible from this daemon"
             if problem:

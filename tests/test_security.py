@@ -584,6 +584,41 @@ def test_post_processing_child_dies_with_its_rank(tmp_path: Path) -> None:
                 pass
 
 
+PLANTED = """
+import os
+with open(os.environ["ODP_PLANTED_MARKER"], "a") as fh:
+    fh.write(__name__ + " imported in pid " + str(os.getpid()) + "\\n")
+raise ImportError("planted")
+"""
+
+
+def test_helper_children_never_import_from_the_jobs_working_directory(tmp_path: Path) -> None:
+    """Issue 34, F2: a job launched from a directory others can write (1777) holds a planted `json.py` and
+    `ondemand_prof/`; the rank's post-processing child and its native-save build must import neither (before:
+    `python -m` put the cwd first on sys.path, and both ran as the job's owner on a single capture)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    marker = tmp_path / "planted.log"
+    for rel in ("json.py", "ondemand_prof/__init__.py", "ondemand_prof/rank/__init__.py"):
+        (shared / rel).parent.mkdir(parents=True, exist_ok=True)
+        (shared / rel).write_text(PLANTED)
+    env = base_env(ODP_PLANTED_MARKER=str(marker), XDG_CACHE_HOME=str(tmp_path / "cache"), CXX="false")
+    env["PYTHONPATH"] = str(ROOT) + ":" + env.get("PYTHONPATH", "")  # (the rank itself is started with -P below)
+    # the default relative save path (./profile, in the shared directory) and a static window: one capture
+    proc = subprocess.run([sys.executable, "-P", "-m", "ondemand_prof.demo.toy_train", "--no-dist", "--steps", "12",
+                           "--step-sleep", "0.02", "--profile-min-free-mb", "0", "--profile", "--profile-step-start",
+                           "3", "--profile-step-end", "5", "--profile-ranks", "-1"],
+                          cwd=shared, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    traces = list((shared / "profile").rglob("*.pt.trace.json*"))
+    assert traces, proc.stderr[-3000:]
+    # the build ran (CXX=false: it fails, after importing its module), or a planted module ran instead
+    wait_for(lambda: marker.exists() or list((tmp_path / "cache").rglob("*.failed")) or
+             list((tmp_path / "cache").rglob("*.so")), 120, "the native-save build to end")
+    assert not marker.exists(), marker.read_text()
+
+
 @pytest.mark.parametrize("mode,files,dirs_", [(None, 0o640, 0o750), ("0600", 0o600, 0o700)])
 def test_output_is_not_world_readable(tmp_path: Path, mode: str | None, files: int, dirs_: int) -> None:
     extra = ["--profile", "--profile-step-start", "3", "--profile-step-end", "5", "--no-profile-ondemand"]

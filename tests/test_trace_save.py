@@ -22,7 +22,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from conftest import ROOT, assert_ok, captures, free_port, load_trace, run_ranks, trace_steps, wait_for
-from ondemand_prof.rank import native_save, trace_save
+from ondemand_prof.rank import helpers, native_save, trace_save
 
 STEPS = [0, 1, 2]
 
@@ -162,41 +162,41 @@ def test_an_in_process_save_error_reaches_the_exporter(monkeypatch: pytest.Monke
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
 @pytest.mark.parametrize("sched", ["idle", "nice"])
 def test_background_helpers_run_at_low_priority(sched: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(trace_save.SCHED_ENV, sched)
-    monkeypatch.setattr(trace_save, "RAISE_AFTER_S", 600)  # never raised here, however starved (its own test: below)
+    monkeypatch.setenv(helpers.SCHED_ENV, sched)
+    monkeypatch.setattr(helpers, "RAISE_AFTER_S", 600)  # never raised here, however starved (its own test: below)
     # the child reports after a pause: its priority is set by the parent right after exec
     code = "import os, time; time.sleep(0.5); print(os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))"
-    proc = trace_save.spawn_background([sys.executable, "-c", code], dict(os.environ), timeout_s=60)
+    proc = helpers.spawn_background([sys.executable, "-c", code], dict(os.environ), timeout_s=60)
     assert proc.returncode == 0, proc.stderr
     policy, nice = map(int, proc.stdout.split())
     if sched == "idle":
         assert policy == os.SCHED_IDLE
     else:
         ours = os.getpriority(os.PRIO_PROCESS, 0)
-        assert policy == os.SCHED_OTHER and nice == min(19, ours + trace_save.FALLBACK_NICE)
+        assert policy == os.SCHED_OTHER and nice == min(19, ours + helpers.FALLBACK_NICE)
 
 
 def test_a_helper_left_idle_too_long_is_raised_to_a_share_of_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every core busy at normal priority starves SCHED_IDLE: a helper not done after RAISE_AFTER_S moves to the
     normal policy, FALLBACK_NICE levels down (it reports its priority after that point)."""
-    monkeypatch.setenv(trace_save.SCHED_ENV, "idle")
-    monkeypatch.setattr(trace_save, "RAISE_AFTER_S", 0.5)
+    monkeypatch.setenv(helpers.SCHED_ENV, "idle")
+    monkeypatch.setattr(helpers, "RAISE_AFTER_S", 0.5)
     code = "import os, time; time.sleep(2.5); print(os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))"
-    proc = trace_save.spawn_background([sys.executable, "-c", code], dict(os.environ), timeout_s=60)
+    proc = helpers.spawn_background([sys.executable, "-c", code], dict(os.environ), timeout_s=60)
     assert proc.returncode == 0, proc.stderr
-    assert list(map(int, proc.stdout.split())) == [os.SCHED_OTHER, trace_save.FALLBACK_NICE]
+    assert list(map(int, proc.stdout.split())) == [os.SCHED_OTHER, helpers.FALLBACK_NICE]
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to keep one for training")
 def test_background_helpers_keep_off_the_training_threads_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     training_cpu = min(os.sched_getaffinity(0))
-    monkeypatch.setattr(trace_save, "_training_cpu", training_cpu)
+    monkeypatch.setattr(helpers, "_training_cpu", training_cpu)
     code = "import os, time; time.sleep(0.5); print(sorted(os.sched_getaffinity(0)))"
-    proc = trace_save.spawn_background([sys.executable, "-c", code], dict(os.environ), timeout_s=60)
+    proc = helpers.spawn_background([sys.executable, "-c", code], dict(os.environ), timeout_s=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == sorted(os.sched_getaffinity(0) - {training_cpu})
-    monkeypatch.setenv(trace_save.CPUS_ENV, "all")  # the way to let them anywhere
-    proc = trace_save.spawn_background([sys.executable, "-c", code], dict(os.environ), timeout_s=60)
+    monkeypatch.setenv(helpers.CPUS_ENV, "all")  # the way to let them anywhere
+    proc = helpers.spawn_background([sys.executable, "-c", code], dict(os.environ), timeout_s=60)
     assert json.loads(proc.stdout) == sorted(os.sched_getaffinity(0))
 
 
@@ -208,7 +208,7 @@ COMMON = ["--no-profile-ondemand", "--profile-min-free-mb", "0", "--profile-with
 
 CHILD_DIES = """
 import os, runpy, signal
-from ondemand_prof.rank import native_save, trace_save
+from ondemand_prof.rank import helpers, native_save, trace_save
 
 def die():
     if os.environ["TEST_CHILD_FAILURE"] == "kill":

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.safedir import UnsafeDirectory, ensure_private_dir
+from .helpers import CHILD_CWD, lower_priority, python_child
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ def _compile(root: Path, key: str, final: Path) -> tuple[bool, str]:
         for std in ("c++20", "c++17"):  # torch 2.9+ needs C++20; older headers are C++17
             started = time.monotonic()
             try:
-                proc = subprocess.run(compile_command(tmp, key, std), stdout=subprocess.PIPE,
+                proc = subprocess.run(compile_command(tmp, key, std), stdout=subprocess.PIPE, cwd=CHILD_CWD,
                                       stderr=subprocess.STDOUT, text=True, timeout=BUILD_TIMEOUT_S)
             except (OSError, subprocess.TimeoutExpired) as exc:
                 return False, f"compiler could not run: {exc}"
@@ -297,14 +298,9 @@ def building_elsewhere(root: Path) -> bool:
 def _start_build() -> tuple[subprocess.Popen | None, str]:
     """Start the build command at idle priority in its own session (it finishes, and caches, even if the rank ends
     first; its output goes nowhere: a failure is written beside the module as `.failed`)."""
-    from .trace_save import lower_priority
-
-    env = dict(os.environ)
-    package_parent = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = package_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd, env = python_child("ondemand_prof.rank.native_save", "build", "--idle", "--no-wait")
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "ondemand_prof.rank.native_save", "build", "--idle",
-                                 "--no-wait"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=CHILD_CWD,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     except OSError as exc:
         return None, f"could not start the build: {exc}"
@@ -323,8 +319,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-wait", action="store_true", help="give up at once when another process is building")
     args = parser.parse_args(argv)
     if args.idle:
-        from .trace_save import lower_priority
-
         lower_priority(0)  # the compiler inherits it
     if args.command == "build":
         ok, message = build(wait_for_others_s=0 if args.no_wait else BUILD_TIMEOUT_S)

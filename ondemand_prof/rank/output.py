@@ -12,7 +12,6 @@ import logging
 import os
 import queue
 import shutil
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from ..core.safedir import save_path_problem
 from .backends import Export, Identity
 from .layout import METADATA_FILE, RankOutput
 from ..core.window import Window
-from .trace_save import spawn_background
+from .helpers import python_child, spawn_background
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +217,8 @@ def run_postprocess(job: ExportJob, raw: Path, out_dir: Path) -> dict[str, Any]:
     ident = job.identity
     trace_name = job.out.trace_name
     spec = {
-        "raw": str(raw), "out_dir": str(out_dir), "trace_name": trace_name, "keep_steps": job.recorded_steps,
+        # absolute: the child runs in helpers.CHILD_CWD, not in the rank's working directory
+        "raw": os.path.abspath(raw), "out_dir": os.path.abspath(out_dir), "trace_name": trace_name, "keep_steps": job.recorded_steps,
         "level": job.window.options.level, "simplify": job.window.options.data_simplification, "gzip": job.gzip,
         "rank": ident.rank, "world_size": ident.world_size, "export_type": job.window.options.export_type,
         "meta": {"job_id": ident.job_id, "rank": ident.rank, "world_size": ident.world_size,
@@ -226,13 +226,10 @@ def run_postprocess(job: ExportJob, raw: Path, out_dir: Path) -> dict[str, Any]:
     }
     spec_path = out_dir / ".postprocess.json"
     spec_path.write_text(json.dumps(spec), encoding="utf-8")
-    env = dict(os.environ)
-    package_parent = str(Path(__file__).resolve().parents[2])  # the directory holding ondemand_prof/
-    env["PYTHONPATH"] = package_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     # at background priority (SCHED_IDLE): on a machine whose cores training keeps busy it would stretch steps;
-    # --parent: the child dies with its rank (PR_SET_PDEATHSIG)
-    proc = spawn_background([sys.executable, "-m", "ondemand_prof.rank.postprocess", "--parent", str(os.getpid()),
-                             str(spec_path)], env, POSTPROCESS_TIMEOUT_S)
+    # --parent: the child dies with its rank (PR_SET_PDEATHSIG); nothing imported from the job's cwd (helpers.py)
+    cmd, env = python_child("ondemand_prof.rank.postprocess", "--parent", str(os.getpid()), str(spec_path))
+    proc = spawn_background(cmd, env, POSTPROCESS_TIMEOUT_S)
     spec_path.unlink(missing_ok=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]

@@ -14,11 +14,8 @@ So save_trace() writes the raw trace, by ONDEMAND_PROF_TRACE_SAVE:
               (about 14 ms per GB of RSS on the 2-core test VM) and the training thread's next writes to memory pay
               copy-on-write faults. If the child cannot be made or fails (exit status, signal, timeout), the trace
               is saved in-process.
-spawn_background() starts a helper process (post-processing) at SCHED_IDLE, and the native saver thread and the
-forked saver lower themselves the same way: they run on cores the training run leaves idle.
-A helper still at SCHED_IDLE after RAISE_AFTER_S (every core busy at normal priority, which SCHED_IDLE yields to
-almost entirely) is raised to the normal policy 10 nice levels down, so the trace is not held until the load ends.
-ONDEMAND_PROF_EXPORT_SCHED=nice lowers them by 10 nice levels from the start instead.
+The native saver thread and the forked saver run at background priority, as every helper does
+(rank/helpers.py): on cores the training run leaves idle.
 
 Nothing here raises into the training loop: these functions run on the exporter thread, and they raise only
 what an in-process save raises (the exporter records it in the capture's metadata).
@@ -30,28 +27,21 @@ import logging
 import os
 import select
 import signal
-import subprocess
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from ..core.files import proc_stat_fields
+from .helpers import FALLBACK_NICE, RAISE_AFTER_S, helper_cpus, idle_priority_enabled, lower_priority, \
+    raise_priority
 
 log = logging.getLogger(__name__)
 
 FORK_ENV = "ONDEMAND_PROF_FORK_SAVE"
 SAVE_ENV = "ONDEMAND_PROF_TRACE_SAVE"
 SAVE_MODES = ("auto", "in-process", "fork")
-SCHED_ENV = "ONDEMAND_PROF_EXPORT_SCHED"
-CPUS_ENV = "ONDEMAND_PROF_HELPER_CPUS"  # auto: off the training thread's core; all: anywhere
 FORK_SAVE_TIMEOUT_S = 300.0  # a SCHED_IDLE child on busy cores is slow, not stuck; this bounds a stuck one
-FALLBACK_NICE = 10
 SLOW_FORK_S = 0.1
-# A helper still at SCHED_IDLE after this long is on a host whose cores are all kept busy at normal priority (CPU
-# training, data loader workers): SCHED_IDLE yields to that almost entirely, and the trace would wait for the load
-# to end (minutes; `capture --wait` times out). It is then moved to the normal policy FALLBACK_NICE levels down.
-RAISE_AFTER_S = 10.0
 
 # Python 3.12+ warns at every fork of a process with threads; this module forks a threaded process on purpose
 # and its child runs no code that needs another thread's locks (see _child_main).
@@ -73,10 +63,6 @@ def save_mode() -> str:
     if mode == "fork" and not hasattr(os, "fork"):
         mode = "in-process"
     return mode
-
-
-def idle_priority_enabled() -> bool:
-    return hasattr(os, "SCHED_IDLE") and os.environ.get(SCHED_ENV, "idle").strip().lower() != "nice"
 
 
 def save_trace(save: Callable[[str], None], path: Path, timeout_s: float = FORK_SAVE_TIMEOUT_S,
@@ -118,34 +104,6 @@ def _save_native(kineto_result: Callable[[], Any], path: Path) -> str | None:
     except TypeError as exc:  # the module does not know this result type (a pybind11 registry apart): unsaved
         return f"the native module cannot take this result: {exc}"
     return None
-
-
-_training_cpu: int | None = None  # the CPU the training thread was on when its last window was collected
-
-
-def note_training_cpu() -> None:
-    """On the training thread, at a window's end: remember its CPU, which the helpers then leave to it
-    (/proc/thread-self/stat field 39; about 20 us)."""
-    global _training_cpu
-    try:
-        _training_cpu = int(proc_stat_fields("/proc/thread-self/stat")[36])
-    except (OSError, ValueError, IndexError):
-        _training_cpu = None
-
-
-def helper_cpus() -> list[int]:
-    """The CPUs the helpers (native saver thread, post-processing child) are pinned to: every CPU this process may
-    use except the one its training thread was last on; [] (no pinning) when that leaves none, when the CPU is
-    unknown, or with ONDEMAND_PROF_HELPER_CPUS=all. The kernel may move the training thread later; the helpers
-    run at idle priority anyway, so pinning only keeps them off its caches and its wake-ups."""
-    if _training_cpu is None or os.environ.get(CPUS_ENV, "auto").strip().lower() == "all":
-        return []
-    try:
-        allowed = os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        return []
-    rest = sorted(allowed - {_training_cpu})
-    return rest if rest and len(rest) < len(allowed) else []
 
 
 def _save_in_child(save: Callable[[str], None], path: Path, timeout_s: float) -> str | None:
@@ -255,62 +213,3 @@ def _kill(pid: int) -> None:
         pass
     _reap(pid)
     return None
-
-
-def lower_priority(pid: int) -> None:
-    """Make process `pid` (0: this one) run only on cores nothing else wants: SCHED_IDLE where available and
-    not turned off, else 10 nice levels below where it is. Best effort."""
-    try:
-        if idle_priority_enabled():
-            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
-        else:
-            os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, pid) + FALLBACK_NICE))
-    except (OSError, AttributeError):
-        pass
-
-
-def raise_priority(pid: int) -> None:
-    """A helper process left at SCHED_IDLE too long (RAISE_AFTER_S): each of its threads to the normal policy,
-    FALLBACK_NICE levels down. Best effort; nothing to do when it was lowered by nice levels only."""
-    if not idle_priority_enabled():
-        return
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tids = [pid]
-    for tid in tids:
-        try:
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-            os.setpriority(os.PRIO_PROCESS, tid, FALLBACK_NICE)
-        except (OSError, AttributeError):
-            pass
-    log.info("ondemand_prof: a trace helper (pid %d) still running after %.0f s at idle priority (every core is "
-             "busy): raised to nice %d", pid, RAISE_AFTER_S, FALLBACK_NICE)
-
-
-def spawn_background(cmd: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, capture_output=True, text=True) with the child at background priority, off the training
-    thread's core (helper_cpus). The priority and CPUs are set from here right after exec (not with preexec_fn, which runs Python between fork and exec in a
-    process with other threads), so the child's interpreter start-up is the only part that runs at normal
-    priority."""
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        lower_priority(proc.pid)
-        cpus = helper_cpus()
-        if cpus:
-            try:
-                os.sched_setaffinity(proc.pid, cpus)
-            except OSError:
-                pass
-        try:
-            try:
-                out, err = proc.communicate(timeout=min(RAISE_AFTER_S, timeout_s))
-            except subprocess.TimeoutExpired:
-                if timeout_s <= RAISE_AFTER_S:
-                    raise
-                raise_priority(proc.pid)
-                out, err = proc.communicate(timeout=timeout_s - RAISE_AFTER_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -27,7 +27,8 @@ from typing import Any, Iterator, Sequence
 from ...core.files import proc_stat_fields
 from ...core.options import OPTIONS, Option, window_options
 from ...core.window import Window
-from ..trace_save import note_training_cpu, save_trace
+from ..helpers import note_training_cpu
+from ..trace_save import save_trace
 from .base import Export, Identity, Written
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,140 @@
+"""The rank's helpers (the native saver thread, the forked saver, the post-processing child, the native build)
+run beside training without slowing it, and start from nothing a job's directory can plant.
+
+Priority: SCHED_IDLE where available (ONDEMAND_PROF_EXPORT_SCHED=nice: 10 nice levels down instead), on every CPU
+but the one the training thread was last on (ONDEMAND_PROF_HELPER_CPUS=all: anywhere). A helper still at
+SCHED_IDLE after RAISE_AFTER_S (every core busy at normal priority, which SCHED_IDLE yields to almost entirely) is
+raised to the normal policy 10 nice levels down, so the trace is not held until the load ends.
+
+Child processes: `python -m` puts the working directory first on sys.path, and a rank's working directory may be
+writable by others (a 1777 or group project directory): a planted `json.py` or `ondemand_prof/` there would run as
+the job's owner. python_child() starts them in a fixed directory with safe path handling (-P, PYTHONSAFEPATH).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ..core.files import proc_stat_fields
+
+log = logging.getLogger(__name__)
+
+SCHED_ENV = "ONDEMAND_PROF_EXPORT_SCHED"
+CPUS_ENV = "ONDEMAND_PROF_HELPER_CPUS"  # auto: off the training thread's core; all: anywhere
+FALLBACK_NICE = 10
+# A helper still at SCHED_IDLE after this long is on a host whose cores are all kept busy at normal priority (CPU
+# training, data loader workers): SCHED_IDLE yields to that almost entirely, and the trace would wait for the load
+# to end (minutes; `capture --wait` times out). It is then moved to the normal policy FALLBACK_NICE levels down.
+RAISE_AFTER_S = 10.0
+CHILD_CWD = "/"  # where every child starts: root's, never writable by a job's neighbours
+
+
+def python_child(module: str, *args: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run `python -m module args` as a helper of this rank: nothing is
+    imported from the working directory or an empty PYTHONPATH entry (-P and PYTHONSAFEPATH on Python 3.11+; the
+    child's cwd is CHILD_CWD on every version, pass cwd=CHILD_CWD), and this package is found where it was loaded
+    from."""
+    env = dict(os.environ)
+    package_parent = str(Path(__file__).resolve().parents[2])  # the directory holding ondemand_prof/
+    # an empty entry in PYTHONPATH means the working directory: dropped
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([package_parent, *rest])
+    env["PYTHONSAFEPATH"] = "1"
+    flags = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *flags, "-m", module, *args], env
+
+
+def idle_priority_enabled() -> bool:
+    return hasattr(os, "SCHED_IDLE") and os.environ.get(SCHED_ENV, "idle").strip().lower() != "nice"
+
+
+_training_cpu: int | None = None  # the CPU the training thread was on when its last window was collected
+
+
+def note_training_cpu() -> None:
+    """On the training thread, at a window's end: remember its CPU, which the helpers then leave to it
+    (/proc/thread-self/stat field 39; about 20 us)."""
+    global _training_cpu
+    try:
+        _training_cpu = int(proc_stat_fields("/proc/thread-self/stat")[36])
+    except (OSError, ValueError, IndexError):
+        _training_cpu = None
+
+
+def helper_cpus() -> list[int]:
+    """The CPUs the helpers (native saver thread, post-processing child) are pinned to: every CPU this process may
+    use except the one its training thread was last on; [] (no pinning) when that leaves none, when the CPU is
+    unknown, or with ONDEMAND_PROF_HELPER_CPUS=all. The kernel may move the training thread later; the helpers
+    run at idle priority anyway, so pinning only keeps them off its caches and its wake-ups."""
+    if _training_cpu is None or os.environ.get(CPUS_ENV, "auto").strip().lower() == "all":
+        return []
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return []
+    rest = sorted(allowed - {_training_cpu})
+    return rest if rest and len(rest) < len(allowed) else []
+
+
+def lower_priority(pid: int) -> None:
+    """Make process `pid` (0: this one) run only on cores nothing else wants: SCHED_IDLE where available and
+    not turned off, else 10 nice levels below where it is. Best effort."""
+    try:
+        if idle_priority_enabled():
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, pid) + FALLBACK_NICE))
+    except (OSError, AttributeError):
+        pass
+
+
+def raise_priority(pid: int) -> None:
+    """A helper process left at SCHED_IDLE too long (RAISE_AFTER_S): each of its threads to the normal policy,
+    FALLBACK_NICE levels down. Best effort; nothing to do when it was lowered by nice levels only."""
+    if not idle_priority_enabled():
+        return
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, FALLBACK_NICE)
+        except (OSError, AttributeError):
+            pass
+    log.info("ondemand_prof: a trace helper (pid %d) still running after %.0f s at idle priority (every core is "
+             "busy): raised to nice %d", pid, RAISE_AFTER_S, FALLBACK_NICE)
+
+
+def spawn_background(cmd: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) with the child at background priority, off the training
+    thread's core (helper_cpus). The priority and CPUs are set from here right after exec (not with preexec_fn, which runs Python between fork and exec in a
+    process with other threads), so the child's interpreter start-up is the only part that runs at normal
+    priority."""
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=CHILD_CWD) as proc:
+        lower_priority(proc.pid)
+        cpus = helper_cpus()
+        if cpus:
+            try:
+                os.sched_setaffinity(proc.pid, cpus)
+            except OSError:
+                pass
+        try:
+            try:
+                out, err = proc.communicate(timeout=min(RAISE_AFTER_S, timeout_s))
+            except subprocess.TimeoutExpired:
+                if timeout_s <= RAISE_AFTER_S:
+                    raise
+                raise_priority(proc.pid)
+                out, err = proc.communicate(timeout=timeout_s - RAISE_AFTER_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

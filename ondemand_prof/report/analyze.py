@@ -22,12 +22,25 @@ Definitions (docs/reports.md repeats them):
     collective, communication = a collective and the thread does not work (exposed: it waits), overlap = both,
     idle = neither (Python, data loading, sleeping); the four add up to the step;
   * communication is what classify.COMM_LIBRARIES names; per library, the time some of its kernels (device) or
-    collectives (CPU) run inside the steps is reported too, so the split says what it counted.
+    collectives (CPU) run inside the steps is reported too, so the split says what it counted. Libraries nest
+    (c10d's operator issues gloo's range; record_param_comms encloses both): their times are not additive;
+  * per collective kind (all_gather, reduce_scatter, all_reduce ...: classify.collective_kind), the calls and the
+    time some transfer of that kind runs inside the steps, from the library that runs it (a backend: NCCL kernels,
+    gloo's ranges, HCCL tasks ...), each taking the kind of the c10d or functional operator that issued it where
+    one did (FSDP's reduce_scatter, which gloo runs as an all_reduce, is a reduce_scatter): on the device, the
+    operator around the kernel's launch; on the CPU, gloo's ranges are matched to the c10d operators in the order
+    they were issued (its work queue is first in, first out). Nested ranges of one kind count once; different
+    kinds can overlap one another (a prefetched all_gather beside a reduce_scatter);
+  * step_ops: the operators (self and total time, calls) and kernels (time, calls) of the events inside the
+    steps, summed over them (operators by the step their start falls in, on any thread; kernels by the step that launched
+    them): what a comparison with a baseline (compare.py) matches by name.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
+import math
 from array import array
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -35,12 +48,15 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..core.tracedefs import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
-from .classify import (CATEGORY_ALIASES, DEVICE_PROCESSES, LAUNCH_CATS, LAUNCH_FLOWS, comm_library, device_name,
-                       is_comm, kernel_group)
+from .classify import (BACKEND_LIBRARIES, CATEGORY_ALIASES, DEVICE_PROCESSES, LAUNCH_CATS, LAUNCH_FLOWS,
+                       collective_kind, comm_library, device_name, is_comm, kernel_group)
 from .tracefile import TraceError, TraceReader
 
 MEMORY_POINTS = 1000
 SHARES = ("compute", "comm", "overlap", "idle")
+# per_step's tables (what a comparison with a baseline matches by name): the operators with the most self time and
+# the kernels with the most time inside the steps; a table this long holds every name of most training steps
+PER_STEP_OPS, PER_STEP_KERNELS = 300, 300
 
 __all__ = ["RankAnalyzer", "StepRow", "analyze_trace_file", "is_comm", "peak_downsample", "round_shares", "SHARES"]
 
@@ -109,11 +125,12 @@ class RankAnalyzer:
         self.threads: dict[tuple[Any, Any], _Thread] = defaultdict(_Thread)
         self.steps: list[tuple[int, float, float, Any]] = []  # (step, ts, dur, thread key)
         self.dev = _Timed()        # kernels, memcpy, memset
-        self.launches = _Timed()   # runtime calls that launch them (correlation id -> CPU time)
+        self.launches = _Timed()   # runtime calls that launch them (correlation id -> CPU time; pid: the thread)
         self.loose = _Timed()      # complete events without a category (torch_npu): sorted out by process name
         # torch_npu's operator -> device task flows: id, time, and whether this end is the task's (else the op's)
         self.flow_id, self.flow_ts, self.flow_at_task = array("q"), array("d"), array("b")
         self.pids: dict[Any, int] = {}
+        self.thread_ids: dict[Any, int] = {}  # (pid, tid) -> an index (what a launch records of its thread)
         self.process_names: dict[Any, str] = {}
         self.mem: dict[tuple[Any, Any], dict[str, Any]] = {}
         self.mem_running: dict[tuple[Any, Any], float] = {}
@@ -172,7 +189,7 @@ class RankAnalyzer:
         elif cat in DEVICE_CATS:
             self.device_event(ts, dur, name, _corr(ev.get("args"), "correlation"), cat == "kernel" and is_comm(name))
         elif cat in LAUNCH_CATS:
-            self.launch_event(ts, _corr(ev.get("args"), "correlation"))
+            self.launch_event(ts, _corr(ev.get("args"), "correlation"), (ev.get("pid"), ev.get("tid")))
         elif cat is None:
             self.loose.add(ts, dur, self._name_id(kernel_group(name)), -1, self._pid(ev.get("pid")), is_comm(name))
 
@@ -184,10 +201,16 @@ class RankAnalyzer:
         """Count device events named `name` as `library`'s communication (torch_npu's COMMUNICATION_OP names)."""
         self.library_of.setdefault(self._name_id(kernel_group(name)), library)
 
-    def launch_event(self, ts: float, correlation: int) -> None:
-        """A CPU-side call that launched device work, at `ts`."""
+    def launch_event(self, ts: float, correlation: int, thread: Any = None) -> None:
+        """A CPU-side call that launched device work, at `ts`, on `thread` (a (pid, tid) key, when known)."""
         if correlation >= 0:
-            self.launches.add(ts, 0.0, 0, correlation)
+            self.launches.add(ts, 0.0, 0, correlation, self._thread_index(thread) if thread is not None else -1)
+
+    def _thread_index(self, key: Any) -> int:
+        i = self.thread_ids.get(key)
+        if i is None:
+            i = self.thread_ids[key] = len(self.thread_ids)
+        return i
 
     def _flow(self, ev: dict[str, Any], ph: str) -> None:
         """torch_npu links an operator to each device task it launched by a flow: it starts at the op and finishes
@@ -234,8 +257,9 @@ class RankAnalyzer:
 
     def result(self, top: int = 15) -> dict[str, Any]:
         self._sort_loose()
-        ops, annotations = self._operators()
-        steps, attribution, libraries = self._step_rows()
+        ordered = self._ordered_steps()
+        ops, annotations, in_steps = self._operators(ordered)
+        steps, attribution, libraries, member = self._step_rows(ordered)
         kernels = self._kernels()
         out: dict[str, Any] = {
             "events": self.events,
@@ -249,6 +273,8 @@ class RankAnalyzer:
             "basis": "device" if len(self.dev.ts) else "cpu",
             "kernel_steps": attribution,
             "comm_libraries": libraries,
+            "collectives": self._collectives(ordered, member),
+            "step_ops": self._step_ops(ordered, in_steps, member),
             "memory": self._memory_result(),
         }
         out.update(step_summary(steps))
@@ -256,7 +282,7 @@ class RankAnalyzer:
 
     def operator_self_times(self) -> dict[str, float]:
         """name -> total self time (us) of cpu_op events; what the correctness test compares to key_averages()."""
-        ops, _ = self._operators()
+        ops, _, _ = self._operators(self._ordered_steps())
         return {r["name"]: r["self_us"] for r in ops}
 
     def _sort_loose(self) -> None:
@@ -280,8 +306,13 @@ class RankAnalyzer:
         self.loose = _Timed()
         self.flow_id, self.flow_ts, self.flow_at_task = array("q"), array("d"), array("b")
 
-    def _operators(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def _operators(self, steps: list[tuple[int, float, float, Any]]
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[int, list[float]]]:
+        """Every operator and annotation of the trace (calls, total, self); and, of the operators whose start
+        falls inside a step, name id -> [calls, total, self] (per_step)."""
         agg: dict[tuple[int, bool], list[float]] = {}
+        in_steps: dict[int, list[float]] = {}
+        step_of = _step_finder(steps)
         for t in self.threads.values():
             selfs = thread_self_times(t.ts, t.dur)
             for i in range(len(t.ts)):
@@ -291,6 +322,13 @@ class RankAnalyzer:
                 row[0] += 1
                 row[1] += t.dur[i]
                 row[2] += selfs[i]
+                if t.is_op[i] and step_of(t.ts[i]) >= 0:
+                    mine = in_steps.get(t.name[i])
+                    if mine is None:
+                        mine = in_steps[t.name[i]] = [0, 0.0, 0.0]
+                    mine[0] += 1
+                    mine[1] += t.dur[i]
+                    mine[2] += selfs[i]
         ops: list[dict[str, Any]] = []
         annotations: list[dict[str, Any]] = []
         for (nid, is_op), (calls, total, self_us) in agg.items():
@@ -301,7 +339,7 @@ class RankAnalyzer:
                 ops.append(entry)
             elif not name.startswith("ProfilerStep#"):
                 annotations.append(entry)
-        return ops, annotations
+        return ops, annotations, in_steps
 
     def _kernels(self) -> list[dict[str, Any]]:
         agg: dict[int, list[float]] = {}
@@ -322,16 +360,18 @@ class RankAnalyzer:
                 by_step[s[0]] = s
         return sorted(by_step.values(), key=lambda s: s[1])
 
-    def _step_rows(self) -> tuple[list[StepRow], dict[str, int], list[dict[str, Any]]]:
-        steps = self._ordered_steps()
+    def _step_rows(self, steps: list[tuple[int, float, float, Any]]
+                   ) -> tuple[list[StepRow], dict[str, int], list[dict[str, Any]], array | None]:
+        """The steps' split, how kernels were placed in steps, the libraries' times, and each device event's step
+        (an index into `steps`, -1: none; None without device events)."""
         if not steps:
-            return [], {}, []
+            return [], {}, [], None
         if not len(self.dev.ts):
             rows, libraries = self._cpu_rows(steps)
-            return rows, {}, libraries
+            return rows, {}, libraries, None
         member, attribution = self._kernel_steps(steps)
         rows, bounds = _device_rows(steps, self.dev, member)
-        return rows, attribution, self._device_libraries(member, bounds)
+        return rows, attribution, self._device_libraries(member, bounds), member
 
     def _library(self, nid: int) -> str:
         return self.library_of.get(nid) or comm_library(self.name_list[nid]) or "other"
@@ -406,6 +446,111 @@ class RankAnalyzer:
         spans = sorted((ts, ts + dur) for _, ts, dur, _ in steps)
         return rows, _library_rows(by_library, _merge(spans), "operators")
 
+    def _step_ops(self, steps: list[tuple[int, float, float, Any]], in_steps: dict[int, list[float]],
+                  member: array | None) -> dict[str, Any]:
+        """The operators and kernels inside the `steps` recorded steps (module docstring), longest first, summed
+        over them: [name, calls, self us, total us] and [name, calls, us], the first PER_STEP_OPS /
+        PER_STEP_KERNELS of each (`complete` says whether that is all of them)."""
+        n = len(steps)
+        if not n:
+            return {"steps": 0, "ops": [], "kernels": [], "complete": {"ops": True, "kernels": True}}
+        ops = sorted(([self.name_list[k], int(c), s_us, t_us] for k, (c, t_us, s_us) in in_steps.items()),
+                     key=lambda r: -r[2])
+        kernels: dict[int, list[float]] = {}
+        d = self.dev
+        for i in range(len(d.ts)):
+            if member is not None and member[i] >= 0:
+                row = kernels.get(d.name[i])
+                if row is None:
+                    row = kernels[d.name[i]] = [0, 0.0]
+                row[0] += 1
+                row[1] += d.dur[i]
+        krows = sorted(([self.name_list[k], int(c), us] for k, (c, us) in kernels.items()), key=lambda r: -r[2])
+        return {"steps": n, "ops": [_rounded(r) for r in ops[:PER_STEP_OPS]],
+                "kernels": [_rounded(r) for r in krows[:PER_STEP_KERNELS]],
+                "complete": {"ops": len(ops) <= PER_STEP_OPS, "kernels": len(krows) <= PER_STEP_KERNELS}}
+
+    def _collectives(self, steps: list[tuple[int, float, float, Any]], member: array | None) -> list[dict[str, Any]]:
+        """Per collective kind (module docstring): {kind, via, count, ms, count_per_step, ms_per_step,
+        issued_by}, longest first."""
+        if not steps:
+            return []
+        spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        via: dict[str, set[str]] = defaultdict(set)
+        issued: dict[str, dict[str, int]] = defaultdict(dict)
+        for ts, end, kind, library, issuer in (self._device_transfers(steps, member) if member is not None
+                                               else self._cpu_transfers()):
+            spans[kind].append((ts, end))
+            via[kind].add(library)
+            if issuer:
+                issued[kind][issuer] = issued[kind].get(issuer, 0) + 1
+        windows = _merge((ts, ts + dur) for _, ts, dur, _ in steps)
+        n = len(steps)
+        out = []
+        for kind, ivs in spans.items():
+            inside = [iv for iv in ivs if _clip(windows, iv[0], max(iv[1], iv[0] + 1e-9))] if member is None else ivs
+            if not inside:
+                continue
+            us = sum(_length(_clip(_merge(inside), lo, hi)) for lo, hi in windows)
+            out.append({"kind": kind, "via": sorted(via[kind]), "count": len(inside), "ms": us / 1000,
+                        "count_per_step": len(inside) / n, "ms_per_step": us / 1000 / n,
+                        "issued_by": dict(sorted(issued[kind].items(), key=lambda kv: -kv[1])[:4])})
+        return sorted(out, key=lambda r: -r["ms"])
+
+    def _device_transfers(self, steps: list[tuple[int, float, float, Any]], member: array
+                          ) -> Iterable[tuple[float, float, str, str, str | None]]:
+        """(start, end, kind, library, issuing operator) of the communication kernels inside the steps: the kind
+        of the c10d/functional operator around the kernel's launch on its thread, else the kernel's own."""
+        launched: dict[int, tuple[float, int]] = {}
+        la = self.launches
+        for i in range(len(la.ts)):
+            launched.setdefault(la.corr[i], (la.ts[i], la.pid[i]))
+        issuers = _Issuers(self, {i: k for k, i in self.thread_ids.items()})
+        d = self.dev
+        for i in range(len(d.ts)):
+            if not d.comm[i] or member[i] < 0:
+                continue
+            name = self.name_list[d.name[i]]
+            at = launched.get(d.corr[i]) if d.corr[i] >= 0 else None
+            issuer = issuers.around(*at) if at is not None else None
+            kind = collective_kind(issuer) if issuer else "other"
+            if kind in ("other", "wait"):
+                kind = collective_kind(name)
+            yield d.ts[i], d.ts[i] + d.dur[i], kind, self._library(d.name[i]), issuer
+
+    def _cpu_transfers(self) -> Iterable[tuple[float, float, str, str, str | None]]:
+        """(start, end, kind, library, issuing operator) of the collectives on the CPU: each backend range (gloo's,
+        on its worker threads; nested ones of a thread once), matched to the c10d operators first in, first out
+        (each range takes the earliest unmatched operator issued before it started); where no backend range is
+        in the trace, the outermost c10d operators themselves."""
+        backend: list[tuple[float, float, int]] = []
+        issuing: list[tuple[float, float, int]] = []
+        for t in self.threads.values():
+            outer_end = -math.inf
+            for i in sorted(range(len(t.ts)), key=lambda i: (t.ts[i], -t.dur[i])):
+                name = self.name_list[t.name[i]]
+                library = comm_library(name)
+                if library in BACKEND_LIBRARIES:
+                    if t.ts[i] >= outer_end:  # not inside another backend range of this thread
+                        backend.append((t.ts[i], t.ts[i] + t.dur[i], t.name[i]))
+                        outer_end = t.ts[i] + t.dur[i]
+                elif library == "c10d" and collective_kind(name) not in ("other", "wait"):
+                    issuing.append((t.ts[i], t.ts[i] + t.dur[i], t.name[i]))
+        if not backend:  # (an older torch, or a backend we do not know): the operators are all there is
+            backend, issuing = issuing, []
+        backend.sort()
+        issuing.sort()
+        queue: collections.deque[tuple[float, float, int]] = collections.deque()
+        j = 0
+        for ts, end, nid in backend:
+            while j < len(issuing) and issuing[j][0] <= ts:
+                queue.append(issuing[j])
+                j += 1
+            issuer = self.name_list[queue.popleft()[2]] if queue else None
+            name = self.name_list[nid]
+            kind = collective_kind(issuer) if issuer else collective_kind(name)
+            yield ts, end, kind, self._library(nid), issuer
+
     def _memory_result(self) -> dict[str, Any] | None:
         if not self.mem:
             return None
@@ -439,6 +584,52 @@ def analyze_trace_file(trace: Path, out: dict[str, Any], top: int) -> None:
         out["rank"] = info["rank"]
     if out.get("world_size") is None and isinstance(info.get("world_size"), int):
         out["world_size"] = info["world_size"]
+
+
+def _rounded(row: list[Any]) -> list[Any]:
+    return [row[0], row[1], *(round(x, 3) for x in row[2:])]
+
+
+def _step_finder(steps: list[tuple[int, float, float, Any]]) -> Any:
+    """t -> the index (into `steps`, ordered by start) of the step whose time range holds t, or -1."""
+    starts = [s[1] for s in steps]
+
+    def step_at(t: float) -> int:
+        k = bisect.bisect_right(starts, t) - 1
+        return k if k >= 0 and t < steps[k][1] + steps[k][2] else -1
+
+    return step_at
+
+
+class _Issuers:
+    """The innermost c10d/functional collective operator open at a time on a thread (a kernel's launch)."""
+
+    def __init__(self, an: RankAnalyzer, thread_keys: dict[int, Any]) -> None:
+        self.an, self.keys = an, thread_keys
+        self._by_thread: dict[int, tuple[list[float], list[tuple[float, float, str]]]] = {}
+
+    def around(self, ts: float, thread: int) -> str | None:
+        if thread not in self._by_thread:
+            t = self.an.threads.get(self.keys.get(thread))
+            ops = []
+            if t is not None:
+                for i in range(len(t.ts)):
+                    name = self.an.name_list[t.name[i]]
+                    if comm_library(name) == "c10d" and collective_kind(name) not in ("other", "wait"):
+                        ops.append((t.ts[i], t.ts[i] + t.dur[i], name))
+            ops.sort()
+            self._by_thread[thread] = ([o[0] for o in ops], ops)
+        starts, ops = self._by_thread[thread]
+        k = bisect.bisect_right(starts, ts) - 1
+        best = None
+        while k >= 0:  # the innermost: the latest start whose range still holds ts
+            if ops[k][1] >= ts:
+                best = ops[k][2]
+                break
+            k -= 1
+            if k >= 0 and ts - ops[k][0] > 60e6:  # nothing opened a minute before is still open
+                break
+        return best
 
 
 def _number(value: Any) -> float:

@@ -85,6 +85,45 @@ def comm_library(name: str) -> str | None:
     return None
 
 
+# What a collective does, from the names libraries give it (the part after the library's prefix, case and
+# separators ignored); the first that matches wins, so reduce_scatter is not read as reduce, nor all_gather as gather.
+COLLECTIVE_KINDS: tuple[tuple[str, str], ...] = (
+    ("reduce_scatter", r"reduce_?scatter"),
+    ("all_reduce", r"all_?reduce"),
+    ("all_gather", r"all_?gather"),
+    ("all_to_all", r"all_?to_?all|dispatch|combine|(?:^|_)a2a"),  # DeepEP's dispatch/combine are all-to-all
+    ("broadcast", r"broadcast|bcast"),
+    ("barrier", r"barrier"),
+    ("send/recv", r"send|recv|p2p"),
+    ("reduce", r"reduce"),
+    ("gather", r"gather"),
+    ("scatter", r"scatter"),
+    ("wait", r"wait"),
+)
+_KIND_RE = [(kind, re.compile(pattern)) for kind, pattern in COLLECTIVE_KINDS]
+# libraries that run the transfer (their ranges and kernels are the collective's time); c10d's operators only
+# issue one (an enqueue on the training thread, around which a backend range runs on a worker thread or device)
+BACKEND_LIBRARIES = frozenset({"NCCL/RCCL", "HCCL", "gloo", "DeepEP", "NVSHMEM", "SymmetricMemory", "MSCCL++"})
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def collective_kind(name: str) -> str:
+    """all_reduce, reduce_scatter, all_gather, all_to_all, broadcast, barrier, send/recv, reduce, gather,
+    scatter, wait, or "other", from a communication kernel's, operator's or range's name
+    (`ncclDevKernel_ReduceScatter_Sum_f32_RING_LL` -> reduce_scatter, `c10d::_allgather_base_` -> all_gather,
+    `gloo:all_reduce` -> all_reduce, `hcom_allReduce_` -> all_reduce)."""
+    text = re.sub(r"^void ", "", name)
+    text = text.split("<", 1)[0].split("(", 1)[0].lower()
+    for prefix in ("_c10d_functional_autograd::", "_c10d_functional::", "c10d::", "gloo:", "nccl:", "hccl:"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+            break
+    for kind, pattern in _KIND_RE:
+        if pattern.search(text):
+            return kind
+    return "other"
+
+
 def is_comm(name: str) -> bool:
     """A collective, point-to-point or all-to-all kernel, operator or range of a known communication library."""
     return comm_library(name) is not None

@@ -371,3 +371,18 @@ def test_cooldown_and_hourly_budget_bound_automatic_captures() -> None:
     assert taken == [0, 5, 10, 60, 65, 70]  # 3 in any hour; the next only once the first is an hour old
     assert "hourly budget of 3" in auto.allowed(1000.0 + 115 * 60)
     assert "cooldown (59 s left)" in auto.allowed(1000.0 + 70 * 60 + 1)
+
+
+def test_stacks_fold_our_own_threads_unless_asked(env: dict[str, Any]) -> None:
+    """The hook's own threads (the trigger watcher's three, named) are one line by default, not Thread-1..3."""
+    daemon(env)
+    ranks(env, 1, "--no-dist", "--steps", "100000", "--step-sleep", "0.02")
+    poll(lambda: len(live_ranks(env["run"])) == 1, "the rank registered")
+    res = ctl(env["run"], "stacks", "--timeout", "20")
+    assert res.returncode == 0, res.stderr
+    assert "=== thread MainThread (main)" in res.stdout and "Thread-" not in res.stdout, res.stdout
+    line = next(x for x in res.stdout.splitlines() if "of ondemand_prof itself" in x)
+    assert "trigger-observer" in line and "--all-threads shows them" in line, line
+    assert "watchdog" not in res.stdout, res.stdout
+    shown = ctl(env["run"], "stacks", "--timeout", "20", "--all-threads").stdout
+    assert "=== thread ondemand-prof-trigger-observer" in shown and "watchdog/observers" in shown, shown

@@ -14,6 +14,9 @@ DEFAULT_MEMORY_STEPS = 3
 DEFAULT_MAX_ENTRIES = 100_000
 MAX_ENTRIES = 10_000_000
 MEMORY_STACKS = ("python", "all")  # Python frames only (fast), or C++ too (dumps can take minutes)
+# every thread ondemand_prof starts in a rank, or names once a library started it for us (watchdog's), is named so:
+# stacks fold them into one line unless asked (ondemandctl stacks --all-threads)
+OWN_THREAD_PREFIX = "ondemand-prof-"
 
 
 def check_args(action: str, args: Any) -> dict[str, Any]:
@@ -35,7 +38,8 @@ def check_args(action: str, args: Any) -> dict[str, Any]:
 def format_thread(thread: dict[str, Any]) -> str:
     """One thread as Python prints a traceback (most recent call last)."""
     tags = [x for x, on in (("main", thread.get("main")), ("daemon", thread.get("daemon")),
-                            ("this collector", thread.get("collector"))) if on]
+                            ("ondemand_prof's", thread.get("own")), ("this collector", thread.get("collector")))
+            if on]
     head = f'Thread "{thread["name"]}"' + (f" ({', '.join(tags)})" if tags else "")
     hidden = thread.get("depth", len(thread["frames"])) - len(thread["frames"])
     lines = [head + " (most recent call last):"]

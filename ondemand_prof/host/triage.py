@@ -385,6 +385,7 @@ def _threads(threads: Any) -> list[dict[str, Any]]:
             raise _Malformed("a thread")
         frames = _frames(t.get("frames"))
         out.append({"name": t["name"][:200], "main": t.get("main") is True, "collector": t.get("collector") is True,
+                    "own": t.get("own") is True,
                     "daemon": t.get("daemon") if isinstance(t.get("daemon"), bool) else None,
                     "depth": max(_i(t.get("depth"), 0, 1 << 31) or 0, len(frames)), "frames": frames})
     return out
@@ -494,6 +495,7 @@ class StackFolder:
     def __init__(self) -> None:
         self.by_thread: dict[str, dict[tuple[Any, ...], list[int]]] = {}
         self.frames_of: dict[tuple[Any, ...], list[Any]] = {}
+        self.own: set[str] = set()  # names of ondemand_prof's own threads (printed folded unless asked)
 
     def add(self, rank: int, res: dict[str, Any]) -> dict[str, Any]:
         """Fold one rank's answer; returns what is kept of it per rank (how it answered, not its frames)."""
@@ -505,17 +507,21 @@ class StackFolder:
             key = tuple(tuple(f[:3]) for f in t["frames"])  # file, line, function: code text adds nothing
             self.frames_of.setdefault(key, t["frames"])
             name = t["name"] + (" (main)" if t.get("main") else "")
+            if t.get("own"):
+                self.own.add(name)
             self.by_thread.setdefault(name, {}).setdefault(key, []).append(rank)
         return {k: v for k, v in res.items() if k != "threads"}
 
     def threads(self) -> list[dict[str, Any]]:
-        """Per thread name, the stack most ranks share first, the odd ones after it."""
+        """Per thread name (the main thread first, ondemand_prof's own last), the stack most ranks share first,
+        the odd ones after it."""
         out = []
-        for name, stacks in sorted(self.by_thread.items(), key=lambda kv: (not kv[0].endswith("(main)"), kv[0])):
+        for name, stacks in sorted(self.by_thread.items(),
+                                   key=lambda kv: (not kv[0].endswith("(main)"), kv[0] in self.own, kv[0])):
             ordered = sorted(((key, sorted(ranks)) for key, ranks in stacks.items()),
                              key=lambda kv: (-len(kv[1]), kv[1][0]))
             top = len(ordered[0][1])
-            out.append({"thread": name, "stacks": [  # odd: fewer ranks than the most common stack
+            out.append({"thread": name, "own": name in self.own, "stacks": [  # odd: fewer than the most common
                 {"ranks": ranks, "rank_spans": spans(ranks), "odd": len(ranks) < top, "frames": self.frames_of[key]}
                 for key, ranks in ordered]})
         return out

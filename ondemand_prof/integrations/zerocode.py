@@ -107,6 +107,7 @@ class StepCounter:
             within = 60.0
         if self._no_step_timer is None:
             self._no_step_timer = threading.Timer(within, self._no_step, (within,))
+            self._no_step_timer.name = "ondemand-prof-no-step-timer"  # ours (stacks fold it)
             self._no_step_timer.daemon = True
             self._no_step_timer.start()
 

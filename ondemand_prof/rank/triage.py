@@ -32,7 +32,7 @@ from typing import Any, Callable
 from ..core.files import write_atomic
 from ..core.protocol import MAX_MESSAGE_BYTES, native_dump_signal
 from ..core.safedir import make_dirs
-from ..core.triagedefs import check_args, format_thread
+from ..core.triagedefs import OWN_THREAD_PREFIX, check_args, format_thread
 from .extension import Extension
 
 log = logging.getLogger("ondemand_prof.rank.triage")
@@ -61,8 +61,9 @@ def collect_stacks(max_frames: int = MAX_FRAMES) -> list[dict[str, Any]]:
     for ident, frame in frames.items():
         thread = by_ident.get(ident)
         stack = traceback.extract_stack(frame)
+        name = thread.name if thread else f"<thread {ident}>"
         threads.append({
-            "name": thread.name if thread else f"<thread {ident}>",
+            "name": name, "own": name.startswith(OWN_THREAD_PREFIX),  # ondemand_prof's (folded unless asked)
             "main": ident == main, "daemon": bool(thread.daemon) if thread else None, "collector": ident == me,
             "depth": len(stack),
             "frames": [[fs.filename, fs.lineno, fs.name, (fs.line or "")[:160]] for fs in stack[-max_frames:]],

@@ -17,6 +17,7 @@ import signal
 import stat
 import struct
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -285,6 +286,20 @@ def prune_decisions(status_dir: Path, keep: int = KEEP_DECISIONS) -> None:
         old.unlink(missing_ok=True)
 
 
+def name_watchdog_threads(observer: Any, before: set[int | None]) -> None:
+    """Name the threads watchdog started for `observer` (its dispatcher, the emitter that waits in watchdog's
+    delayed queue, the inotify reader) as ondemand_prof's own, so that stacks tell them from the program's
+    threads (they were Thread-1..3) and fold them."""
+    from ..core.triagedefs import OWN_THREAD_PREFIX
+
+    for t in threading.enumerate():
+        if t.ident in before or not type(t).__module__.startswith("watchdog"):
+            continue
+        role = ("trigger-observer" if t is observer else
+                "trigger-emitter" if t in getattr(observer, "emitters", ()) else "trigger-inotify")
+        t.name = OWN_THREAD_PREFIX + role
+
+
 class DirWatcher:
     """Calls `on_change` (from watchdog's thread) when something changes in the trigger directory: inotify
     through watchdog, or nothing (the agent polls) when inotify is unavailable or the directory is on a network
@@ -320,11 +335,13 @@ class DirWatcher:
                             os.path.basename(str(ev.src_path)) == TRIGGER_NAME:
                         watcher.note_event(ev.event_type)
 
+            before = {t.ident for t in threading.enumerate()}
             observer = Observer()
             observer.daemon = True
             observer.schedule(Handler(), str(directory), recursive=False)
             observer.start()
             self._observer = observer
+            name_watchdog_threads(observer, before)
             self.mode = "inotify"
         except Exception as exc:  # noqa: BLE001 - e.g. inotify watch limit reached
             self.poll_s = 0.5

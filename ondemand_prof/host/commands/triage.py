@@ -13,7 +13,8 @@ from typing import Any, TextIO
 from ...core.bounds import checked_number
 from ...core.protocol import encode
 from ...core.ranks import RankSpecError, parse_ranks, spans
-from ...core.triagedefs import DEFAULT_MAX_ENTRIES, DEFAULT_MEMORY_STEPS, MEMORY_STACKS, check_args, format_thread
+from ...core.triagedefs import DEFAULT_MAX_ENTRIES, DEFAULT_MEMORY_STEPS, MEMORY_STACKS, OWN_THREAD_PREFIX, \
+    check_args, format_thread
 from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError, dumps
 from ..records import new_capture_id
 from ..registry import select_ranks
@@ -140,6 +141,12 @@ class Stacks(_TriageCommand):
 
     bulky = ("threads", "text")  # grouped across ranks; per rank only how it answered
 
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        super().add_arguments(parser)
+        parser.add_argument("--all-threads", action="store_true",
+                            help="also print ondemand_prof's own threads (the trigger watcher's, the exporter, "
+                                 "timers), folded into one line by default; --json always has them")
+
     def fold(self, pending: Any) -> dict[str, Any]:
         from ..triage import group_stacks
 
@@ -151,7 +158,10 @@ class Stacks(_TriageCommand):
         silent = sorted(int(r) for r, res in ranks.items() if not res.get("ok"))
         text = (f"stacks {data['triage_id']}: job {data['job']}, {len(ranks)} rank(s): {len(py)} answered in-process "
                 f"(Python), {len(native)} by native dump (faulthandler), {len(silent)} did not answer\n")
+        own = [t for t in data["threads"] if t.get("own")]
         for t in data["threads"]:
+            if t.get("own") and not getattr(args, "all_threads", False):
+                continue
             many = len(t["stacks"]) > 1
             text += f"\n=== thread {t['thread']}: " + (f"{len(t['stacks'])} different stacks\n" if many else
                                                        "the same stack on every rank that has it\n")
@@ -160,6 +170,13 @@ class Stacks(_TriageCommand):
                 text += f"--- rank(s) {s['rank_spans']} ({len(s['ranks'])}){mark}\n"
                 body = format_thread({"name": t["thread"], "frames": s["frames"]}).split("\n", 1)[1]
                 text += body
+        if own and not getattr(args, "all_threads", False):
+            ranks_with = sorted({r for t in own for st in t["stacks"] for r in st["ranks"]})
+            differ = [t["thread"] for t in own if len(t["stacks"]) > 1]
+            text += (f"\n=== {len(own)} thread(s) of ondemand_prof itself on rank(s) {spans(ranks_with)}, not shown: "
+                     + ", ".join(t["thread"].removeprefix(OWN_THREAD_PREFIX) for t in own)
+                     + (f" ({', '.join(differ)}: different stacks on different ranks)" if differ else "")
+                     + "; --all-threads shows them\n")
         for rank, res in data["native"].items():
             if res.get("ok"):
                 text += f"\n=== rank {rank}: NATIVE DUMP. {res['note']}\n{res['text']}"

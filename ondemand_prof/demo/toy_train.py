@@ -42,8 +42,71 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--slow-from", type=int, default=-1, help="from this step on, --step-sleep is...")
     parser.add_argument("--slow-factor", type=float, default=1.0, help="...this many times longer...")
     parser.add_argument("--slow-rank", type=int, default=-1, help="...on this rank only (-1: every rank)")
+    parser.add_argument("--inject-file", help="a JSON file read while the loop runs (its changes take effect at "
+                        "the next step): slowdowns switched on and off, for comparisons with a baseline "
+                        '({"kind": "straggler"|"comm"|"input"|"sync"|"small_ops", "rank": R, "amount": N}; {} is none)')
     add_profile_args(parser)
     return parser
+
+
+class Injection:
+    """The slowdown --inject-file asks for, re-read when the file changes (one stat a step):
+    straggler  rank R does N extra 384x384 matmuls a step (its compute grows; the others wait in the all_reduce)
+    comm       every rank all_reduces an extra N MB a step
+    input      rank R sleeps N ms before its forward (slow input: host time outside any operator)
+    sync       every rank adds N barriers a step (an extra synchronisation)
+    small_ops  every rank runs N extra tiny additions a step (more small operators)"""
+
+    def __init__(self, path: str | None) -> None:
+        self.path, self.mtime, self.spec = path, None, {}
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def refresh(self) -> None:
+        if not self.path:
+            return
+        try:
+            mtime = os.stat(self.path).st_mtime_ns
+        except OSError:
+            self.spec = {}
+            return
+        if mtime != self.mtime:
+            self.mtime = mtime
+            try:
+                spec = json.loads(open(self.path).read() or "{}")
+                self.spec = spec if isinstance(spec, dict) else {}
+            except (OSError, ValueError):
+                pass  # half written: the next step reads it again
+
+    def applies(self, kind: str, rank: int) -> int:
+        spec = self.spec
+        if spec.get("kind") != kind or spec.get("rank", rank) not in (rank, -1):
+            return 0
+        return int(spec.get("amount", 0))
+
+    def before_forward(self, rank: int) -> None:
+        if n := self.applies("input", rank):
+            time.sleep(n / 1000)
+
+    def in_forward(self, rank: int) -> None:
+        if n := self.applies("straggler", rank):
+            a = self._buffers.setdefault("mm", torch.randn(384, 384))
+            for _ in range(n):
+                torch.mm(a, a)
+        if n := self.applies("small_ops", rank):
+            t = self._buffers.setdefault("small", torch.ones(4))
+            for _ in range(n):
+                t = t + 1
+
+    def after_allreduce(self, rank: int, world: int) -> None:
+        if world <= 1:
+            return
+        if n := self.applies("comm", rank):
+            buf = self._buffers.get(f"comm{n}")
+            if buf is None:
+                buf = self._buffers[f"comm{n}"] = torch.zeros(n * (1 << 20) // 4)
+            dist.all_reduce(buf)
+        for _ in range(self.applies("sync", rank)):
+            dist.barrier()
 
 
 def _hold_gil(seconds: float) -> None:
@@ -93,15 +156,19 @@ def main(argv: list[str] | None = None) -> int:
     # of the test suite would pay; the optimizer paths (zero-code, Lightning, Trainer) run the examples/ scripts
     params = list(model.parameters())
     status = open(args.status_file, "a", buffering=1) if args.status_file else None
+    inject, rank = Injection(args.inject_file), int(os.environ.get("RANK", "0"))
     for it in range(args.first_step, args.first_step + args.steps):
         if it == args.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
         if args.stop_file and os.path.exists(args.stop_file):
             break
         t0 = time.time()
+        inject.refresh()
+        inject.before_forward(rank)
         with record_function("forward"):
             x = torch.randn(64, args.hidden)
             loss = torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (64,)))
+            inject.in_forward(rank)
         with record_function("backward"):
             for p in params:
                 p.grad = None
@@ -111,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             with record_function("allreduce_grads"):
                 for p in model.parameters():
                     dist.all_reduce(p.grad)
+            inject.after_allreduce(rank, world)
         with torch.no_grad():
             for p in params:
                 assert p.grad is not None  # backward() set it

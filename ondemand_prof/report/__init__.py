@@ -25,18 +25,33 @@ from typing import Any, Iterable
 
 from .grouping import group_ranks, slowest_rank
 from .model import CaptureGroup, FailedRank, RankResult, Report
-from .sources import discover, read_source
+from .sources import Discovery, discover, read_source
 
 log = logging.getLogger("ondemand_prof.report")
 
-__all__ = ["build_report", "summarize_group", "discover", "CaptureGroup", "RankResult", "Report"]
+__all__ = ["build_report", "build_reports", "compare_groups", "summarize_group", "discover", "CaptureGroup",
+           "RankResult", "Report"]
 
 
 def build_report(paths: Iterable[Path], top: int = 15, workers: int | None = None) -> Report:
     """Everything under `paths`, grouped by capture; `workers` processes read the ranks (default: one per core)."""
+    return build_reports([paths], top, workers)[0]
+
+
+def build_reports(path_sets: list[Iterable[Path]], top: int = 15, workers: int | None = None) -> list[Report]:
+    """A report for each set of paths, their ranks read in one pool (a comparison reads its two captures at once:
+    two large traces take the time of one on two cores)."""
     t0 = time.monotonic()
-    found = discover(Path(p) for p in paths)
-    ranks = read_all(found.sources, top, workers)
+    found = [discover(Path(p) for p in paths) for paths in path_sets]
+    ranks = read_all([src for f in found for src in f.sources], top, workers)
+    reports, at = [], 0
+    for f in found:
+        mine, at = ranks[at:at + len(f.sources)], at + len(f.sources)
+        reports.append(_assemble(f, mine, t0))
+    return reports
+
+
+def _assemble(found: Discovery, ranks: list[RankResult], t0: float) -> Report:
     captures = [summarize_group(key, members, why) for key, why, members in group_ranks(ranks)]
     captures.sort(key=lambda c: (c.get("newest") or "", c.get("title_path") or ""), reverse=True)
     where = {}  # which capture each source landed in, for the listing
@@ -93,3 +108,29 @@ def summarize_group(key: tuple[Any, Any], members: list[RankResult], why: str | 
         group["median_step_ms"] = statistics.median(m["step_ms_mean"] for m in timed)
         group["slowest"] = slowest_rank([(m.get("rank"), m["step_ms_mean"]) for m in timed])
     return group
+
+
+def compare_groups(base: CaptureGroup, now: CaptureGroup) -> dict[str, Any]:
+    """The comparison of two captures (compare.py): their ranks matched by rank number."""
+    from .compare import compare_rank, conclude
+
+    def by_rank(group: CaptureGroup) -> dict[Any, RankResult]:
+        return {r.get("rank"): r for r in group["ranks"]}
+
+    b, n = by_rank(base), by_rank(now)
+    if len(b) == len(n) == 1 and set(b) != set(n):  # one rank each, of different numbers: those two, said so
+        (kb, rb), (kn, rn) = next(iter(b.items())), next(iter(n.items()))
+        result = conclude([compare_rank(dict(rb), dict(rn))], _capture_name(base), _capture_name(now),
+                          jobs=(base.get("job_id"), now.get("job_id")))
+        result["notes"].insert(0, f"one rank on each side: rank {kb} of the baseline compared with rank {kn} now")
+        return result
+    common = [k for k in n if k in b]
+    ranks = [compare_rank(dict(b[k]), dict(n[k])) for k in common]
+    unmatched = {"baseline": sorted(k for k in b if k not in n and k is not None),
+                 "now": sorted(k for k in n if k not in b and k is not None)}
+    return conclude(ranks, _capture_name(base), _capture_name(now), unmatched=unmatched,
+                    jobs=(base.get("job_id"), now.get("job_id")))
+
+
+def _capture_name(group: CaptureGroup) -> str:
+    return str(group.get("capture_id") or group.get("title_path") or "?")

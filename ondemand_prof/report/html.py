@@ -445,3 +445,130 @@ def _open_traces(group: CaptureGroup) -> str:
             "<code>tensorboard --logdir &lt;save path&gt;</code>; or HTA's <code>TraceAnalysis(trace_dir=...)</code>."
             "</p><ul>" + "".join(items) + "</ul>")
 
+
+
+def render_comparison_html(c: dict[str, Any]) -> str:
+    """A capture against its baseline, side by side: the cause line, the step time per rank, each rank's split as
+    two bars (baseline, now), communication by collective, and what changed most; measured values only."""
+    from .compare import SPLIT
+
+    jobs = c.get("job") or {}
+    s = c["step_ms"]
+    head = [f'<p><strong>Capture</strong> <code>{_e(c["capture"])}</code>'
+            + (f' (job <code>{_e(jobs["now"])}</code>)' if jobs.get("now") else "")
+            + f' <strong>against baseline</strong> <code>{_e(c["baseline"])}</code>'
+            + (f' (job <code>{_e(jobs["baseline"])}</code>)' if jobs.get("baseline") else "") + "</p>"]
+    if s.get("baseline") is not None and s.get("now") is not None:
+        pct = f", {s['pct']:+.1f}%" if s.get("pct") is not None else ""
+        head.append(f"<p>Step time {s['baseline']:.2f} → {s['now']:.2f} ms ({s['delta']:+.2f} ms{pct}), mean of "
+                    "the ranks</p>")
+    head.append(f'<p class="note" id="cause"><strong>Cause:</strong> {_e(c["cause"])}</p>')
+    head += [f'<p class="note">{_e(n)}</p>' for n in c.get("notes") or []]
+    ranks = c["ranks"]
+    body = [f'<section class="capture"><h2>What changed</h2>{"".join(head)}', _compare_step_chart(ranks),
+            _compare_split_chart(ranks)]
+    rows = []
+    for r in ranks:
+        role = "cause" if r["rank"] in (c.get("culprits") or []) else \
+            "waited" if r["rank"] in (c.get("waiting") or []) else ""
+        cells = "".join(f'<td class=num>{_pair_text(r["split"][key])}</td>' for key, _ in SPLIT)
+        rows.append(f'<tr{" class=slowest" if role == "cause" else ""}><td>{_e(r["rank"])}</td>'
+                    f'<td class=num>{_pair_text(r["step_ms"])}</td>{cells}<td>{role}</td></tr>')
+    body.append('<h3>Per rank, ms per step (baseline → now)</h3><table class="sortable"><thead><tr><th>Rank</th>'
+                '<th>Step</th><th>Compute</th><th>Comm (exposed)</th><th>Overlap</th><th>Idle</th><th></th></tr>'
+                '</thead><tbody>' + "".join(rows) + "</tbody></table>")
+    kinds = c.get("communication") or []
+    if kinds:
+        body.append('<h3>Communication by collective, mean of the ranks, per step</h3><table class="sortable">'
+                    '<thead><tr><th>Kind</th><th>Calls baseline</th><th>Calls now</th><th>Baseline ms</th>'
+                    '<th>Now ms</th><th>Δ ms</th></tr></thead><tbody>' + "".join(
+                        f'<tr><td>{_e(k["kind"])}</td><td class=num>{k["calls_baseline"]:g}</td>'
+                        f'<td class=num>{k["calls_now"]:g}</td><td class=num>{k["baseline_ms"]:.2f}</td>'
+                        f'<td class=num>{k["now_ms"]:.2f}</td><td class=num>{k["now_ms"] - k["baseline_ms"]:+.2f}</td>'
+                        "</tr>" for k in kinds) + "</tbody></table>")
+    for r in ranks:
+        if not r["changes"]:
+            continue
+        labels = short_names([x["name"] for x in r["changes"]])
+        body.append(f'<h3>Rank {_e(r["rank"])}: what changed most, per step</h3><table class="sortable"><thead><tr>'
+                    '<th>Name</th><th>What</th><th>Baseline ms</th><th>Now ms</th><th>Δ ms</th><th>Calls baseline'
+                    '</th><th>Calls now</th><th>Mean us baseline</th><th>Mean us now</th></tr></thead><tbody>' + "".join(
+                        f'<tr><td class=name title="{_e(x["name"])}">{_e(label)}</td><td>{_e(x["category"])}'
+                        f'{"" if x["status"] == "changed" else " (" + _e(x["status"]) + ")"}</td>'
+                        f'<td class=num>{_num(x["baseline_ms"], 3)}</td><td class=num>{_num(x["now_ms"], 3)}</td>'
+                        f'<td class=num>{_delta_ms(x)}</td><td class=num>{_num(x["calls_baseline"], 1)}</td>'
+                        f'<td class=num>{_num(x["calls_now"], 1)}</td><td class=num>{_num(x["mean_us_baseline"], 1)}'
+                        f'</td><td class=num>{_num(x["mean_us_now"], 1)}</td></tr>'
+                        for x, label in zip(r["changes"], labels)) + "</tbody></table>")
+    body.append(f'<p class="muted">Rule: {_e(c.get("rule", ""))}. Operators by self time, kernels by their time '
+                "inside the steps; every figure is a mean per recorded step.</p></section>")
+    title = "ondemand_prof comparison"
+    return (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{title}</title>"
+            f"<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\"><style>{CSS}</style></head>"
+            f"<body><header><h1>{title}</h1><div class=\"muted\" style=\"color:#cfd8dc\">{_e(c['capture'])} against "
+            f"{_e(c['baseline'])}</div></header><main>{''.join(body)}</main><script>{JS}</script></body></html>")
+
+
+def _pair_text(p: dict[str, Any]) -> str:
+    b, n = p.get("baseline"), p.get("now")
+    return "-" if b is None or n is None else f"{b:.2f} → {n:.2f} ({n - b:+.2f})"
+
+
+def _delta_ms(x: dict[str, Any]) -> str:
+    if x["baseline_ms"] is None or x["now_ms"] is None:
+        return "?"
+    return f"{x['now_ms'] - x['baseline_ms']:+.3f}"
+
+
+def _compare_step_chart(ranks: list[dict[str, Any]]) -> str:
+    """Step time per rank: the baseline's bar over now's."""
+    timed = [r for r in ranks if r["step_ms"]["baseline"] is not None and r["step_ms"]["now"] is not None]
+    if not timed:
+        return ""
+    width, left, right, bar = 760, 70, 150, 9
+    top = max(max(r["step_ms"]["baseline"], r["step_ms"]["now"]) for r in timed) or 1.0
+    scale = (width - left - right) / top
+    parts = []
+    for i, r in enumerate(timed):
+        y = 6 + i * (2 * bar + 8)
+        for k, (side, color) in enumerate((("baseline", "#bab0ac"), ("now", PALETTE["bar"]))):
+            v = r["step_ms"][side]
+            parts.append(f'<rect x="{left}" y="{y + k * bar}" width="{v * scale:.1f}" height="{bar - 1}" '
+                         f'fill="{color}"><title>rank {_e(r["rank"])} {side}: {v:.2f} ms per step</title></rect>'
+                         f'<text x="{left + v * scale + 4:.1f}" y="{y + k * bar + 8}">{side} {v:.2f} ms</text>')
+        parts.append(f'<text x="4" y="{y + bar + 3}">rank {_e(r["rank"])}</text>')
+    height = 12 + len(timed) * (2 * bar + 8)
+    return (f'<h3>Step time per rank</h3><div class="legend"><span style="background:#bab0ac"></span>baseline'
+            f'<span style="background:{PALETTE["bar"]}"></span>now</div><svg class="chart" id="step-compare" '
+            f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">{"".join(parts)}</svg>')
+
+
+def _compare_split_chart(ranks: list[dict[str, Any]]) -> str:
+    """Each rank's split per step, the baseline's stacked bar above now's, on one scale."""
+    from .compare import SPLIT
+
+    keys = [(key, share) for (key, _), share in zip(SPLIT, SHARES)]
+    timed = [r for r in ranks if all(r["split"][k]["baseline"] is not None and r["split"][k]["now"] is not None
+                                     for k, _ in keys)]
+    if not timed:
+        return ""
+    width, left, right, bar = 760, 110, 120, 12
+    top = max(sum(r["split"][k][side] for k, _ in keys) for r in timed for side in ("baseline", "now")) or 1.0
+    scale = (width - left - right) / top
+    parts = []
+    for i, r in enumerate(timed):
+        y = 6 + i * (2 * bar + 10)
+        for j, side in enumerate(("baseline", "now")):
+            x = float(left)
+            for key, share in keys:
+                v = r["split"][key][side]
+                parts.append(f'<rect x="{x:.1f}" y="{y + j * bar}" width="{v * scale:.1f}" height="{bar - 2}" '
+                             f'fill="{PALETTE[share]}"><title>rank {_e(r["rank"])} {side} {SHARE_LABELS[share]}: '
+                             f'{v:.2f} ms per step</title></rect>')
+                x += v * scale
+            parts.append(f'<text x="4" y="{y + j * bar + 9}">rank {_e(r["rank"])} {side}</text>')
+    height = 12 + len(timed) * (2 * bar + 10)
+    legend = "".join(f'<span style="background:{PALETTE[s]}"></span>{SHARE_LABELS[s]}' for _, s in keys)
+    return (f'<h3>Split per step, baseline and now</h3><div class="legend">{legend}</div><svg class="chart" '
+            f'id="split-compare" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">'
+            f'{"".join(parts)}</svg>')

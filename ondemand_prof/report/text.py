@@ -265,3 +265,94 @@ def _ops_table(ops: list[dict[str, Any]]) -> str:
     rows = [[label, str(o["calls"]), _f(o["self_us"] / 1000, 3), _f(o["total_us"] / 1000, 3),
              _f(o["avg_us"], 1), "comm" if o["comm"] else ""] for o, label in zip(ops, short_names([o["name"] for o in ops]))]
     return _table(rows, ["OPERATOR", "CALLS", "SELF MS", "TOTAL MS", "AVG US", ""], "    ")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A capture against its baseline (compare.py): the cause first, then the figures behind it
+
+
+def render_comparison(c: dict[str, Any], top: int = 5) -> str:
+    """What `ondemandctl report NOW --baseline BASE` prints."""
+    from .compare import SPLIT
+
+    jobs = c.get("job") or {}
+    out = [f"capture {c['capture']}" + (f" (job {jobs['now']})" if jobs.get("now") else "")
+           + f" against baseline {c['baseline']}" + (f" (job {jobs['baseline']})" if jobs.get("baseline") else "")]
+    s = c["step_ms"]
+    if s.get("baseline") is not None and s.get("now") is not None:
+        pct = f", {s['pct']:+.1f}%" if s.get("pct") is not None else ""
+        out.append(f"  step time {s['baseline']:.2f} -> {s['now']:.2f} ms ({s['delta']:+.2f} ms{pct}), mean of the ranks")
+    out.append(f"  cause: {c['cause']}")
+    for note in c.get("notes") or []:
+        out.append(f"  note: {note}")
+    text = "\n".join(out) + "\n"
+    ranks = c["ranks"]
+    if ranks:
+        rows = []
+        for r in ranks:
+            mark = ""
+            if r["rank"] in (c.get("culprits") or []):
+                mark = "comm grew" if c.get("category") == "communication" else "cause"
+            elif r["rank"] in (c.get("waiting") or []):
+                mark = "waited"
+            rows.append([str(r["rank"]), _arrow(r["step_ms"]),
+                         *[_arrow(r["split"][key]) for key, _ in SPLIT], mark])
+        text += "\nper rank, ms per step (baseline -> now)\n"
+        text += _table(rows, ["RANK", "STEP", "COMPUTE", "COMM (EXPOSED)", "OVERLAP", "IDLE", ""])
+    kinds = [k for k in c.get("communication") or [] if abs(k["now_ms"] - k["baseline_ms"]) >= 0.005 or
+             round(k["calls_now"], 1) != round(k["calls_baseline"], 1)]
+    if kinds:
+        text += "\ncommunication by collective, mean of the ranks, per step (kinds can overlap one another)\n"
+        text += _table([[k["kind"], f"{_calls(k['calls_baseline'])} -> {_calls(k['calls_now'])}",
+                         f"{k['baseline_ms']:.2f} -> {k['now_ms']:.2f}", f"{k['now_ms'] - k['baseline_ms']:+.2f}"]
+                        for k in kinds], ["KIND", "CALLS", "MS", "DELTA MS"])
+    shown = _ranks_to_detail(c, ranks)
+    for r in shown:
+        changes = r["changes"][:top]
+        if not changes:
+            continue
+        text += f"\nrank {r['rank']}: what changed most, per step (operators by self time, kernels by time)\n"
+        labels = short_names([x["name"] for x in changes], 56)
+        text += _table([[label, x["category"] + ("" if x["status"] == "changed" else f" ({x['status']})"),
+                         _opt(x["baseline_ms"], 3), _opt(x["now_ms"], 3), _delta(x),
+                         f"{_opt_calls(x['calls_baseline'])} -> {_opt_calls(x['calls_now'])}",
+                         f"{_opt(x['mean_us_baseline'], 1)} -> {_opt(x['mean_us_now'], 1)}"]
+                        for x, label in zip(changes, labels)],
+                       ["NAME", "WHAT", "BASE MS", "NOW MS", "DELTA", "CALLS", "MEAN US"])
+    if len(shown) < len(ranks):
+        text += f"\n({len(ranks) - len(shown)} more rank(s): --json has every rank's changes)\n"
+    return text + f"\nrule: {c.get('rule', '')}\n"
+
+
+def _ranks_to_detail(c: dict[str, Any], ranks: list[dict[str, Any]], most: int = 4) -> list[dict[str, Any]]:
+    """The culprits, then the ranks that waited, up to `most` (every rank of a small job)."""
+    if len(ranks) <= most:
+        return ranks
+    order = [*(c.get("culprits") or []), *(c.get("waiting") or [])]
+    picked = [r for k in order for r in ranks if r["rank"] == k][:most]
+    return picked or ranks[:most]
+
+
+def _arrow(p: dict[str, Any]) -> str:
+    b, n = p.get("baseline"), p.get("now")
+    if b is None or n is None:
+        return "-"
+    return f"{b:.2f} -> {n:.2f} ({n - b:+.2f})"
+
+
+def _opt(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _calls(x: float) -> str:
+    return f"{x:.0f}" if abs(x - round(x)) < 0.05 else f"{x:.1f}"
+
+
+def _opt_calls(x: float | None) -> str:
+    return "?" if x is None else _calls(x)
+
+
+def _delta(x: dict[str, Any]) -> str:
+    if x["baseline_ms"] is None or x["now_ms"] is None:
+        return "?"  # below the other side's table (its longest PER_STEP_OPS / PER_STEP_KERNELS)
+    return f"{x['now_ms'] - x['baseline_ms']:+.3f}"

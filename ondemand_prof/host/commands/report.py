@@ -33,6 +33,9 @@ class Report(Command):
         parser.add_argument("paths", nargs="+", help="a capture id (or any unique part of it, from ondemandctl "
                             "list), a save path (every capture under it, newest first), a capture directory, a "
                             "torch_npu *_ascend_pt directory, or a trace file")
+        parser.add_argument("--baseline", metavar="BASE", help="compare with this capture (an id, a unique part of "
+                            "one, or a folder, as the capture is given): what changed, on which rank, and the rank "
+                            "that caused a slowdown against those that only waited for it")
         parser.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with charts")
         parser.add_argument("--top", type=int, default=10, help="operators per table (default 10)")
         parser.add_argument("--summary", action="store_true", help="only the across-ranks tables")
@@ -43,10 +46,9 @@ class Report(Command):
 
     def run(self, client: Client | None, args: argparse.Namespace, out: TextIO) -> int:
         _check_top(args)
-        paths: list[Path] = []
-        for given in args.paths:  # a path that exists, or names a folder, is a path; else a capture id
-            is_path = os.path.lexists(given) or os.sep in given or given.startswith((".", "~"))
-            paths.extend([Path(given)] if is_path else capture_folders(given, args))
+        if args.baseline is not None:
+            return compare_here(args, out)
+        paths = [p for given in args.paths for p in local_paths(given, args)]
         data = report_paths(paths, args, out)
         return EXIT_OK if data["ranks_read"] else EXIT_FAILED
 
@@ -131,6 +133,60 @@ def capture_folders(capture_id: str, args: argparse.Namespace) -> list[Path]:
         raise CtlError(f"capture {record['capture_id']} wrote no trace here (status {record['status']}; ondemandctl "
                        f"show {record['capture_id']})")
     return [Path(f) for f in folders]
+
+
+def local_paths(given: str, args: argparse.Namespace) -> list[Path]:
+    """What `given` names here: a path that exists, or names a folder, is a path; else a capture id (the daemon's
+    record says where its ranks wrote, or ./profile/<id> without a daemon)."""
+    is_path = os.path.lexists(given) or os.sep in given or given.startswith((".", "~"))
+    return [Path(given)] if is_path else capture_folders(given, args)
+
+
+def compare_here(args: argparse.Namespace, out: TextIO) -> int:
+    """report NOW --baseline BASE on this host: both captures' traces read here (in one pool), the newest capture
+    of each side compared (report/compare.py)."""
+    from ...report import build_reports, compare_groups
+
+    if len(args.paths) != 1:
+        raise CtlError("report --baseline compares one capture with one baseline: give one capture", EXIT_USAGE)
+    now_paths, base_paths = local_paths(args.paths[0], args), local_paths(args.baseline, args)
+    now_report, base_report = build_reports([now_paths, base_paths], top=max(args.top, 15))
+    now, base = _one_capture(now_report, args.paths[0]), _one_capture(base_report, args.baseline)
+    comparison = compare_groups(base, now)
+    for given, report in ((args.paths[0], now_report), (args.baseline, base_report)):
+        if len(report["captures"]) > 1:
+            comparison["notes"].insert(0, f"{given} holds {len(report['captures'])} captures: compared its newest, "
+                                          f"{report['captures'][0].get('capture_id') or report['captures'][0]['title_path']}")
+    render_comparison(comparison, args, out)
+    return EXIT_OK if comparison["ranks"] else EXIT_FAILED
+
+
+def _one_capture(report: ReportData, given: str) -> Any:
+    """The newest capture a report found (captures are newest first); CtlError when it found none."""
+    if not report["captures"] or not report["captures"][0]["ranks"]:
+        problems = "; ".join(f"{p['path']}: {p['error']}" for p in report["problems"]) or "no rank's trace was read"
+        raise CtlError(f"nothing to compare in {given}: {problems}")
+    return report["captures"][0]
+
+
+def render_comparison(comparison: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None:
+    """Print a comparison (text or --json, under "comparison") and write --html."""
+    from ...report.text import render_comparison as text
+
+    if getattr(args, "html", None):
+        from ...report.html import render_comparison_html
+
+        try:
+            with open(args.html, "w", encoding="utf-8") as fh:
+                fh.write(render_comparison_html(comparison))
+        except OSError as exc:
+            raise CtlError(f"--html {args.html}: cannot write: {exc.strerror}") from None
+    if args.json:
+        out.write(dumps({"comparison": comparison}) + "\n")
+    else:
+        out.write(text(comparison, top=args.top))
+        if getattr(args, "html", None):
+            out.write(f"HTML report: {os.path.abspath(args.html)}\n")
 
 
 def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> ReportData:

@@ -8,13 +8,12 @@ import gzip
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from conftest import ROOT, ctl, end_test_env, short_dir, start_daemon, start_ranks, status_lines, wait_for
+from conftest import ctl, end_test_env, short_dir, start_daemon, start_ranks, status_lines, wait_for
 
 REAL = Path(__file__).parent / "fixtures" / "real"
 

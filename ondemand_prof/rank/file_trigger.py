@@ -218,16 +218,17 @@ class FileTrigger(Extension):
 
         def reply(result: dict[str, Any]) -> None:
             if request.action == "stacks" and result.get("ok"):
-                from .triage import stacks_text, write_private
+                from .triage import stacks_text
 
                 path = self.status_dir / f"stacks-rank{rank}.txt"
                 head = f"# rank {rank}, pid {os.getpid()}, step {result.get('current_step')}, collected in-process"
-                try:
-                    write_private(path, f"{head} ({result['method']})\n\n{stacks_text(result['threads'])}".encode())
+                try:  # relative to the status directory, checked now (trigger_status.py)
+                    self.status.write_beside(path.name, f"{head} ({result['method']})\n\n"
+                                             f"{stacks_text(result['threads'])}".encode())
                     result = {"ok": True, "method": result["method"], "path": str(path),
                               "threads": len(result["threads"])}
                 except OSError as exc:
-                    result = {"ok": False, "error": f"cannot write {path}: {exc.strerror}"}
+                    result = {"ok": False, "error": f"cannot write {path}: {exc.strerror or exc}"}
             result.pop("entries", None)  # the flight recorder's digest: the dump file has it all
             listener("done" if result.get("ok") else "failed", result)
 

@@ -5,6 +5,7 @@ training thread; rejected and failed triggers also logged, within a budget."""
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import math
 import threading
@@ -12,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..core.files import iso_time, write_json_atomic
-from ..core.safedir import check_dir
+from ..core.files import iso_time
+from ..core.safedir import checked_dir, write_atomic_at
 from .terminate import FINAL
 
 log = logging.getLogger("ondemand_prof.rank.agent")
@@ -102,6 +103,14 @@ class TriggerStatus:
             if held else ""
         return f"ondemand_prof: trigger {base['trigger']} {event} on rank {base['rank']}: {error}{more}"
 
+    def write_beside(self, name: str, data: bytes) -> Path:
+        """A file of ours beside the status files (the stacks a trigger asked for: stacks-rank{R}.txt), owner-only
+        and published whole, relative to the status directory checked at this use (never by path: a directory
+        swapped since, or anything above it, is refused with UnsafeDirectory)."""
+        with checked_dir(self.status_dir) as dir_fd:
+            write_atomic_at(dir_fd, name, data)
+        return self.status_dir / name
+
     def log_held_back(self) -> None:
         with self._lock:  # the agent thread, stop() and finalize()
             held, self._log_budget.held = self._log_budget.held, 0
@@ -136,9 +145,12 @@ class TriggerStatus:
                           reverse=True)
         ident = self.prof.identity()
         status = {"rank": rank, "host": ident.host, "pid": ident.pid, "latest": triggers[0], "triggers": triggers}
+        text = json.dumps(status, indent=2, sort_keys=True, default=str) + "\n"
         try:
-            check_dir(self.status_dir)  # at every use: refused (one warning) if someone swapped it
-            write_json_atomic(self.status_dir / f"rank{rank}.json", status)
+            # at every use: the directory opened anew from / and checked (refused, one warning, if someone swapped
+            # it or anything above it), the file published relative to that descriptor, never by path
+            with checked_dir(self.status_dir) as dir_fd:
+                write_atomic_at(dir_fd, f"rank{rank}.json", text)
         except OSError as exc:
             lines.append(f"ondemand_prof: cannot write trigger status in {self.status_dir}: {exc}")
         return lines

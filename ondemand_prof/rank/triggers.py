@@ -4,6 +4,11 @@ window decision that keeps ranks aligned.
     {trigger dir}/capture                  what the user touches or writes JSON into
     {trigger dir}/capture.status/rank{R}.json   what rank R did with the latest trigger
     {trigger dir}/capture.status/.window-{version}.json   the absolute window the first rank chose
+
+The directory is checked once at start-up (prepare_trigger_dir) and again at every use: each read of the trigger
+and each write beside it opens the directory anew from `/` (core/safedir.checked_dir: every directory on the way
+sound, no link followed) and the file relative to that descriptor, never by its path, so a directory swapped
+after the start-up check is refused, not read or written through (issue 34, F5).
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import os
 import signal
 import stat
 import struct
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -29,29 +33,17 @@ except ImportError:  # not POSIX: no leases, the settle time decides
     fcntl = None  # type: ignore[assignment]
 
 from ..core import safejson
-from ..core.files import read_nofollow, write_atomic
 from ..core.protocol import MAX_MESSAGE_BYTES
-from ..core.safedir import check_dir, ensure_private_dir, private_fallback
+from ..core.safedir import MissingDirectory, checked_dir, ensure_private_dir, open_dir, private_fallback, read_at, \
+    write_atomic_at
+from ..core.triggerfile import STATUS_DIR, TRIGGER_NAME, default_trigger_dir, job_dir_name, trigger_version
 
 log = logging.getLogger(__name__)
 
-TRIGGER_NAME = "capture"
-STATUS_DIR = TRIGGER_NAME + ".status"
 MAX_TRIGGER_BYTES = MAX_MESSAGE_BYTES  # a trigger holds a request, as a message to the daemon does
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smbfs", "smb3", "lustre", "gpfs", "ceph", "beegfs", "glusterfs", "9p",
               "fuse.sshfs", "fuse.s3fs", "fuse.juicefs", "fuse.glusterfs", "afs", "orangefs", "virtiofs")
 KEEP_DECISIONS = 32
-
-
-def job_dir_name(job_id: str) -> str:
-    """A job id as one path component: no separators, never '.' or '..', bounded."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id)[:128].strip(".")
-    return safe or "job"
-
-
-def default_trigger_dir(job_id: str) -> Path:
-    """Per user and per job, so two jobs on one host never share a trigger (torch_npu's shm collision)."""
-    return Path(tempfile.gettempdir()) / f"ondemand_prof-{os.getuid()}" / job_dir_name(job_id)
 
 
 def prepare_trigger_dir(path: Path, job_id: str) -> Path:
@@ -102,6 +94,8 @@ class Trigger:
 
 
 def stat_key(path: Path) -> tuple[int, int, int, int] | None:
+    """The trigger's times, inode and size: only a change detector (nothing is opened or acted on by path; what
+    is read is read_trigger's)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -112,17 +106,34 @@ def stat_key(path: Path) -> tuple[int, int, int, int] | None:
 
 
 def read_trigger(path: Path) -> Trigger | None:
-    """Read the trigger file without following links or reading unbounded data; None when absent."""
+    """Read the trigger file without following links or reading unbounded data; None when absent. The file is
+    opened relative to its directory, checked now (a directory refused: a Trigger with that error, once per
+    reason, so that the refusal is said and nothing there is acted on)."""
     try:
-        st = os.lstat(path)
+        dir_fd = open_dir(path.parent)
+    except MissingDirectory:
+        return None
+    except OSError as exc:
+        why = f"the trigger directory is refused: {exc}"
+        return Trigger("refused-" + hashlib.sha1(why.encode()).hexdigest()[:8], time.time(), None, why,
+                       regular=False)
+    try:
+        return _read_trigger_at(dir_fd, path)
+    finally:
+        os.close(dir_fd)
+
+
+def _read_trigger_at(dir_fd: int, path: Path) -> Trigger | None:
+    name = path.name
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return None
     except OSError as exc:
         return Trigger(f"err-{exc.errno}", time.time(), None, f"cannot stat {path}: {exc.strerror}")
     # the version follows what a writer changes (time of modification, inode, size, content), never the inode
-    # change time alone: a chmod, a hard link or `touch -a` of a handled trigger must not replay it
-    base = f"{st.st_mtime_ns}:{st.st_ino}:{st.st_size}"
-    version = hashlib.sha1(base.encode()).hexdigest()[:16]
+    # change time alone (core/triggerfile.py)
+    version = trigger_version(st, None)
     if stat.S_ISLNK(st.st_mode):
         return Trigger(version, st.st_mtime, None, f"{path} is a symbolic link; write a regular file", regular=False)
     if stat.S_ISDIR(st.st_mode):
@@ -133,7 +144,7 @@ def read_trigger(path: Path) -> Trigger | None:
         return Trigger(version, st.st_mtime, None,
                        f"{path} is {st.st_size} bytes; a trigger holds at most {MAX_TRIGGER_BYTES} bytes of JSON")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except PermissionError:
         return Trigger(version, st.st_mtime, None, f"{path} is not readable by uid {os.getuid()}")
     except OSError as exc:
@@ -142,7 +153,7 @@ def read_trigger(path: Path) -> Trigger | None:
         raw = os.read(fd, MAX_TRIGGER_BYTES + 1)
     finally:
         os.close(fd)
-    version = hashlib.sha1(base.encode() + b"\0" + raw).hexdigest()[:16]
+    version = trigger_version(st, raw)
     if len(raw) != st.st_size:
         return Trigger(version, st.st_mtime, None, "changed while being read", consistent=False)
     text = raw.decode("utf-8", errors="replace").strip()
@@ -172,7 +183,8 @@ def writer_holds(path: Path) -> bool | None:
     if setlease is None or signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN):
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with checked_dir(path.parent) as dir_fd:  # checked at this use, the file opened relative to it
+            fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
         return None
     try:
@@ -249,24 +261,25 @@ class WriterTracker:
 def claim_decision(status_dir: Path, version: str, decision: dict[str, Any]) -> dict[str, Any]:
     """Publish our window for this trigger version unless another rank did first; return the one that holds.
 
-    write_atomic(replace=False) links a complete file and fails if the name exists, on local filesystems and
-    NFS alike, so exactly one rank's decision wins and nobody reads a half-written one.
+    write_atomic_at(replace=False) links a complete file and fails if the name exists, on local filesystems and
+    NFS alike, so exactly one rank's decision wins and nobody reads a half-written one. Both relative to the
+    status directory, checked at this use (UnsafeDirectory otherwise).
     """
-    check_dir(status_dir)
-    final = status_dir / f".window-{version}.json"
-    held = _read_decision(final)
-    if held is not None:
-        return held
-    try:  # published whole, and only if no other rank's decision holds the name
-        write_atomic(final, json.dumps(decision), replace=False)
-        return decision
-    except FileExistsError:
-        return _read_decision(final) or decision
+    name = f".window-{version}.json"
+    with checked_dir(status_dir) as dir_fd:
+        held = _read_decision(dir_fd, name)
+        if held is not None:
+            return held
+        try:  # published whole, and only if no other rank's decision holds the name
+            write_atomic_at(dir_fd, name, json.dumps(decision), replace=False)
+            return decision
+        except FileExistsError:
+            return _read_decision(dir_fd, name) or decision
 
 
-def _read_decision(path: Path) -> dict[str, Any] | None:
+def _read_decision(dir_fd: int, name: str) -> dict[str, Any] | None:
     """Another rank's decision, read without following links; None when absent or not a decision."""
-    raw = read_nofollow(path, 4096)
+    raw = read_at(dir_fd, name, 4096)
     if raw is None:
         return None
     try:
@@ -279,11 +292,23 @@ def _read_decision(path: Path) -> dict[str, Any] | None:
 
 def prune_decisions(status_dir: Path, keep: int = KEEP_DECISIONS) -> None:
     try:
-        files = sorted(status_dir.glob(".window-*.json"), key=lambda p: p.stat().st_mtime)
+        with checked_dir(status_dir) as dir_fd:
+            names = [n for n in os.listdir(dir_fd) if n.startswith(".window-") and n.endswith(".json")]
+            if len(names) <= keep:
+                return
+            mtimes = {}
+            for n in names:
+                try:
+                    mtimes[n] = os.stat(n, dir_fd=dir_fd, follow_symlinks=False).st_mtime
+                except FileNotFoundError:
+                    continue
+            for old in sorted(mtimes, key=mtimes.__getitem__)[:-keep]:
+                try:
+                    os.unlink(old, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    pass
     except OSError:
         return
-    for old in files[:-keep]:
-        old.unlink(missing_ok=True)
 
 
 def name_watchdog_threads(observer: Any, before: set[int | None]) -> None:

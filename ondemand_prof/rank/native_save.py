@@ -14,7 +14,10 @@ torch build, Python and source, and kept in a cache directory we create 0700 and
     once (a lock); a failed build is not retried until the source, torch or Python change (the `build` command
     retries). Until the module is there, traces are written in-process, as before.
 A cached module is loaded only when it is a regular file of ours that nobody else can write, in the checked
-directory, named for the current key, and reports the torch version and source key it was built for.
+directory, named for the current key, and reports the torch version and source key it was built for. The
+directory is opened and checked at each load and build (core/safedir.open_dir: every directory above it sound, no
+link followed), and the module, its lock and its `.failed` note are opened relative to that descriptor and
+loaded through it (/proc/self/fd/N/name), never by a path someone could swap after the check (issue 34, F5).
 Nothing here raises into training: every failure is a reason string and the pure-Python save.
 """
 
@@ -40,7 +43,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..core.safedir import UnsafeDirectory, ensure_private_dir
+from ..core.safedir import UnsafeDirectory, open_dir, read_at, write_atomic_at
 from .helpers import CHILD_CWD, lower_priority, python_child
 
 log = logging.getLogger(__name__)
@@ -81,14 +84,20 @@ def load(root: Path | None = None) -> tuple[Any | None, str]:
         root = root or cache_root()
         key = build_key()
         path = module_path(root, key)
-        problem = _file_problem(root, path)
-        if problem:
+        dir_fd, problem = _checked_module(root, path)
+        if dir_fd is None:
             return None, problem
-        spec = importlib.util.spec_from_file_location(
-            MODULE_NAME, path, loader=importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path)))
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        try:
+            # the checked directory's descriptor names it from here on: the kernel resolves /proc/self/fd/N itself
+            where = f"/proc/self/fd/{dir_fd}/{path.name}"
+            origin = where if os.path.isdir(f"/proc/self/fd/{dir_fd}") else str(path)  # no /proc: just checked
+            spec = importlib.util.spec_from_file_location(
+                MODULE_NAME, origin, loader=importlib.machinery.ExtensionFileLoader(MODULE_NAME, origin))
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        finally:
+            os.close(dir_fd)
         if getattr(mod, "torch_version", None) != torch.__version__ or getattr(mod, "source_key", None) != key:
             return None, (f"{path} was built for torch {getattr(mod, 'torch_version', '?')} (key "
                           f"{getattr(mod, 'source_key', '?')}), not torch {torch.__version__} (key {key})")
@@ -97,20 +106,33 @@ def load(root: Path | None = None) -> tuple[Any | None, str]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def _file_problem(root: Path, path: Path) -> str | None:
-    """Why `path` must not be loaded (None: load it): the directory is checked as every directory of ours is
-    (core/safedir), the file must be a regular file we own that nobody else can write."""
+def _checked_module(root: Path, path: Path) -> tuple[int | None, str]:
+    """(the cache directory's descriptor, "") when `path` may be loaded, else (None, why not): the directory is
+    checked as every directory of ours is (core/safedir.open_dir), the file, looked at relative to it without
+    following a link, must be a regular file we own that nobody else can write. The caller closes the
+    descriptor; nobody but us can change what the directory holds (it is ours, 0700, and so is the way to it)."""
     if not root.exists():
-        return f"{root} does not exist: not built yet"
+        return None, f"{root} does not exist: not built yet"
     try:
-        ensure_private_dir(root)
-    except (UnsafeDirectory, OSError) as exc:
-        return str(exc)
+        dir_fd = open_dir(root, create=True)
+    except OSError as exc:
+        return None, str(exc)
+    problem = _file_problem(dir_fd, path)
+    if problem:
+        os.close(dir_fd)
+        return None, problem
+    return dir_fd, ""
+
+
+def _file_problem(dir_fd: int, path: Path) -> str | None:
     try:
-        st = os.lstat(path)
+        st = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
-        failed = path.with_suffix(".failed")
-        return f"the build failed before: {_first_line(failed)}" if failed.exists() else f"{path} is not built yet"
+        failed = read_at(dir_fd, path.with_suffix(".failed").name, 4096)
+        return f"the build failed before: {_first_line(failed)}" if failed is not None else \
+            f"{path} is not built yet"
+    except OSError as exc:
+        return f"cannot look at {path}: {exc.strerror}"
     if not stat.S_ISREG(st.st_mode):
         return f"{path} is not a regular file"
     if st.st_uid != os.getuid():
@@ -120,10 +142,10 @@ def _file_problem(root: Path, path: Path) -> str | None:
     return None
 
 
-def _first_line(path: Path) -> str:
+def _first_line(raw: bytes) -> str:
     try:
-        return path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[0][:300]
-    except (OSError, IndexError):
+        return raw.decode("utf-8", errors="replace").strip().splitlines()[0][:300]
+    except IndexError:
         return "no reason recorded"
 
 
@@ -155,26 +177,40 @@ def build(root: Path | None = None, *, wait_for_others_s: float = BUILD_TIMEOUT_
     the output is written under a temporary name and renamed, so a reader never loads half a file."""
     root = root or cache_root()
     try:
-        ensure_private_dir(root)
+        dir_fd = open_dir(root, create=True)  # checked; everything below is relative to it
     except (UnsafeDirectory, OSError) as exc:
         return False, f"cache directory refused: {exc}"
-    key = build_key()
-    final = module_path(root, key)
-    lock_fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        if not _lock(lock_fd, wait_for_others_s):
-            return False, "another process is still building it"
-        if final.exists():
-            return True, f"already built: {final}"
-        ok, message = _compile(root, key, final)
-        failed = final.with_suffix(".failed")
-        if ok:
-            failed.unlink(missing_ok=True)
-        else:
-            failed.write_text(message + "\n", encoding="utf-8")
-        return ok, message
+        key = build_key()
+        final = module_path(root, key)
+        lock_fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        try:
+            if not _lock(lock_fd, wait_for_others_s):
+                return False, "another process is still building it"
+            if _exists(dir_fd, final.name):
+                return True, f"already built: {final}"
+            ok, message = _compile(root, dir_fd, key, final)
+            failed = final.with_suffix(".failed").name
+            if ok:
+                try:
+                    os.unlink(failed, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    pass
+            else:
+                write_atomic_at(dir_fd, failed, message + "\n")
+            return ok, message
+        finally:
+            os.close(lock_fd)
     finally:
-        os.close(lock_fd)
+        os.close(dir_fd)
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def _lock(fd: int, wait_s: float) -> bool:
@@ -189,10 +225,13 @@ def _lock(fd: int, wait_s: float) -> bool:
             time.sleep(0.5)
 
 
-def _compile(root: Path, key: str, final: Path) -> tuple[bool, str]:
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{MODULE_NAME}-", suffix=".so.tmp", dir=root)
+def _compile(root: Path, dir_fd: int, key: str, final: Path) -> tuple[bool, str]:
+    """The compiler writes a temporary name in the checked directory (by path: a compiler takes no descriptor;
+    the way to it was checked and is ours); the result is checked and renamed relative to the descriptor."""
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{MODULE_NAME}-", suffix=".so.tmp", dir=f"/proc/self/fd/{dir_fd}"
+                                    if os.path.isdir(f"/proc/self/fd/{dir_fd}") else root)
     os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = root / os.path.basename(tmp_name)
     errors = []
     try:
         for std in ("c++20", "c++17"):  # torch 2.9+ needs C++20; older headers are C++17
@@ -203,13 +242,19 @@ def _compile(root: Path, key: str, final: Path) -> tuple[bool, str]:
             except (OSError, subprocess.TimeoutExpired) as exc:
                 return False, f"compiler could not run: {exc}"
             if proc.returncode == 0:
-                os.chmod(tmp, 0o700)
-                os.replace(tmp, final)
+                out = os.stat(tmp.name, dir_fd=dir_fd, follow_symlinks=False)
+                if not stat.S_ISREG(out.st_mode) or out.st_uid != os.getuid():
+                    return False, f"the compiler's output {tmp} is not a regular file of ours"
+                os.chmod(tmp.name, 0o700, dir_fd=dir_fd)  # whatever the umask made it
+                os.replace(tmp.name, final.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 return True, f"built {final} in {time.monotonic() - started:.0f} s (-std={std})"
             errors.append(f"-std={std}: exit {proc.returncode}: {_error_line(proc.stdout)}")
         return False, "compile failed: " + "; ".join(errors)
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            os.unlink(tmp.name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
 
 
 def _error_line(output: str) -> str:

@@ -112,6 +112,11 @@ class CaptureRecord:
     def status(self) -> str:
         return self.data["status"]
 
+    @property
+    def is_baseline(self) -> bool:
+        """Marked as its job's baseline (capture --baseline, or a rank's automatic baseline window)."""
+        return self.data.get("baseline") is True
+
     def part(self, rank: int) -> dict[str, Any] | None:
         return self.data["parts"].get(str(rank))
 
@@ -173,7 +178,9 @@ class CaptureRecord:
         for p in parts:
             counts[p["state"]] = counts.get(p["state"], 0) + 1
         return {k: self.data[k] for k in ("capture_id", "job", "created_at", "window", "status")} | {
-            "ranks": len(self.data["parts"]), "states": counts, "request": self.data["request"]}
+            "ranks": len(self.data["parts"]), "states": counts, "request": self.data["request"],
+            "baseline": self.is_baseline} | {k: self.data[k] for k in ("compare_with", "cause") if k in self.data}
+
 
 
 class RecordStore:
@@ -278,6 +285,20 @@ class RecordStore:
             raise KeyError(f"no capture {capture_id!r} (ondemandctl list shows them)")
         raise KeyError(f"{capture_id!r} matches {len(matches)} captures; give more of the id")
 
+    def baseline_of(self, job: str) -> CaptureRecord | None:
+        """The job's baseline: of its records marked so (capture --baseline, an automatic baseline), the newest
+        that recorded something (done or partial); one a job, the newest wins, and a baseline that failed leaves
+        the one before it in place."""
+        return self.baselines().get(job)
+
+    def baselines(self) -> dict[str, CaptureRecord]:
+        """Every job's baseline (baseline_of), in one pass over the records (oldest first: the newest wins)."""
+        out: dict[str, CaptureRecord] = {}
+        for record in self.records.values():
+            if record.is_baseline and record.status in ("done", "partial"):
+                out[record.data["job"]] = record
+        return out
+
     def newest(self, limit: int, job: str | None = None) -> list[CaptureRecord]:
         records = [r for r in self.records.values() if job is None or r.data["job"] == job]
         records.sort(key=lambda r: r.created, reverse=True)
@@ -320,6 +341,12 @@ def record_problem(data: Any) -> str | None:
     for key in ("plan", "options"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             return f"{key} is not an object"
+    if data.get("baseline") is not None and not isinstance(data["baseline"], bool):
+        return "baseline is not true or false"
+    if data.get("compare_with") is not None and not valid_id(data["compare_with"]):
+        return "compare_with is not a capture id"
+    if data.get("cause") is not None and not isinstance(data["cause"], str):
+        return "cause is not a text"
     misaligned = data.get("misaligned")
     if misaligned is not None and not (isinstance(misaligned, dict) and isinstance(misaligned.get("text"), str)):
         return "misaligned is not an object with a text"

@@ -90,3 +90,58 @@ def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> Report:
     group["options"] = first.get("options")
     return {"captures": [group], "problems": [], "ranks_read": len(group["ranks"]),
             "seconds": round(time.monotonic() - t0, 3)}
+
+
+def compare_records(now: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """This host's part of a comparison (the daemon's `compare`, and an automatic capture's log line): each rank
+    of `now` that wrote a summary here against the same rank of `base` (report/compare.py compare_rank), the
+    ranks found on one side only, and why a rank could not be compared. Summaries are read as `summaries` reads
+    them; no trace is read."""
+    from ..report.compare import compare_rank
+
+    def by_rank(record: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        return {p["rank"]: p for p in part_summaries(record)}
+
+    n, b = by_rank(now), by_rank(base)
+    ranks, problems = [], {}
+    for rank, part in sorted(n.items()):
+        other = b.get(rank)
+        if other is None:
+            continue
+        if part.get("summary") is None or other.get("summary") is None:
+            problems[str(rank)] = part.get("error") if part.get("summary") is None else \
+                f"baseline: {other.get('error')}"
+            continue
+        ranks.append(compare_rank(other["summary"], part["summary"]))
+    return {"capture_id": now["capture_id"], "baseline_id": base["capture_id"], "job": now["job"],
+            "baseline_job": base["job"], "ranks": ranks, "problems": problems,
+            "unmatched": {"baseline": sorted(r for r in b if r not in n), "now": sorted(r for r in n if r not in b)}}
+
+
+def conclude_replies(replies: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """(daemon name, compare_records reply) pairs -> the comparison (report/compare.py conclude) of the ranks of
+    every host. A rank whose baseline and capture were written on different hosts is said so, not compared."""
+    from ..report.compare import conclude
+
+    ranks: dict[Any, dict[str, Any]] = {}
+    only: dict[str, set[int]] = {"baseline": set(), "now": set()}
+    notes: list[str] = []
+    first: dict[str, Any] | None = None
+    for daemon, reply in replies:
+        first = first or reply
+        for r in reply["ranks"]:
+            ranks[r["rank"]] = r
+        for side in only:
+            only[side].update(reply["unmatched"][side])
+        notes += [f"rank {k} ({daemon}): not compared: {why}" for k, why in sorted(reply.get("problems", {}).items())]
+    if first is None:
+        raise ValueError("no host has both captures")
+    moved = only["baseline"] & only["now"]
+    if moved:
+        notes.append(f"{len(moved)} rank(s) ({', '.join(map(str, sorted(moved)[:8]))}) wrote the baseline and the "
+                     "capture on different hosts: not compared")
+    unmatched = {side: sorted(only[side] - moved - set(ranks)) for side in only}
+    result = conclude(list(ranks.values()), first["baseline_id"], first["capture_id"], unmatched=unmatched,
+                      jobs=(first["baseline_job"], first["job"]))
+    result["notes"] += notes
+    return result

@@ -9,12 +9,12 @@ from .capture import Capture
 from .captures import Cancel, List, Show
 from .follow import Watch
 from .keygen import Keygen
-from .report import Report, Summaries
+from .report import Compare, Report, Summaries
 from .status import Status
 from .triage import FlightRecorder, Memory, Stacks
 
 COMMANDS: list[Command] = [Status(), Capture(), List(), Show(), Cancel(), Report(), Stacks(), Memory(),
-                           FlightRecorder(), Keygen(), Watch(), Summaries()]
+                           FlightRecorder(), Keygen(), Watch(), Summaries(), Compare()]
 CLI_COMMANDS: list[Command] = [c for c in COMMANDS if c.cli]  # ondemandctl's subcommands
 DAEMON_COMMANDS: dict[str, Command] = {c.name: c for c in COMMANDS if c.needs_daemon}  # what the daemon serves
 CLI_MESSAGES: dict[str, Fields] = {name: c.fields for name, c in DAEMON_COMMANDS.items()}  # their messages' fields

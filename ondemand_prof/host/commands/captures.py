@@ -50,7 +50,9 @@ class List(Command):
                                "jobs with captures")
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
-        return {"captures": [r.summary() for r in service.store.newest(limit, job)]}
+        baselines = {job_: r.capture_id for job_, r in service.store.baselines().items()}
+        return {"captures": [{**r.summary(), "baseline": baselines.get(r.data["job"]) == r.capture_id}
+                             for r in service.store.newest(limit, job)]}
 
     def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
         """Captures merged by id, with the hosts that have each."""
@@ -72,8 +74,15 @@ class List(Command):
         across = "hosts" in caps[0]
         rows = [[c["capture_id"], c["created_at"][:19].replace("T", " "), c["job"], window_text(c["window"]),
                  f"{c['states'].get('done', 0)}/{c['ranks']}", *([str(len(c["hosts"]))] if across else []),
-                 c["status"]] for c in caps]
-        return table(rows, ["ID", "CREATED", "JOB", "STEPS", "DONE", *(["HOSTS"] if across else []), "STATUS"])
+                 c["status"], _marks(c)] for c in caps]
+        return table(rows, ["ID", "CREATED", "JOB", "STEPS", "DONE", *(["HOSTS"] if across else []), "STATUS", ""])
+
+
+def _marks(c: dict[str, Any]) -> str:
+    """BASELINE for the job's baseline; vs <id> for a capture compared with one (an automatic capture)."""
+    if c.get("baseline"):
+        return "BASELINE"
+    return f"vs {c['compare_with']}" if c.get("compare_with") else ""
 
 
 class OneCapture(Command):
@@ -96,6 +105,10 @@ class Show(OneCapture):
         record = service.find(msg["capture_id"])
         shown = record.view()
         mark_misaligned(shown)  # what is shown says so; the stored record keeps what happened
+        baseline = service.store.baseline_of(record.data["job"])
+        shown["is_job_baseline"] = baseline is record
+        if record.data.get("compare_with") and record.status != "running":
+            shown["comparison"] = comparison_of(service, record)
         return shown
 
     def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
@@ -115,7 +128,8 @@ class Show(OneCapture):
         return self.exit_code(record)
 
     def console(self, data: Any, args: argparse.Namespace) -> str:
-        text = (f"capture {data['capture_id']}  job {data['job']}  created {data['created_at']}\n"
+        text = (f"capture {data['capture_id']}  job {data['job']}  created {data['created_at']}"
+                + ("  (the job's BASELINE)" if data.get("is_job_baseline") else "") + "\n"
                 f"  steps {window_text(data['window'])}  request {data['request']}\n")
         if data.get("options"):
             text += "  options " + ", ".join(f"{k}={v}" for k, v in sorted(data["options"].items())) + "\n"
@@ -123,7 +137,15 @@ class Show(OneCapture):
             text += f"  note: {data['plan']['note']}\n"
         for part in sorted(data["parts"].values(), key=lambda p: p["rank"]):
             text += who(part) + progress_text(part) + "\n"
-        return text + result_text(data, data["status"] != "running", waited=False)
+        text += result_text(data, data["status"] != "running", waited=False)
+        comparison = data.get("comparison")
+        if isinstance(comparison, dict) and comparison.get("ranks") is not None:
+            from ...report.text import render_comparison
+
+            text += "\n" + render_comparison(comparison, top=5)
+        elif isinstance(comparison, dict):
+            text += f"\ncompared with baseline {data.get('compare_with')}: {comparison.get('error')}\n"
+        return text
 
     def exit_code(self, data: Any) -> int:
         return exit_for(data) if data["status"] != "running" else EXIT_OK
@@ -168,3 +190,15 @@ class Cancel(OneCapture):
         return (f"cancel sent to rank(s) {ranks} of capture {data['capture_id']}; "
                 f"follow it with: ondemandctl show {data['capture_id']}\n")
 
+
+
+def comparison_of(service: Service, record: Any) -> dict[str, Any]:
+    """An automatic capture against the baseline it was taken to be compared with, from this host's summaries;
+    {"error"} when that cannot be done (the baseline's record was dropped, no summary)."""
+    from ..summaries import compare_records, conclude_replies
+
+    try:
+        base = service.store.find(record.data["compare_with"])
+        return conclude_replies([(service.host, compare_records(record.data, base.data))])
+    except (KeyError, ValueError, OSError) as exc:
+        return {"error": str(exc.args[0] if exc.args else exc)}

@@ -46,6 +46,8 @@ class Report(Command):
 
     def run(self, client: Client | None, args: argparse.Namespace, out: TextIO) -> int:
         _check_top(args)
+        if args.baseline is None and len(args.paths) == 1:
+            args.baseline = automatic_baseline(args.paths[0], args)
         if args.baseline is not None:
             return compare_here(args, out)
         paths = [p for given in args.paths for p in local_paths(given, args)]
@@ -60,6 +62,8 @@ class Report(Command):
             raise CtlError("across hosts, report takes one capture id (the traces stay on their hosts; each daemon "
                            "returns its ranks' summaries)", EXIT_USAGE)
         _check_top(args)
+        if args.baseline is not None:
+            return compare_across(fan, args, out)
         replies = ask(fan, "summaries", {"capture_id": args.paths[0]})
         found = one_capture(replies)
         if not found:
@@ -77,6 +81,40 @@ class Report(Command):
 def _check_top(args: argparse.Namespace) -> None:
     if args.top < 1:
         raise CtlError(f"--top {args.top}: expected 1 or more", EXIT_USAGE)
+
+
+def compare_across(fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
+    """report NOW --baseline BASE --hosts ...: each daemon compares its ranks' summaries of the two captures
+    (`compare`), and the ranks of every host are concluded on here (no trace crosses the network)."""
+    from ..summaries import conclude_replies
+
+    replies = ask(fan, "compare", {"capture_id": args.paths[0], "baseline_id": args.baseline})
+    found = one_capture(replies)
+    if not found:
+        raise nothing_found_here(replies)
+    failed = failures(replies, no_capture)
+    comparison = conclude_replies((n, r.data) for n, r in found.items())
+    comparison["failed_hosts"] = failed
+    render_comparison(comparison, args, out)
+    warn(failed, sys.stderr)
+    if failed:
+        return EXIT_PARTIAL
+    return EXIT_OK if comparison["ranks"] else EXIT_FAILED
+
+
+class Compare(Command):
+    """This host's ranks of a capture compared with the same ranks of a baseline capture, from their summaries
+    (host/summaries.py compare_records): what ondemandctl report --baseline concludes on across hosts."""
+
+    name = "compare"
+    cli = False
+    fields = {"capture_id": (str,), "baseline_id": (str,)}
+
+    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        from ..summaries import compare_records
+
+        now, base = service.find(msg["capture_id"]), service.find(msg["baseline_id"])
+        return compare_records(now.data, base.data)
 
 
 class Summaries(Command):
@@ -135,11 +173,50 @@ def capture_folders(capture_id: str, args: argparse.Namespace) -> list[Path]:
     return [Path(f) for f in folders]
 
 
+def automatic_baseline(given: str, args: argparse.Namespace) -> str | None:
+    """The baseline an automatic capture was taken to be compared with (the daemon's record: compare_with; or,
+    without a daemon, what its ranks' metadata say), so that `report AUTO` compares without --baseline."""
+    if _is_path(given) and not Path(given).is_dir():
+        return None
+    if not _is_path(given):
+        from ...core.protocol import default_runtime_dir
+
+        try:
+            with Client(args.runtime_dir or default_runtime_dir(), args.connect_timeout) as client:
+                record = client.request("show", capture_id=given)
+            value = record.get("compare_with")
+            return value if isinstance(value, str) and valid_id(value) else None
+        except CtlError:
+            pass
+    folder = Path(given) if _is_path(given) else saved_here(given)
+    return baseline_in_metadata(folder) if folder is not None else None
+
+
+def baseline_in_metadata(folder: Path) -> str | None:
+    """What the ranks of a capture folder recorded as the baseline to compare with (an automatic capture's
+    window: requested.baseline), when they agree."""
+    import json
+
+    found = set()
+    for meta in sorted(folder.glob("*/metadata.json"))[:64]:
+        try:
+            data = json.loads(meta.read_text(encoding="utf-8"))
+            value = ((data.get("window") or {}).get("requested") or {}).get("baseline")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, str) and valid_id(value):
+            found.add(value)
+    return found.pop() if len(found) == 1 else None
+
+
+def _is_path(given: str) -> bool:
+    return os.path.lexists(given) or os.sep in given or given.startswith((".", "~"))
+
+
 def local_paths(given: str, args: argparse.Namespace) -> list[Path]:
     """What `given` names here: a path that exists, or names a folder, is a path; else a capture id (the daemon's
     record says where its ranks wrote, or ./profile/<id> without a daemon)."""
-    is_path = os.path.lexists(given) or os.sep in given or given.startswith((".", "~"))
-    return [Path(given)] if is_path else capture_folders(given, args)
+    return [Path(given)] if _is_path(given) else capture_folders(given, args)
 
 
 def compare_here(args: argparse.Namespace, out: TextIO) -> int:
@@ -149,7 +226,10 @@ def compare_here(args: argparse.Namespace, out: TextIO) -> int:
 
     if len(args.paths) != 1:
         raise CtlError("report --baseline compares one capture with one baseline: give one capture", EXIT_USAGE)
-    now_paths, base_paths = local_paths(args.paths[0], args), local_paths(args.baseline, args)
+    base_paths = local_paths(args.baseline, args)
+    if not base_paths or not any(p.exists() for p in base_paths):
+        raise CtlError(f"the baseline {args.baseline} is not here: " + ", ".join(map(str, base_paths)))
+    now_paths = local_paths(args.paths[0], args)
     now_report, base_report = build_reports([now_paths, base_paths], top=max(args.top, 15))
     now, base = _one_capture(now_report, args.paths[0]), _one_capture(base_report, args.baseline)
     comparison = compare_groups(base, now)

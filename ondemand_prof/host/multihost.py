@@ -103,14 +103,17 @@ def explain(fan: Fanout, replies: dict[str, Reply]) -> None:
         replies[name].kind, replies[name].error = kind, message
 
 
-def launch(fan: Fanout, request: dict[str, Any], job: str | None, slurm: str | None = None) -> Launched:
-    """Ask every daemon for its ranks' steps, plan one window, send it with one capture id to every host."""
+def launch(fan: Fanout, request: dict[str, Any], job: str | None, slurm: str | None = None,
+           baseline: bool = False) -> Launched:
+    """Ask every daemon for its ranks' steps, plan one window, send it with one capture id to every host
+    (`baseline`: each host marks it as the job's baseline, ondemandctl capture --baseline)."""
     t0 = time.monotonic()
     statuses = fresh_statuses(fan)
     plan = plan_capture(statuses, request, job, slurm)
     capture_id = new_capture_id(time.time())
     # across_hosts: a daemon that gets this after its start has passed on its ranks refuses it (alignment.py)
-    replies = fan.request("capture", {"job": plan.job, "capture_id": capture_id, "across_hosts": True},
+    replies = fan.request("capture", {"job": plan.job, "capture_id": capture_id, "across_hosts": True,
+                                      **({"baseline": True} if baseline else {})},
                           per_host=plan.per_host(), hosts=list(plan.targets))
     sent_s = time.monotonic() - t0
     found = {n: r.data for n, r in replies.items() if r.ok}

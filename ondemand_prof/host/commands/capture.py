@@ -51,6 +51,9 @@ class Capture(Command):
         parser.add_argument("--steps", type=int, default=2, help="number of steps to record (default 2)")
         add_window_flags(parser)
         parser.add_argument("--id", dest="label", help="your label for this capture")
+        parser.add_argument("--baseline", action="store_true", help="mark this capture as the job's healthy baseline: "
+                            "what `ondemandctl report CAPTURE` and automatic captures are compared with (one a "
+                            "job; the newest that records something wins)")
         parser.add_argument("--wait", action=argparse.BooleanOptionalAction, default=None,
                             help="follow progress until every rank is done (default: when output is a terminal)")
         parser.add_argument("--timeout", type=float, default=300.0, help="how long --wait waits, s (default 300)")
@@ -83,6 +86,8 @@ class Capture(Command):
         msg: dict[str, Any] = {"request": request}
         if args.job:
             msg["job"] = args.job
+        if args.baseline:
+            msg["baseline"] = True
         return msg
 
     # ------------------------------------------------------------------------------------------------------
@@ -133,6 +138,8 @@ class Capture(Command):
             log.warning("ondemand-profd: capture %s: %s", capture_id, late)
             return record.view()
         service.store.add(record, save=False)
+        if msg.get("baseline") is True:  # the job's baseline once it records something (records.py baseline_of)
+            record.data["baseline"] = True
         service.then(lambda: service.store.save(record))  # on disk before the CLI's reply, after the windows leave
         bodies: dict[int, bytes] = {}  # each distinct window encoded once, now that the plan's note is known
         for _, window in distinct:
@@ -173,7 +180,7 @@ class Capture(Command):
     def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
         """One aligned window on the target ranks of every host, one capture id (host/planning.py); followed
         on every host, a silent host asked again until --timeout, then given up on (host/multihost.py)."""
-        run = launch(fan, self.message(args)["request"], args.job, args.slurm)
+        run = launch(fan, self.message(args)["request"], args.job, args.slurm, baseline=args.baseline)
         if not args.json:
             out.write(_plan_across_text(run))
             out.flush()
@@ -264,6 +271,9 @@ def _plan_text(record: dict[str, Any]) -> str:
             f"{max(plan['current_steps'].values())}; lead {plan['lead_steps']} steps)\n")
     if plan.get("note"):
         text += f"  note: {plan['note']}\n"
+    if record.get("baseline"):
+        text += f"  marked as job {record['job']}'s baseline: later captures compare with it " \
+                f"(ondemandctl report <capture> --baseline {record['capture_id']}, or automatically)\n"
     past = plan.get("past_ranks", plan.get("late_ranks")) or []
     close = [r for r in plan.get("late_ranks") or [] if r not in past]
     if past:

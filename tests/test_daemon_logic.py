@@ -645,3 +645,31 @@ def test_a_registration_takes_the_kernels_pid_and_keeps_the_pods_beside_it() -> 
     me = Peer(os.getuid() or 1, 0, os.getpid(), alive=True, nspids=(os.getpid(),))
     with pytest.raises(BadRequest, match="is not the connecting process"):
         check_registration(me, {**msg, "pid": 1}, Registry())
+
+
+def test_jobs_are_keyed_by_owner_and_id() -> None:
+    """Issue 34 F3: another uid's job with the same id is another job: both live, shown as owner:id, a conflict is
+    only between processes of one (uid, id, rank), and a bare id means the asker's own job."""
+    from ondemand_prof.host.registry import owner_name
+
+    reg = Registry()
+    alive = lambda pid, thorough: True  # noqa: E731
+    msg = {"job": "port29500", "rank": 0, "world_size": 1, "host": "h", "step": 0}
+    reg.register(b"a", {**msg, "pid": 10}, 0.0, 0.0, alive, uid=0)
+    assert list(reg.jobs()) == ["port29500"]
+    reg.register(b"b", {**msg, "pid": 11}, 0.0, 0.0, alive, uid=4242)  # the same id and rank, another uid
+    other = f"{owner_name(4242)}:port29500"
+    assert sorted(reg.jobs()) == sorted([f"{owner_name(0)}:port29500", other])
+    assert reg.conflicts_of("port29500", 0.0) == []
+    assert reg.resolve_job("port29500", asker=4242) == other and reg.resolve_job("port2", asker=4242) == other
+    assert reg.resolve_job(other) == other and reg.resolve_job("4242:port29500") == other
+    with pytest.raises(ValueError, match="is run by 2 users on this host"):
+        reg.resolve_job("port29500", asker=7)
+    # a second live process of the same uid for the same rank: refused, shown for that uid's job only
+    with pytest.raises(RankConflict, match="--profile-job-id or ONDEMAND_PROF_JOB_ID"):
+        reg.register(b"c", {**msg, "pid": 12}, 0.0, 0.0, alive, uid=4242)
+    assert [c["refused_pid"] for c in reg.conflicts_of("port29500", 1.0, 4242)] == [12]
+    assert reg.conflicts_of("port29500", 1.0, 0) == []
+    assert [r.pid for r in reg.jobs()[other]] == [11]
+    reg.remove(b"a")  # one owner left: the bare id again
+    assert list(reg.jobs()) == ["port29500"] and reg.name_of(4242, "port29500") == "port29500"

@@ -204,8 +204,15 @@ def test_a_second_process_claiming_a_rank_is_refused_and_shown(env: dict[str, An
         time.sleep(0.5)
     text = ctl(env["run"], "status").stdout
     assert f"CONFLICT: rank 1 is held by pid {first.pid}" in text and f"pid {second.pid}" in text, text
-    refused = [ln for ln in stderr_of(env, 1).splitlines() if "the daemon refused" in ln]
+    err = stderr_of(env, 1)
+    refused = [ln for ln in err.splitlines() if "refused to register this rank" in ln]
     assert len(refused) == 1 and f"is held by pid {first.pid}" in refused[0], refused  # said once, not per try
+    # the start-up line says it was refused, why, and both ways to name the job (issue 29: it said "no
+    # ondemand-profd answered", and the log "registered" before the daemon had answered)
+    (startup,) = [ln for ln in err.splitlines() if "rank 1 of 2, job shared:" in ln]
+    assert "REFUSED this rank" in startup and f"is held by pid {first.pid}" in startup, startup
+    assert "--profile-job-id" in startup and "ONDEMAND_PROF_JOB_ID" in startup, startup
+    assert "no ondemand-profd answered" not in err and "registered with ondemand-profd" not in err, err
     first.kill()  # the holder is gone: the second process takes the rank at its next try
     wait_for(lambda: [r["pid"] for r in live_ranks(env["run"]) if r["rank"] == 1] == [second.pid], 30,
              "the second process to take rank 1")

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import pytest
 import zmq
 
-from conftest import ROOT, base_env, ctl, short_dir, start_daemon, status_lines, wait_for
+from conftest import ROOT, base_env, ctl, ctl_json, short_dir, start_daemon, status_lines, wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="unix sockets, SO_PEERCRED and /proc: Linux only")
 
@@ -455,9 +455,11 @@ def test_spoofed_ranks_are_refused(tmp_path: Path, other_user: dict[str, Any]) -
         spoof = as_user(other_user, SPOOF, str(run), str(os.getpid()), "rootjob")
         replies = [json.loads(spoof.stdout.readline()) for _ in range(3)]
         assert replies[0]["type"] == "error" and "is not the connecting process" in replies[0]["error"], replies
-        assert replies[1]["type"] == "error" and "belongs to uid 0" in replies[1]["error"], replies
-        assert "give this one its own: --profile-job-id or ONDEMAND_PROF_JOB_ID" in replies[1]["error"]
+        # root's job id, the member's process: a job of the member's own (jobs are (uid, id)), root's untouched
+        assert replies[1]["type"] == "registered", replies
         assert replies[2]["type"] == "registered", replies
+        rows = ctl_json(run, "status")["jobs"]["rootjob"]
+        assert [(r["uid"], r["pid"]) for r in rows] == [(0, victim.pid)], rows
         res = ctl(run, "capture", "--job", "mine", "--steps", "1", "--wait", "--timeout", "30")
         assert res.returncode != 0 and "/etc/shadow" in res.stdout + res.stderr, res.stdout + res.stderr
         assert "reported output refused" in res.stdout + res.stderr
@@ -1091,6 +1093,59 @@ def test_a_silent_rank_whose_process_is_gone_is_forgotten(group_daemon: dict[str
     finally:
         victim.kill()
         victim.wait()
+
+
+MEMBER_CTL = r"""
+import sys
+from ondemand_prof.host import ctl
+drop()
+sys.exit(ctl.main([sys.argv[2], "--runtime-dir", sys.argv[1], *sys.argv[3:]]))
+"""
+
+
+def test_a_squatted_job_id_is_another_users_job(group_daemon: dict[str, Any], tmp_path: Path) -> None:
+    """Issue 34, F3: a member registers the job id another user's job will take, first. Before: the owner's rank
+    was refused ("belongs to uid N"), its log said "registered" and then "no ondemand-profd answered", and the
+    owner's `capture --job` went to the squatter's rank. Now a job is (uid, id): both are registered, status
+    names each one's owner, the owner's capture takes its own rank, and the member's capture of the owner's job
+    says whose it is."""
+    env = group_daemon
+    user = env["user"]
+    squat = _user_rank(env)
+    assert _register(squat, "sq", squat.run("value = os.getpid()"),
+                     save_root=str(env["shared"]))["type"] == "registered"
+    squat.beat(True)
+    log = tmp_path / "owner.log"
+    owner = train(tmp_path, "sq", env={"ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])}, steps=100000, log=log)
+    try:
+        names = {"root:sq", f"{user['name']}:sq"}
+        wait_for(lambda: set(ctl_json(env["run"], "status")["jobs"]) == names, 120, "both jobs to register")
+        jobs = ctl_json(env["run"], "status")["jobs"]
+        assert [(r["uid"], r["pid"]) for r in jobs["root:sq"]] == [(0, owner.pid)], jobs
+        assert [r["uid"] for r in jobs[f"{user['name']}:sq"]] == [user["uid"]], jobs
+        text = ctl(env["run"], "status").stdout
+        assert "job root:sq: 1 of 1 rank(s) registered, owner uid 0 (root)" in text, text
+        assert f"job {user['name']}:sq: 1 of 1 rank(s) registered, owner uid {user['uid']} ({user['name']})" in text
+        wait_for(lambda: "registered with ondemand-profd" in log.read_text(), 60, "the owner's start-up line")
+        said = log.read_text()
+        assert "REFUSED" not in said and "refused" not in said and "no ondemand-profd answered" not in said, said
+        # the owner's `--job sq` is its own job: its own rank records, into its own save path
+        res = ctl(env["run"], "capture", "--job", "sq", "--steps", "1", "--wait", "--timeout", "120")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "done: 1 of 1 rank(s) wrote a trace" in res.stdout and str(tmp_path / "profile") in res.stdout
+        assert "note: job" not in res.stdout, res.stdout
+        # the member asks for the owner's job by the name status shows: told whose job it is
+        member = as_user(user, MEMBER_CTL, str(env["run"]), "capture", "--job", "root:sq", "--steps", "1",
+                         "--no-wait")
+        out, err = member.communicate(timeout=60)
+        assert member.returncode == 0, out + err
+        assert f"note: job sq belongs to uid 0 (root), not to you (uid {user['uid']} ({user['name']}))" in out, out
+        # the bare id, asked by the member, is the member's own job
+        member = as_user(user, MEMBER_CTL, str(env["run"]), "status", "--job", "sq", "--json")
+        out, err = member.communicate(timeout=60)
+        assert member.returncode == 0 and list(json.loads(out)["jobs"]) == [f"{user['name']}:sq"], out + err
+    finally:
+        stop(owner)
 
 
 def test_wire_ids_cannot_name_paths_or_replace_or_flood_out_records(

@@ -566,13 +566,19 @@ def window_overrides(args: argparse.Namespace, options: Sequence[Option] = OPTIO
 
 
 def default_job_id(environ: Mapping[str, str] | None = None) -> str:
-    """A job name that is the same on every rank of one job and differs between jobs on one host.
+    """A job name that is the same on every rank of one job and differs between jobs on one host, in one pod, and
+    on other nodes (`ondemandctl --hosts` merges jobs by name).
 
     From the launcher: ONDEMAND_PROF_JOB_ID, a SLURM job (and step: two `srun`s of one allocation are two
-    jobs), torchrun's run id (also what `accelerate launch` runs under), then MASTER_PORT (Lightning's and
-    Accelerate's own launchers, mp.spawn scripts: one port per job on a host). Else a pid: the launcher's
-    when RANK says we are one of its workers, our own otherwise. Once torch.distributed is up, the hook
-    agrees the id through the process group's store (rank 0's wins), so a rank that had to guess converges.
+    jobs), torchrun's run id (also what `accelerate launch` runs under). Then MASTER_PORT, where a distributed
+    launch set it (RANK and a WORLD_SIZE over 1, or torchrun's agent): `port29500@ADDR` with a master address
+    other ranks reach (Kubernetes' PyTorchJob: the master's service name, the same in every pod of the job), or
+    `port29500@HERE` with a loopback one (the port names a job only in its own network namespace: every pod
+    has a 29500). Else a pid, named where it lives: the launcher's when RANK says we are one of its workers, our
+    own otherwise (`pid4242@HERE`: a pod's pid 1 is every pod's). HERE: this host's name (a pod's own, under
+    Kubernetes its pod name), and in a pid namespace of its own (a container), that namespace's number too.
+    Once torch.distributed is up, the hook agrees the id through the process group's store (rank 0's wins), so a
+    rank that had to guess converges. Ids stay the same across restarts of torchrun's workers.
     """
     environ = os.environ if environ is None else environ
     explicit = environ.get("ONDEMAND_PROF_JOB_ID")
@@ -585,10 +591,43 @@ def default_job_id(environ: Mapping[str, str] | None = None) -> str:
     run_id = environ.get("TORCHELASTIC_RUN_ID")
     if run_id and run_id != "none":
         return safe_id(run_id)  # torchrun's --rdzv-id is free text
+    try:
+        world = int(environ.get("WORLD_SIZE", "0"))
+    except ValueError:
+        world = 0
+    # torchrun's workers (its agent holds the store on MASTER_PORT, whatever the world size), or ranks of a launch
+    # that says so: MASTER_PORT alone (accelerate's single process, a script that sets it) names nothing
+    distributed = bool(run_id) or (bool(environ.get("RANK")) and world > 1)
     port = environ.get("MASTER_PORT")
-    if port:
-        return "port" + port
-    return f"pid{os.getppid() if environ.get('RANK') else os.getpid()}"
+    if port and distributed:
+        addr = environ.get("MASTER_ADDR", "")
+        where = safe_id(addr)[:64] if addr and not _loopback(addr) else local_scope()
+        return safe_id(f"port{port}@{where}")
+    pid = os.getppid() if distributed else os.getpid()
+    return safe_id(f"pid{pid}@{local_scope()}")
+
+
+PID_NS_INIT_INO = 0xEFFFFFFC  # the initial pid namespace's inode number (Linux, fixed since 3.8)
+
+
+def local_scope() -> str:
+    """Where this process is, as a job id part: the host name (a pod's own), and where the process lives in a pid
+    namespace of its own (a container), that namespace's number, as its pids mean something only there."""
+    import socket
+
+    host = safe_id(socket.gethostname() or "localhost")[:48]
+    try:
+        ino = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return host
+    if ino == PID_NS_INIT_INO:
+        return host
+    return f"{host}.ns{ino - 0xF0000000 if ino > 0xF0000000 else ino}"  # (dynamic ones count up from 0xF0000000)
+
+
+def _loopback(addr: str) -> bool:
+    return addr in ("localhost", "::1", "0.0.0.0", "::", "ip6-localhost") or addr.startswith("127.") or \
+        addr.startswith("localhost.")
 
 
 __all__ = [

@@ -4,6 +4,7 @@ times are passed in, pid checks are a function the caller supplies."""
 from __future__ import annotations
 
 import math
+import pwd
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -24,7 +25,11 @@ MAX_NAME = 256  # a job id or host name
 # collective, a deadlock, a rank asleep. Its agent thread still answers, so heartbeats alone cannot tell.
 STALL_MIN_S = 10.0
 STALL_STEPS = 20
-CONFLICT_KEEP_S = 15.0  # a refused second process for a (job, rank) is shown this long after its last attempt
+CONFLICT_KEEP_S = 15.0  # a refused second process for a (uid, job, rank) is shown this long after its last attempt
+
+# A job is known to the daemon by its owner and its id: (uid, job id). Another user's job that chose the same id
+# (a shared MASTER_PORT number, a squatted name) is another job, never merged with this one nor refused for it.
+JobKey = tuple["int | None", str]
 
 # Time from the daemon sending a window to the rank's training thread holding it: ZMQ delivery (< 1 ms),
 # the agent's 5 ms poll, and slack for a loaded host. The step running then must end before the window starts.
@@ -62,29 +67,29 @@ class DeliveryBook:
 
     def __init__(self, max_jobs: int = 256) -> None:
         self.max_jobs = max_jobs
-        self.jobs: dict[str, DeliveryTimes] = {}  # least recently learned first
+        self.jobs: dict[Any, DeliveryTimes] = {}  # by JobKey (uid, job id), least recently learned first
 
-    def of(self, job: str) -> DeliveryTimes:
+    def of(self, job: Any) -> DeliveryTimes:
         times = self.jobs.pop(job, None) or DeliveryTimes()
         self.jobs[job] = times
         while len(self.jobs) > self.max_jobs:
             del self.jobs[next(iter(self.jobs))]
         return times
 
-    def keep_only(self, live_jobs: Iterable[str]) -> None:
+    def keep_only(self, live_jobs: Iterable[Any]) -> None:
         """Forget the jobs that have no live rank left."""
         live = set(live_jobs)
         for job in [j for j in self.jobs if j not in live]:
             del self.jobs[job]
 
-    def estimate(self, job: str) -> float:
+    def estimate(self, job: Any) -> float:
         times = self.jobs.get(job)
         return times.estimate() if times is not None else DELIVERY_S
 
-    def longer(self, jobs: Iterable[str]) -> dict[str, float]:
-        """The jobs among `jobs` whose learned delivery is longer than DELIVERY_S, and how long."""
-        out = {job: round(self.estimate(job), 4) for job in jobs}
-        return {job: seconds for job, seconds in out.items() if seconds > DELIVERY_S}
+    def longer(self, jobs: dict[str, Any]) -> dict[str, float]:
+        """Of `jobs` (name shown -> JobKey), those whose learned delivery is longer than DELIVERY_S, and how long."""
+        out = {name: round(self.estimate(key), 4) for name, key in jobs.items()}
+        return {name: seconds for name, seconds in out.items() if seconds > DELIVERY_S}
 
 
 def time_in_step(rank: Any, wall: float) -> float | None:
@@ -137,6 +142,8 @@ class RankInfo:
     registered_at: float = 0.0
     last_seen: float = 0.0
     pid_visible: bool = False  # the rank's pid exists in our pid namespace, so a vanished pid means it died
+    kernel_pid: bool = False  # the pid is the kernel's (the connecting process): a process of this host, whatever
+    # host name it says (a pod's own), which liveness, conflicts and native dumps act on
     observed_step_time: float | None = None  # from the steps and times of the last two heartbeats
     defaults: WindowDefaults | None = None  # what the rank's configuration fills into a request
     windows: list[dict[str, Any]] | None = None  # running and queued windows, from the last heartbeat
@@ -145,6 +152,11 @@ class RankInfo:
     process: Any = None  # core.files.ProcessIdentity at registration (host/triage.py): pid reuse is told apart
     heard_at: float | None = None  # wall time of the rank's last heartbeat (or registration), when known
     sent_at: float | None = None  # the rank's wall time when it sent that heartbeat (same host: same clock)
+
+    @property
+    def key(self) -> JobKey:
+        """The job this rank belongs to, as the daemon knows jobs: (owner uid, job id)."""
+        return (self.uid, self.job)
 
     def in_step_s(self, wall: float) -> float | None:
         return time_in_step(self, wall)
@@ -176,6 +188,7 @@ class RankInfo:
         in_step = None if in_step is None else round(in_step, 3)
         return {"job": self.job, "rank": self.rank, "world_size": self.world_size, "host": self.host,
                 "pid": self.pid, **({"ns_pid": self.ns_pid} if self.ns_pid is not None else {}),
+                "uid": self.uid, "owner": owner_name(self.uid),
                 "step": self.step, "step_estimate": self.estimated_step(wall),
                 "in_step_s": in_step, "stalled_s": None if stalled is None else round(stalled, 1),
                 "step_time_s": self.step_time, "state": self.state, "local_rank": self.local_rank,
@@ -189,12 +202,13 @@ class RankInfo:
 class Registry:
     def __init__(self) -> None:
         self.by_route: dict[bytes, RankInfo] = {}
-        self._route_of: dict[tuple[str, int], bytes] = {}  # (job, rank) -> route
-        # (job, rank) -> a second live process that claimed a rank already held (refused; shown by status)
-        self.conflicts: dict[tuple[str, int], dict[str, Any]] = {}
+        self._route_of: dict[tuple[int | None, str, int], bytes] = {}  # (uid, job, rank) -> route
+        # (uid, job, rank) -> a second live process that claimed a rank already held (refused; shown by status)
+        self.conflicts: dict[tuple[int | None, str, int], dict[str, Any]] = {}
 
     def register(self, route: bytes, msg: dict[str, Any], now: float, wall: float,
-                 pid_alive: Callable[[int, bool], bool]) -> RankInfo:
+                 pid_alive: Callable[[int, bool], bool], uid: int | None = None) -> RankInfo:
+        """`uid`: the connecting process's, from the kernel (None: not known); the job is (uid, msg's job id)."""
         for name in ("job", "host"):
             if not 0 < len(msg[name]) <= MAX_NAME:
                 raise ValueError(f"register: {name} must be 1 to {MAX_NAME} characters")
@@ -204,7 +218,7 @@ class Registry:
                         local_rank=local_rank if bounded_int(local_rank, 0, MAX_RANK) else None,
                         save_root=str(msg.get("save_root", ""))[:4096], trigger_dir=str(msg.get("trigger_dir", ""))[:4096],
                         version=str(msg.get("version", ""))[:64],
-                        registered_at=wall, last_seen=now)
+                        registered_at=wall, last_seen=now, uid=uid)
         if msg.get("defaults") is not None:
             try:
                 info.defaults = WindowDefaults.from_wire(msg["defaults"])
@@ -216,7 +230,7 @@ class Registry:
         self._update(info, msg)
         info.heard_at = wall
         info.pid_visible = pid_alive(info.pid, False)
-        key = (info.job, info.rank)
+        key = (info.uid, info.job, info.rank)
         old_route = self._route_of.get(key)
         if old_route is not None and old_route != route:
             old = self.by_route.get(old_route)
@@ -227,8 +241,8 @@ class Registry:
         if self.conflicts.get(key, {}).get("refused_pid") == info.pid:  # the holder is gone: the claimant has it
             del self.conflicts[key]
         previous = self.by_route.get(route)
-        if previous is not None and (previous.job, previous.rank) != (info.job, info.rank):  # it settled
-            self._route_of.pop((previous.job, previous.rank), None)
+        if previous is not None and (previous.uid, previous.job, previous.rank) != key:  # it settled
+            self._route_of.pop((previous.uid, previous.job, previous.rank), None)
         self._route_of[key] = route
         self.by_route[route] = info
         return info
@@ -243,12 +257,13 @@ class Registry:
     def _refuse(self, holder: RankInfo, claimant: RankInfo, now: float, wall: float) -> None:
         """A second live process claims a rank that is held: the first keeps it (nothing flaps), the claim is
         refused with the reason and kept for status. ValueError."""
-        key = (holder.job, holder.rank)
+        key = (holder.uid, holder.job, holder.rank)
         conflict = self.conflicts.get(key)
         new = conflict is None or conflict["refused_pid"] != claimant.pid
         if new:
-            conflict = {"job": holder.job, "rank": holder.rank, "pid": holder.pid, "host": holder.host,
-                        "refused_pid": claimant.pid, "refused_host": claimant.host, "since": wall, "attempts": 0}
+            conflict = {"job": holder.job, "uid": holder.uid, "rank": holder.rank, "pid": holder.pid,
+                        "host": holder.host, "refused_pid": claimant.pid, "refused_host": claimant.host,
+                        "since": wall, "attempts": 0}
             self.conflicts[key] = conflict
         assert conflict is not None
         conflict["attempts"] += 1
@@ -256,14 +271,17 @@ class Registry:
         raise RankConflict(
             f"register: rank {holder.rank} of job {holder.job!r} is held by pid {holder.pid} on {holder.host}, "
             f"which is alive; pid {claimant.pid} on {claimant.host} cannot take it too (two jobs with one job id: "
-            "a shared MASTER_PORT or launcher id? give each its own --profile-job-id)", new=new)
+            "a shared MASTER_PORT or launcher id? give each its own: --profile-job-id or ONDEMAND_PROF_JOB_ID)",
+            new=new)
 
-    def conflicts_of(self, job: str, now: float) -> list[dict[str, Any]]:
-        """The refused second processes of `job` that tried lately (older ones are forgotten)."""
+    def conflicts_of(self, job: str, now: float, uid: Any = ...) -> list[dict[str, Any]]:
+        """The refused second processes of `job` (of owner `uid`, when given) that tried lately (older ones are
+        forgotten)."""
         for key in [k for k, c in self.conflicts.items() if now - c["last_attempt"] > CONFLICT_KEEP_S]:
             del self.conflicts[key]
-        return [{k: v for k, v in c.items() if k != "last_attempt"} for (j, _), c in sorted(self.conflicts.items())
-                if j == job]
+        return [{k: v for k, v in c.items() if k != "last_attempt"}
+                for (u, j, _), c in sorted(self.conflicts.items(), key=lambda kv: (str(kv[0][0]), kv[0][1:]))
+                if j == job and (uid is ... or u == uid)]
 
     def heartbeat(self, route: bytes, msg: dict[str, Any], now: float, wall: float | None = None) -> RankInfo | None:
         info = self.by_route.get(route)
@@ -296,8 +314,8 @@ class Registry:
 
     def remove(self, route: bytes) -> RankInfo | None:
         info = self.by_route.pop(route, None)
-        if info is not None and self._route_of.get((info.job, info.rank)) == route:
-            del self._route_of[(info.job, info.rank)]
+        if info is not None and self._route_of.get((info.uid, info.job, info.rank)) == route:
+            del self._route_of[(info.uid, info.job, info.rank)]
         return info
 
     def expire(self, now: float, pid_alive: Callable[[int, bool], bool],
@@ -327,18 +345,50 @@ class Registry:
         return gone
 
     def jobs(self) -> dict[str, list[RankInfo]]:
-        out: dict[str, list[RankInfo]] = {}
+        """The live jobs by the name they are shown and asked for: the job id, or, where ranks of more than one
+        uid chose that id, `owner:id` for each of them (owner: the user name, or the uid where it has none)."""
+        by_key: dict[JobKey, list[RankInfo]] = {}
         for info in self.by_route.values():
-            out.setdefault(info.job, []).append(info)
-        for ranks in out.values():
+            by_key.setdefault(info.key, []).append(info)
+        labels = _Labels(by_key)
+        out: dict[str, list[RankInfo]] = {}
+        for (uid, job), ranks in by_key.items():
             ranks.sort(key=lambda r: r.rank)
+            out[labels.of(uid, job)] = ranks
         return dict(sorted(out.items()))
 
-    def resolve_job(self, job: str | None) -> str:
-        """The job a request means: the one given (or the only live one it begins), or the only live one.
-        ValueError says why not."""
+    def job_keys(self) -> dict[str, JobKey]:
+        """Each live job's name (as jobs() shows it) -> its JobKey."""
+        return {name: ranks[0].key for name, ranks in self.jobs().items()}
+
+    def name_of(self, uid: int | None, job: str) -> str:
+        """How the job (uid, job) is shown and asked for now (as in jobs())."""
+        return _Labels({info.key for info in self.by_route.values()} | {(uid, job)}).of(uid, job)
+
+    def resolve_job(self, job: str | None, asker: int | None = None) -> str:
+        """The job a request means, as jobs() names it: the name given; a job id (where several users chose it,
+        the one of `asker`, the uid asking); `owner:id`; a unique beginning of a name or of an id (likewise). Else
+        the only live job. ValueError says why not."""
         jobs = self.jobs()
         if job:
+            if job in jobs:
+                return job
+            keys = {name: ranks[0].key for name, ranks in jobs.items()}
+            same = [name for name, (_, j) in keys.items() if j == job]
+            if not same and ":" in job:  # owner:id, the owner a user name or a uid
+                owner, _, wanted = job.partition(":")
+                same = [name for name, (u, j) in keys.items() if j == wanted and owner in (owner_name(u), str(u))]
+            if not same:
+                begun = [name for name in keys if name.startswith(job)]
+                ids = {keys[name][1] for name in keys if keys[name][1].startswith(job)}
+                same = begun if len(begun) == 1 else [n for n in keys if keys[n][1] in ids] if len(ids) == 1 else []
+            mine = [name for name in same if keys[name][0] == asker]
+            if len(same) == 1 or len(mine) == 1:
+                return (mine or same)[0]
+            if same:
+                raise ValueError(f"job {job!r} is run by {len(same)} users on this host: "
+                                 f"{', '.join(f'{name} ({owner_text(keys[name][0])})' for name in same)}; "
+                                 "name one as shown")
             return match_id(job, jobs, "live job")
         if not jobs:
             raise ValueError("no ranks are registered with this daemon (is the training job running with the "
@@ -348,7 +398,8 @@ class Registry:
         return next(iter(jobs))
 
     def select(self, job: str, ranks: Sequence[int]) -> list[RankInfo]:
-        """The live ranks of `job` that `ranks` names (-1: all). ValueError names ranks that are not live."""
+        """The live ranks of `job` (a name as jobs() has it) that `ranks` names (-1: all). ValueError names ranks
+        that are not live."""
         live = {r.rank: r for r in self.jobs().get(job, [])}
         if -1 in ranks:
             return [live[r] for r in sorted(live)]
@@ -361,6 +412,50 @@ class Registry:
             raise ValueError(f"rank(s) {spans(missing)} of job {job!r} are not registered; live ranks: "
                              f"{spans(sorted(live)) or 'none'} (world size {world}){hint}")
         return [live[r] for r in ranks]
+
+
+class _Labels:
+    """Names for jobs: the job id where one uid alone chose it, `owner:id` where several did (and for a job id
+    that reads like another job's `owner:id`)."""
+
+    def __init__(self, keys: Iterable[JobKey]) -> None:
+        self.count: dict[str, int] = {}
+        keys = list(keys)
+        for _, job in keys:
+            self.count[job] = self.count.get(job, 0) + 1
+        self.qualified = {f"{owner_name(u)}:{j}" for u, j in keys if self.count[j] > 1}
+
+    def of(self, uid: int | None, job: str) -> str:
+        if self.count.get(job, 0) > 1 or job in self.qualified:
+            return f"{owner_name(uid)}:{job}"
+        return job
+
+
+_OWNER_NAMES: dict[int, str] = {}
+
+
+def owner_name(uid: int | None) -> str:
+    """A uid as a user name (the uid's digits where the host has no name for it: a container's mapped uid);
+    "unknown" for None."""
+    if uid is None:
+        return "unknown"
+    name = _OWNER_NAMES.get(uid)
+    if name is None:
+        try:
+            name = pwd.getpwuid(uid).pw_name
+        except (KeyError, OverflowError):
+            name = str(uid)
+        if len(_OWNER_NAMES) < 4096:
+            _OWNER_NAMES[uid] = name
+    return name
+
+
+def owner_text(uid: int | None) -> str:
+    """'uid 1000 (alice)', or 'uid 100000' where the host has no name for it."""
+    if uid is None:
+        return "an unknown uid"
+    name = owner_name(uid)
+    return f"uid {uid}" + ("" if name == str(uid) else f" ({name})")
 
 
 def match_id(given: str, known: Iterable[str], what: str, plural: str | None = None) -> str:

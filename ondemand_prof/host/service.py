@@ -109,21 +109,25 @@ class Service:
     def on_register(self, route: bytes, msg: dict[str, Any]) -> bytes:
         peer = msg.get("_peer")
         if peer is not None:
+            peer = with_nspids(peer)
             check_registration(peer, msg, self.registry)
         msg, ns_pid = with_kernel_pid(peer, msg)
         try:
-            info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check)
+            # the job is (the kernel's uid, the job id): another user's job of the same id is another job
+            info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check,
+                                          uid=peer.uid if peer is not None else None)
         except RankConflict as exc:
             if exc.new:  # once per claimant, not at every retry
                 log.warning("ondemand-profd: %s", exc)
             raise BadRequest(str(exc)) from None
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        info.uid = peer.uid if peer is not None else None
         info.ns_pid = ns_pid
+        info.kernel_pid = peer is not None and info.pid == peer.pid  # the connector: a process of this host
         self.triage.registered(info)  # the process's identity (pid reuse), its native dump checked
-        log.info("ondemand-profd: rank %d/%d of job %s registered (host %s, pid %d, step %d)", info.rank,
-                 info.world_size, info.job, info.host, info.pid, info.step)
+        log.info("ondemand-profd: rank %d/%d of job %s (uid %s) registered (host %s, pid %d%s, step %d)", info.rank,
+                 info.world_size, info.job, info.uid, info.host, info.pid,
+                 f", {ns_pid} in its pid namespace" if ns_pid is not None else "", info.step)
         recent = msg.get("recent")
         for item in recent[:64] if isinstance(recent, list) else []:  # what happened while we could not hear it
             if isinstance(item, dict) and valid_id(item.get("capture_id")):
@@ -143,7 +147,7 @@ class Service:
         """While a window records, its part shows the step reached (the CLI prints "recording step k of N")."""
         running = info.windows[0] if info.windows else None
         record = self.store.records.get(running["capture_id"]) if running else None
-        part = record.part(info.rank) if record is not None and record.data["job"] == info.job else None
+        part = record.part(info.rank) if record is not None and of_job(record, info) else None
         if record is not None and part is not None and part["state"] == "recording" and \
                 part.get("at_step") != info.step:
             part["at_step"] = info.step
@@ -187,7 +191,7 @@ class Service:
 
     def _apply_event(self, info: RankInfo, capture_id: str, event: str, data: Any) -> None:
         record = self.store.records.get(capture_id)
-        if record is None or record.data["job"] != info.job:
+        if record is None or not of_job(record, info):
             return
         if event == "started":
             return  # the warmup step began: the part is "scheduled" until recording
@@ -214,7 +218,7 @@ class Service:
         planned_step = planned.get(info.rank, planned.get(str(info.rank)))
         taken = data.get("current_step")
         if type(planned_step) is int and type(taken) is int and 0 <= taken - planned_step <= 10**6:
-            self.delivery.of(info.job).learn(record.capture_id, planned_step, taken,
+            self.delivery.of(info.key).learn(record.capture_id, planned_step, taken,
                                              info.step_time or info.observed_step_time)
 
     def on_bye(self, route: bytes, msg: dict[str, Any]) -> None:
@@ -272,7 +276,7 @@ class Service:
                 self.triage.forget_later(info, reason, now)  # a hung rank stays reachable for a native dump
                 self._fail_parts(info, f"rank {info.rank} is gone: {reason}", wall)
             if self.delivery.jobs:  # job names are reused (port29500, pidN): a later run starts afresh
-                self.delivery.keep_only(self.registry.jobs())
+                self.delivery.keep_only(r.key for r in self.registry.by_route.values())
             if now - self.started > RANK_TIMEOUT_S + HEARTBEAT_S and self.store.running():
                 self._fail_orphans(wall)
         self.store.flush()
@@ -283,7 +287,7 @@ class Service:
     def _fail_parts(self, info: RankInfo, error: str, wall: float) -> None:
         for record in self.store.running():
             part = record.part(info.rank)
-            if record.data["job"] == info.job and part and part["pid"] == info.pid and record.fail_rank(
+            if of_job(record, info) and part and part["pid"] == info.pid and record.fail_rank(
                     info.rank, error, wall):
                 self.changed(record)
 
@@ -327,13 +331,31 @@ def check_registration(peer: Any, msg: dict[str, Any], registry: Registry) -> No
     # process of another uid may hold that number now (pidfd-less kernels cannot tell)
     if _proc_uid(peer.pid) != peer.uid:
         raise BadRequest(f"register: pid {peer.pid} is not a process of uid {peer.uid}, which is connecting")
-    # whatever host it claims: ranks of one job on one daemon share a machine, and a claimed host name is only
-    # the sender's word
-    for other in registry.jobs().get(msg["job"], []):
-        if other.uid is not None and other.uid != peer.uid:
-            raise BadRequest(f"register: job {msg['job']!r} belongs to uid {other.uid}; uid {peer.uid} cannot join it "
-                             "(two users' jobs with one job id on this host, from a shared MASTER_PORT? give this "
-                             "one its own: --profile-job-id or ONDEMAND_PROF_JOB_ID)")
+    # no check of the job id: a job is (uid, job id), so a job of another user with this id is another job (issue
+    # 34 F3: whoever registered an id first used to own it, and the owner's own ranks were refused)
+
+
+def with_nspids(peer: Any) -> Any:
+    """`peer` with its pids in each pid namespace (NSpid) read from /proc where the kernel gave no pidfd to read
+    them from (before Linux 6.5): a rank in a pod says its own pid (1), and the daemon must know it is the
+    connector's. Only for a connector not known to have exited; unchanged where /proc cannot say."""
+    if peer.alive is False or peer.nspids or not hasattr(peer, "_replace"):
+        return peer
+    try:
+        with open(f"/proc/{peer.pid}/status", encoding="ascii", errors="replace") as fh:
+            line = next((x for x in fh if x.startswith("NSpid:")), "")
+        nspids = tuple(int(x) for x in line.split()[1:])
+    except (OSError, ValueError):
+        return peer
+    return peer._replace(nspids=nspids) if nspids and nspids[0] == peer.pid else peer
+
+
+def of_job(record: Any, info: RankInfo) -> bool:
+    """Whether a capture record is of this rank's job: its job id, and the uid its parts were sent to."""
+    if record.data["job"] != info.job:
+        return False
+    part = record.part(info.rank)
+    return part is None or part.get("uid") in (None, info.uid)
 
 
 def with_kernel_pid(peer: Any, msg: dict[str, Any]) -> tuple[dict[str, Any], int | None]:

@@ -80,8 +80,15 @@ class Pending:
 
 def target_of(info: "RankInfo", host: str) -> Target:
     native = getattr(info, "native_dump", None)
-    return Target(info.rank, info.host, info.pid, info.host == host and info.pid_visible,
+    return Target(info.rank, info.host, info.pid, is_local(info, host),
                   native if isinstance(native, dict) else None, getattr(info, "process", None), info.uid)
+
+
+def is_local(info: "RankInfo", host: str) -> bool:
+    """Whether the rank's process is one this daemon can see and signal: its pid is the kernel's word (it
+    connected over the unix socket: a process of this host, in a pod with a host name of its own too), or it
+    says this host's name and its pid exists here."""
+    return info.pid_visible and (getattr(info, "kernel_pid", False) or info.host == host)
 
 
 def native_dump_problem(native: Any, pid: int) -> str | None:
@@ -175,7 +182,7 @@ class TriageBook:
     def registered(self, info: "RankInfo") -> None:
         """At registration: which process this is (pid, start time, uid, read now from /proc, so a pid reused
         later is told apart), and whether its native dump can be asked for."""
-        local = info.pid_visible and info.host == self.service.host
+        local = is_local(info, self.service.host)
         info.process = process_identity(info.pid) if local else None
         if info.process is not None and info.uid is not None and info.process.uid != info.uid:
             # never signalled, whoever asks: pid {pid} is another user's process (registered by root for another

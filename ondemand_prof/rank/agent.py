@@ -168,7 +168,8 @@ class Agent:
         say(log, self.config.quiet, startup_line(self.prof.identity(), self.files.trigger_path,
                                                  Path(self.config.save_path), daemon,
                                                  link.url if link is not None else None, moved=self._moved,
-                                                 default_ranks=self.config.ondemand_ranks))
+                                                 default_ranks=self.config.ondemand_ranks,
+                                                 refused=link.refused if link is not None else None))
 
     def _link_daemon(self) -> None:
         try:

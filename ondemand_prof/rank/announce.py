@@ -46,16 +46,28 @@ def trigger_command(rank: int, trigger_path: Path, default_ranks: Sequence[int])
     return f"echo {body} > {path}", f"a bare touch captures ranks {spans(default_ranks)}: --profile-ondemand-ranks"
 
 
+def refusal_fix(reason: str) -> str:
+    """What to do about a refused registration, unless the daemon's reason says it already: both ways to name
+    the job (the flag, for a script that takes add_profile_args; the environment, for any other)."""
+    if "--profile-job-id" in reason and "ONDEMAND_PROF_JOB_ID" in reason:
+        return ""
+    return " (two jobs with one job id? give this one its own: --profile-job-id NAME or ONDEMAND_PROF_JOB_ID=NAME)"
+
+
 def startup_line(ident: Identity, trigger_path: Path, save_root: Path, daemon: str | None,
-                 daemon_url: str | None, moved: bool = False, default_ranks: Sequence[int] = (ALL,)) -> str:
+                 daemon_url: str | None, moved: bool = False, default_ranks: Sequence[int] = (ALL,),
+                 refused: str | None = None) -> str:
     """rank, job, how to trigger (daemon or file: a command that captures this rank), where traces go; one
-    line, commands between backquotes. daemon: the daemon's address when it answered; daemon_url: where it
-    was looked for (None: the daemon link is off)."""
+    line, commands between backquotes. daemon: the daemon's address when it registered this rank; daemon_url:
+    where it was looked for (None: the daemon link is off); refused: why the daemon there refused this rank."""
     who = f"rank {ident.rank} of {ident.world_size}, job {ident.job_id}"
     touch, which = trigger_command(ident.rank, trigger_path, default_ranks)
     if daemon:
         ctl = f"ondemandctl capture --job {shlex.quote(ident.job_id)} --ranks {ident.rank}"
         how = f"capture with `{ctl}` (registered with ondemand-profd) or `{touch}` ({which})"
+    elif refused and daemon_url:
+        how = (f"ondemand-profd at {daemon_url} REFUSED this rank: {refused}{refusal_fix(refused)}; until it takes "
+               f"the rank (asked again every few seconds), capture with `{touch}` ({which})")
     elif daemon_url:
         how = f"capture with `{touch}` ({which}; no ondemand-profd answered at {daemon_url}: start one for ondemandctl)"
     else:

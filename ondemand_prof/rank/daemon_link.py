@@ -23,6 +23,7 @@ from ..core.protocol import HEARTBEAT_S, MAX_BATCHED_EVENTS, MAX_FRAME_BYTES, MA
 from ..core.safedir import daemon_socket_problem
 from ..core.requests import WindowDefaults, window_from_wire
 from ..core.window import Window
+from .announce import refusal_fix
 from .extension import Extension
 
 log = logging.getLogger("ondemand_prof")
@@ -87,6 +88,7 @@ class DaemonLink(Extension):
         self.registered = False
         self._distrust: str | None = "not checked yet"
         self.acknowledged = False  # the daemon answered a registration ("registered")
+        self.refused: str | None = None  # why the daemon refused our latest registration (None: it did not)
         self._last_error = ""
         self._next_beat = 0.0
         self._outbox: collections.deque[tuple[str, str, dict[str, Any]]] = collections.deque()
@@ -216,10 +218,10 @@ class DaemonLink(Extension):
                       version=__version__, recent=recent, defaults=WindowDefaults.from_config(prof.config).to_wire(),
                       native_dump=self._native_dump(), **self._progress())
         self._batch = 1  # until this daemon's "registered" reply says what it takes (it may be an older one)
-        self.registered = self._send(body)
+        self.registered = self._send(body)  # sent; "registered" is logged when the daemon says so
         if self.registered:
-            log.info("ondemand_prof: registered with ondemand-profd at %s (job %s, rank %d)", self.url, ident.job_id,
-                     ident.rank)
+            log.debug("ondemand_prof: registration sent to ondemand-profd at %s (job %s, rank %d)", self.url,
+                      ident.job_id, ident.rank)
 
     def _on_message(self, frame: bytes) -> None:
         try:
@@ -229,7 +231,12 @@ class DaemonLink(Extension):
             return
         kind = msg["type"]
         if kind == "registered":
+            if not self.acknowledged or self.refused:
+                ident = self.agent.prof.identity()
+                log.info("ondemand_prof: registered with ondemand-profd at %s (job %s, rank %d)", self.url,
+                         ident.job_id, ident.rank)
             self.acknowledged = True
+            self.refused = None
             self._last_error = ""
             batch = msg.get("events_batch")
             self._batch = batch if bounded_int(batch, 1, MAX_BATCHED_EVENTS) else 1
@@ -246,14 +253,20 @@ class DaemonLink(Extension):
             self._on_error(str(msg.get("error")))
 
     def _on_error(self, error: str) -> None:
-        """A refused registration (another live process holds this rank, a job of another user) is tried
-        again every REFUSED_RETRY_S, and said once per reason, not at every try."""
+        """A refused registration (another live process holds this rank of this job) is tried again every
+        REFUSED_RETRY_S, and said once per reason, not at every try: as a refusal, with the reason and the fixes."""
         if error.startswith("register:"):
             self.registered = False
+            self.acknowledged = False
+            self.refused = error.removeprefix("register:").strip()
             self._next_beat = time.monotonic() + REFUSED_RETRY_S
         if error != self._last_error:
             self._last_error = error
-            log.warning("ondemand_prof: the daemon refused a message: %s", error)
+            if self.refused is not None and error.startswith("register:"):
+                log.warning("ondemand_prof: ondemand-profd at %s refused to register this rank: %s%s; trying again "
+                            "every %.0f s", self.url, self.refused, refusal_fix(self.refused), REFUSED_RETRY_S)
+            else:
+                log.warning("ondemand_prof: the daemon refused a message: %s", error)
 
     def _on_capture(self, msg: dict[str, Any]) -> None:
         """The daemon planned the window (steps, options, cap): take it as it is."""

@@ -98,7 +98,8 @@ class Capture(Command):
         own defaults and length cap; every target gets the same finished window."""
         try:
             request = parse_request(msg["request"])
-            job = service.registry.resolve_job(opt_str(msg, "job"))
+            asker = getattr(msg.get("_peer"), "uid", None)  # the kernel's word on who asks
+            job = service.registry.resolve_job(opt_str(msg, "job"), asker)  # a job id several users chose: the asker's
             live = service.registry.jobs()[job]
             targets = _targets(service, job, request.ranks, max(r.world_size for r in live))
             wall = time.time()
@@ -108,7 +109,7 @@ class Capture(Command):
             defaults = _common_defaults(targets)
             steps = min(defaults.steps if request.steps is None else request.steps, defaults.max_steps)
             plan = plan_window(targets, wall, start=request.start, start_step=request.start_step, steps=steps,
-                               delivery_s=service.delivery.estimate(job))
+                               delivery_s=service.delivery.estimate(live[0].key))
         except (RequestError, ValueError) as exc:
             raise BadRequest(str(exc)) from None
         capture_id = _adopted_id(service, msg) or new_capture_id(wall)
@@ -128,7 +129,7 @@ class Capture(Command):
         windows = {t.rank: window_for(t.defaults or defaults) for t in targets}
         first = windows[targets[0].rank]
         plan["note"] = "; ".join(filter(None, [first.note, plan.get("note", "")]))
-        record = CaptureRecord.new(capture_id, job, request.as_dict(), plan, first.options.as_dict(),
+        record = CaptureRecord.new(capture_id, live[0].job, request.as_dict(), plan, first.options.as_dict(),
                                    [{"rank": t.rank, "host": t.host, "pid": t.pid, "uid": t.uid} for t in targets],
                                    wall)
         late = late_refusal(plan) if msg.get("across_hosts") is True else None
@@ -136,7 +137,7 @@ class Capture(Command):
             refuse_parts(record, late, wall)
             service.store.add(record)
             log.warning("ondemand-profd: capture %s: %s", capture_id, late)
-            return record.view()
+            return {**record.view(), "asked_by": asker}
         service.store.add(record, save=False)
         if msg.get("baseline") is True:  # the job's baseline once it records something (records.py baseline_of)
             record.data["baseline"] = True
@@ -149,7 +150,7 @@ class Capture(Command):
             service.send(t.route, bodies[id(windows[t.rank])])
         log.info("ondemand-profd: capture %s: job %s, %d rank(s), steps [%d, %d)%s", capture_id, job, len(targets),
                  plan["start_step"], plan["end_step"], f" ({plan['note']})" if plan["note"] else "")
-        return record.view()
+        return {**record.view(), "asked_by": asker}  # the CLI says so when the job is another user's
 
     # ------------------------------------------------------------------------------------------------------
     # ondemandctl: one host
@@ -269,6 +270,7 @@ def _plan_text(record: dict[str, Any]) -> str:
     text = (f"capture {record['capture_id']}: job {record['job']}, {len(record['parts'])} rank(s), steps "
             f"{window_text(record['window'])} (ranks were at step {min(plan['current_steps'].values())}-"
             f"{max(plan['current_steps'].values())}; lead {plan['lead_steps']} steps)\n")
+    text += owner_note(record)
     if plan.get("note"):
         text += f"  note: {plan['note']}\n"
     if record.get("baseline"):
@@ -284,6 +286,23 @@ def _plan_text(record: dict[str, Any]) -> str:
                  "delivery needs) before the start step; they may get the window late, and then record "
                  "the same number of steps from there\n")
     return text
+
+
+def owner_note(record: dict[str, Any]) -> str:
+    """A line when the job captured is not the asker's (the kernel's uids, as the daemon saw them): the traces are
+    another user's, and a job of the asker's own with this id, if any, is not registered here."""
+    from ..registry import owner_text
+
+    owners = sorted({p["uid"] for p in record["parts"].values() if isinstance(p.get("uid"), int)})
+    asker = record.get("asked_by")
+    if not isinstance(asker, int) or not owners or owners == [asker]:
+        return ""
+    whose = " and ".join(owner_text(u) for u in owners)
+    text = f"  note: job {record['job']} belongs to {whose}, not to you ({owner_text(asker)})"
+    if asker != 0:
+        text += ("; a job of yours with this id has no rank registered with this daemon (see ondemandctl "
+                 "status)")
+    return text + "\n"
 
 
 def _plan_across_text(run: Launched) -> str:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from ...core.ranks import spans
 from ..client import dumps
 from ..planning import exit_across, failures, no_live_job
-from ..registry import match_id, stall_text, stalls
+from ..registry import owner_name, owner_text, stall_text, stalls
 from ..service import BadRequest, Service
 from .base import Command, add_job_flag, ms, opt_str, table, warn
 
@@ -31,11 +31,14 @@ class Status(Command):
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         now, wall = time.monotonic(), time.time()
-        live = service.registry.jobs()
+        registry = service.registry
+        live = registry.jobs()  # by name: the job id, or owner:id where several users chose that id
+        keys = {name: ranks[0].key for name, ranks in live.items()}
         job = opt_str(msg, "job")
         if job:
+            peer = msg.get("_peer")
             try:
-                job = match_id(job, live, "live job")
+                job = registry.resolve_job(job, getattr(peer, "uid", None))
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
         jobs = {name: [r.as_dict(now, wall) for r in ranks] for name, ranks in live.items() if not job or name == job}
@@ -43,14 +46,18 @@ class Status(Command):
 
         slow = {name: stragglers(ranks) for name, ranks in jobs.items()}  # adds vs_median and slow to each rank
         stalled = {name: stall for name, ranks in jobs.items() if (stall := stalls(ranks, wall)) is not None}
-        conflicts = {name: c for name in jobs if (c := service.registry.conflicts_of(name, now))}
+        conflicts = {name: c for name in jobs if (c := registry.conflicts_of(keys[name][1], now, keys[name][0]))}
         silent: dict[str, list[dict[str, Any]]] = {}  # heartbeats stopped, process alive: the GIL held?
-        for info in service.triage.silent_ranks(job or None, now):
-            silent.setdefault(info.job, []).append({"rank": info.rank, "pid": info.pid, "host": info.host,
-                                                    "step": info.step, "silent_s": round(now - info.last_seen, 1)})
+        for info in service.triage.silent_ranks(None, now):
+            name = registry.name_of(info.uid, info.job)
+            if not job or name == job:
+                silent.setdefault(name, []).append({
+                    "rank": info.rank, "pid": info.pid, **({"ns_pid": info.ns_pid} if info.ns_pid else {}),
+                    "host": info.host, "step": info.step, "uid": info.uid, "owner": owner_name(info.uid),
+                    "silent_s": round(now - info.last_seen, 1)})
         return {"daemon": service.daemon_info(), "jobs": jobs if not msg.get("brief") else {}, "stragglers": slow,
-                "delivery_s": service.delivery.longer(jobs), "stalled": stalled, "conflicts": conflicts,
-                "silent": silent}
+                "delivery_s": service.delivery.longer({name: keys[name] for name in jobs}), "stalled": stalled,
+                "conflicts": conflicts, "silent": silent}
 
     def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
         """Each host's daemon and ranks, under `== host` headers."""
@@ -83,13 +90,18 @@ class Status(Command):
 
 def _job_text(job: str, ranks: list[dict[str, Any]], data: dict[str, Any], silent: list[dict[str, Any]]) -> str:
     world = max(r["world_size"] for r in ranks)
-    text = f"\njob {job}: {len(ranks)} of {world} rank(s) registered\n"
+    text = f"\njob {job}: {len(ranks)} of {world} rank(s) registered{_owner(ranks)}\n"
     for label, key in (("trigger dir", "trigger_dir"), ("save path", "save_root")):
         places = sorted({r.get(key) or "?" for r in ranks})
         text += f"  {label}: {', '.join(places)}\n"
-    rows = [[str(r["rank"]), r["host"], str(r["pid"]), str(r["step"]), ms(r["step_time_s"]), _state(r),
-             f"{r['last_seen_s']:.1f} s ago", _vs_median(r)] for r in ranks]
-    text += table(rows, ["RANK", "HOST", "PID", "STEP", "STEP TIME", "STATE", "HEARD", "VS MEDIAN"])
+    # PID: the process as this host sees it (what kill, py-spy and the native dump act on); POD PID: the rank's
+    # own view, shown where it lives in a pid namespace of its own (a container)
+    pod = any(r.get("ns_pid") is not None for r in ranks)
+    rows = [[str(r["rank"]), r["host"], str(r["pid"]), *([str(r.get("ns_pid") or "-")] if pod else []),
+             str(r["step"]), ms(r["step_time_s"]), _state(r), f"{r['last_seen_s']:.1f} s ago", _vs_median(r)]
+            for r in ranks]
+    text += table(rows, ["RANK", "HOST", "PID", *(["POD PID"] if pod else []), "STEP", "STEP TIME", "STATE", "HEARD",
+                         "VS MEDIAN"])
     stall = (data.get("stalled") or {}).get(job)
     if stall:
         text += stall_text(job, stall) + "\n"
@@ -97,7 +109,7 @@ def _job_text(job: str, ranks: list[dict[str, Any]], data: dict[str, Any], silen
     for c in (data.get("conflicts") or {}).get(job) or []:
         text += (f"CONFLICT: rank {c['rank']} is held by pid {c['pid']} ({c['host']}); pid {c['refused_pid']} "
                  f"({c['refused_host']}) claims it too and is refused ({c['attempts']} tries): two jobs "
-                 "share this job id\n")
+                 "share this job id (give each its own: --profile-job-id or ONDEMAND_PROF_JOB_ID)\n")
     delivery = (data.get("delivery_s") or {}).get(job)
     if delivery:  # learned from ranks that took windows late: captures now plan a longer lead
         text += (f"windows took up to {delivery * 1000:.0f} ms to reach this job's ranks lately; captures "
@@ -109,15 +121,26 @@ def _job_text(job: str, ranks: list[dict[str, Any]], data: dict[str, Any], silen
     return text
 
 
+def _owner(ranks: list[dict[str, Any]]) -> str:
+    """Whose job it is: the uid the kernel gave for its ranks (a daemon that serves several users tells their
+    jobs apart by it)."""
+    uids = sorted({r["uid"] for r in ranks if r.get("uid") is not None})
+    return f", owner {', '.join(owner_text(u) for u in uids)}" if uids else ""
+
+
 def _vs_median(rank: dict[str, Any]) -> str:
     ratio = rank.get("vs_median")
     return "-" if not ratio else f"{ratio:.2f}x" + ("  SLOW" if rank.get("slow") else "")
 
 
 def _silent_text(job: str, ranks: list[dict[str, Any]]) -> str:
-    return "".join(f"SILENT: rank {r['rank']} (pid {r['pid']}, {r['host']}, last at step {r['step']}) sent no "
+    return "".join(f"SILENT: rank {r['rank']} (pid {r['pid']}{_pod_pid(r)}, {r['host']}, last at step {r['step']}) sent no "
                    f"heartbeat for {r['silent_s']:.0f} s but its process is alive: native code holding the GIL? "
                    f"ondemandctl stacks --job {job} dumps its threads natively\n" for r in ranks)
+
+
+def _pod_pid(rank: dict[str, Any]) -> str:
+    return f", {rank['ns_pid']} in its pod" if rank.get("ns_pid") else ""
 
 
 def _state(rank: dict[str, Any]) -> str:

@@ -69,7 +69,8 @@ class _TriageCommand(Command):
         try:
             checked_number(timeout, 0.5, MAX_TRIAGE_S, "field 'timeout_s'")
             args = check_args(self.action, msg.get("args"))
-            targets, silent = self._targets(service, opt_str(msg, "job"), msg.get("ranks", -1))
+            targets, silent = self._targets(service, opt_str(msg, "job"), msg.get("ranks", -1),
+                                            getattr(msg.get("_peer"), "uid", None))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         wall, now = time.time(), time.monotonic()
@@ -85,23 +86,28 @@ class _TriageCommand(Command):
         log.info("ondemand-profd: %s %s: job %s, %d rank(s)", self.name, triage_id, job, len(targets))
         return None
 
-    def _targets(self, service: Service, job: str | None, spec: Any) -> tuple[list[Any], list[Any]]:
+    def _targets(self, service: Service, job: str | None, spec: Any, asker: int | None = None
+                 ) -> tuple[list[Any], list[Any]]:
         """The live ranks asked for, and (stacks) those whose heartbeats stopped while their process lives on:
-        they cannot answer, but a native dump can still be had. ValueError says what is wrong."""
-        silent = service.triage.silent_ranks(job, time.monotonic()) if self.action == "stacks" else []
-        live = service.registry.jobs()
-        if silent and not live.get(job or silent[0].job):
-            job = job or silent[0].job
+        they cannot answer, but a native dump can still be had. ValueError says what is wrong. `asker`: the uid
+        asking (a job id several users chose means the asker's)."""
+        registry = service.registry
+        silent = service.triage.silent_ranks(None, time.monotonic()) if self.action == "stacks" else []
+        silent = [r for r in silent if job is None or job in (r.job, registry.name_of(r.uid, r.job))]
+        live = registry.jobs()
+        if silent and not live.get(job or registry.name_of(silent[0].uid, silent[0].job)):
+            key = silent[0].key
             wanted = select_ranks(spec, max(r.world_size for r in silent))
-            chosen = [r for r in silent if r.job == job and (-1 in wanted or r.rank in wanted)]
+            chosen = [r for r in silent if r.key == key and (-1 in wanted or r.rank in wanted)]
             if not chosen:
-                raise ValueError(f"rank(s) {spans(wanted)} of job {job!r} are not registered")
+                raise ValueError(f"rank(s) {spans(wanted)} of job {job or silent[0].job!r} are not registered")
             return [], chosen
-        job = service.registry.resolve_job(job)
+        job = registry.resolve_job(job, asker)
         world = max(r.world_size for r in live[job])
         wanted = select_ranks(spec, world)
         here = {r.rank for r in live[job]}
-        silent = [r for r in silent if r.job == job and r.rank not in here and (-1 in wanted or r.rank in wanted)]
+        key = live[job][0].key
+        silent = [r for r in silent if r.key == key and r.rank not in here and (-1 in wanted or r.rank in wanted)]
         named = [r for r in wanted if r == -1 or r in here or r not in {s.rank for s in silent}]
         return (service.registry.select(job, named) if named else []), silent
 

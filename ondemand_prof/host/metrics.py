@@ -9,19 +9,33 @@ per-rank gauges here, the rest by prometheus_client) and kept, so a scraper in a
 more than the bytes. When the loop cannot publish (it is stuck), scrapes still answer with the last Snapshot,
 and ondemand_prof_snapshot_age_seconds says how old it is: alert on it.
 
+The thread is a selector loop over non-blocking sockets (issue 34, F4: wsgiref's server read one connection at a
+time, so one client sending a byte every 4 s held every scrape until it closed). No client can hold it: each
+connection has REQUEST_TIMEOUT_S to send its whole request and SEND_TIMEOUT_S to take the reply, a request is at
+most MAX_REQUEST_BYTES, and at most MAX_CONNECTIONS are open at once (one more closes the oldest that has not
+finished sending its request). One request per connection (`Connection: close`), as Prometheus is served fine.
+
+A port on loopback is readable by every local user, outside the daemon's group too: --metrics-token-file FILE
+makes every request present `Authorization: Bearer <the file's token>` (Prometheus: `authorization:
+credentials_file:`), anything else is answered 401 with nothing of the jobs in it.
+
 prometheus_client is an optional dependency (the `metrics` extra): it is imported only with --metrics.
 """
 
 from __future__ import annotations
 
 import gzip
+import hmac
 import logging
+import os
+import selectors
 import socket
+import stat
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from .registry import stalled_for, time_in_step
 from .triage import stragglers
@@ -36,7 +50,12 @@ PUBLISH_EVERY_S = 1.0  # the loop builds at most one Snapshot a second
 WAIT_FOR_LOOP_S = 1.0  # a scrape waits this long for a fresh Snapshot, then serves the newest it has
 MAX_JOBS = 256  # jobs whose automatic captures are counted (the oldest are forgotten beyond this)
 METRICS_FILE = "profd.metrics"  # in the runtime dir: the HOST:PORT actually bound (port 0 picks a free one)
-REQUEST_TIMEOUT_S = 5.0  # a client that sends nothing for this long is dropped (requests are served one at a time)
+REQUEST_TIMEOUT_S = 5.0  # a connection must have sent its whole request this long after it was accepted
+SEND_TIMEOUT_S = 20.0  # and taken the whole reply (1.4 MiB at 4096 ranks) this long after it was asked for
+MAX_REQUEST_BYTES = 16 * 1024  # request line and headers (a scrape sends about 300 bytes)
+MAX_CONNECTIONS = 64  # open at once; one more closes the oldest still sending its request
+LISTEN_BACKLOG = 128
+TOKEN_BYTES = (16, 4096)  # a bearer token: at least 16 bytes (openssl rand -hex 32 writes 64), at most 4 KiB
 
 
 class MetricsError(RuntimeError):
@@ -267,7 +286,7 @@ def families(snap: Snapshot, now_wall: float) -> Iterator[Any]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The endpoint: one thread, one request at a time, the body rendered once per Snapshot
+# The endpoint: one thread, a selector over every connection, the body rendered once per Snapshot
 
 def preflight(address: str) -> tuple[str, int]:
     """Before the daemon creates anything: prometheus_client is there and the address parses."""
@@ -291,21 +310,213 @@ def parse_address(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-class _Handler(WSGIRequestHandler):
-    timeout = REQUEST_TIMEOUT_S
+def read_token(path: Path) -> bytes:
+    """The bearer token in `path`: a regular file (no link followed) that nobody but its owner may write, owned by
+    us or root, holding TOKEN_BYTES of printable text (surrounding whitespace dropped). MetricsError says why not."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise MetricsError(f"--metrics-token-file {path}: cannot open it: {exc.strerror}"
+                           f"{' (a symbolic link?)' if exc.errno == 40 else ''}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise MetricsError(f"--metrics-token-file {path}: not a regular file")
+        if st.st_uid not in (os.getuid(), 0):
+            raise MetricsError(f"--metrics-token-file {path}: belongs to uid {st.st_uid}, not to us or root")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise MetricsError(f"--metrics-token-file {path}: writable by others (mode {st.st_mode & 0o7777:o}); "
+                               "whoever can write it chooses the token: chmod go-w it")
+        raw = os.read(fd, TOKEN_BYTES[1] + 1)
+    finally:
+        os.close(fd)
+    token = raw.strip()
+    if not TOKEN_BYTES[0] <= len(token) <= TOKEN_BYTES[1] or not all(0x21 <= b < 0x7f for b in token):
+        raise MetricsError(f"--metrics-token-file {path}: expected one token of {TOKEN_BYTES[0]} to {TOKEN_BYTES[1]} "
+                           "printable characters without spaces (e.g. openssl rand -hex 32 > FILE)")
+    return token
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-        log.debug("ondemand-profd metrics: %s", format % args)
+
+@dataclass
+class _Conn:
+    """One client connection of the endpoint: what it sent so far, what is left to send it, and its deadline."""
+    sock: socket.socket
+    accepted: float
+    deadline: float
+    inbox: bytearray = field(default_factory=bytearray)
+    outbox: memoryview | None = None  # the reply, once the request is complete
+    closed: bool = False
+
+
+class Endpoint:
+    """The HTTP side of the metrics: one thread, a selector over non-blocking sockets, so that no client holds
+    another's scrape (see the module's docstring for the caps). `serve(method, path, headers)` gives the status
+    line, headers and body of a complete request."""
+
+    def __init__(self, sock: socket.socket, serve: Any) -> None:
+        self.sock = sock
+        self.serve = serve
+        self.conns: dict[int, _Conn] = {}
+        self.selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        for s in (sock, self._wake_r, self._wake_w):
+            s.setblocking(False)
+        self.selector.register(sock, selectors.EVENT_READ, "accept")
+        self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._stop = threading.Event()
+        self.served = 0  # replies sent whole
+        self.dropped = 0  # connections closed for a deadline or the cap
+
+    @property
+    def server_address(self) -> Any:
+        return self.sock.getsockname()
+
+    def serve_forever(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            soonest = min((c.deadline for c in self.conns.values()), default=now + 1.0)
+            for key, events in self.selector.select(max(0.0, min(1.0, soonest - now))):
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "wake":
+                    try:
+                        self._wake_r.recv(64)
+                    except OSError:
+                        pass
+                else:
+                    self._io(key.data, events)
+            now = time.monotonic()
+            for conn in [c for c in self.conns.values() if c.deadline <= now]:
+                log.debug("ondemand-profd metrics: a client took more than its deadline (%s); dropped",
+                          "reply" if conn.outbox is not None else "request")
+                self.dropped += 1
+                self._close(conn)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: the next select tries again
+                log.debug("ondemand-profd metrics: accept failed: %s", exc)
+                return
+            if len(self.conns) >= MAX_CONNECTIONS:
+                waiting = [c for c in self.conns.values() if c.outbox is None] or list(self.conns.values())
+                self.dropped += 1
+                self._close(min(waiting, key=lambda c: c.accepted))
+            sock.setblocking(False)
+            now = time.monotonic()
+            conn = _Conn(sock, now, now + REQUEST_TIMEOUT_S)
+            self.conns[sock.fileno()] = conn
+            self.selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _io(self, conn: _Conn, events: int) -> None:
+        try:
+            if conn.outbox is None and events & selectors.EVENT_READ:
+                chunk = conn.sock.recv(65536)
+                if not chunk:
+                    self._close(conn)
+                    return
+                conn.inbox += chunk
+                self._maybe_request(conn)  # and, once complete, replies (as much as the socket takes now)
+            elif conn.outbox is not None and events & selectors.EVENT_WRITE:
+                self._send(conn)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._close(conn)
+
+    def _maybe_request(self, conn: _Conn) -> None:
+        end = conn.inbox.find(b"\r\n\r\n")
+        if end < 0:
+            end = conn.inbox.find(b"\n\n")
+        if end < 0:
+            if len(conn.inbox) > MAX_REQUEST_BYTES:
+                self._reply(conn, "431 Request Header Fields Too Large", [], b"request too large\n")
+            return
+        head = bytes(conn.inbox[:end]).decode("latin-1")
+        lines = head.replace("\r\n", "\n").split("\n")
+        parts = lines[0].split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            self._reply(conn, "400 Bad Request", [], b"bad request\n")
+            return
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        try:
+            status, extra, body = self.serve(parts[0], parts[1].split("?", 1)[0], headers)
+        except Exception:  # noqa: BLE001 - one bad scrape is a 500, never the end of the endpoint
+            log.warning("ondemand-profd metrics: a scrape failed", exc_info=True)
+            status, extra, body = "500 Internal Server Error", [], b"the metrics could not be rendered\n"
+        self._reply(conn, status, extra, b"" if parts[0] == "HEAD" else body, len(body))
+
+    def _reply(self, conn: _Conn, status: str, headers: list[tuple[str, str]], body: bytes,
+               length: int | None = None) -> None:
+        head = [f"HTTP/1.1 {status}", *(f"{k}: {v}" for k, v in headers),
+                f"Content-Length: {len(body) if length is None else length}", "Connection: close"]
+        if not any(k.lower() == "content-type" for k, _ in headers):
+            head.append("Content-Type: text/plain; charset=utf-8")
+        conn.outbox = memoryview(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+        conn.deadline = time.monotonic() + SEND_TIMEOUT_S
+        self.selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        self._send(conn)
+
+    def _send(self, conn: _Conn) -> None:
+        if conn.closed or conn.outbox is None:
+            return
+        while conn.outbox:
+            try:
+                n = conn.sock.send(conn.outbox[:1 << 20])
+            except (BlockingIOError, InterruptedError):
+                return
+            conn.outbox = conn.outbox[n:]
+        self.served += 1
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        self._close(conn)
+
+    def _close(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        fd = conn.sock.fileno()
+        if self.conns.get(fd) is conn:
+            del self.conns[fd]
+        try:
+            self.selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def server_close(self) -> None:
+        for conn in list(self.conns.values()):
+            self._close(conn)
+        self.selector.close()
+        for s in (self.sock, self._wake_r, self._wake_w):
+            s.close()
 
 
 class MetricsServer:
     """The Prometheus endpoint of one daemon. tick() runs on the daemon's loop; everything else on the server
     thread."""
 
-    def __init__(self, address: str, daemon: Any) -> None:
+    def __init__(self, address: str, daemon: Any, token_file: Path | None = None) -> None:
         host, port = preflight(address)
         from prometheus_client import CollectorRegistry, ProcessCollector
 
+        self.token = read_token(token_file) if token_file is not None else None
         self.daemon = daemon
         self.counts = CaptureCounts(daemon.service.store)
         self._snapshot: Snapshot | None = None
@@ -319,32 +530,31 @@ class MetricsServer:
         self.registry = CollectorRegistry(auto_describe=False)
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, _resident_memory_bytes, _open_fds
         self.registry.register(_Collector(self))
-        self.server = self._bind(host, port)
+        self.server = Endpoint(self._bind(host, port), self._serve)
         self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.5},
-                                       name="ondemand-profd-metrics", daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, name="ondemand-profd-metrics", daemon=True)
         self.thread.start()
-        if not _is_loopback(host):
+        if self.token is not None:
+            log.info("ondemand-profd: metrics need the bearer token in %s", token_file)
+        elif not _is_loopback(host):
             log.warning("ondemand-profd: metrics on %s are readable by anyone who can reach that address (job ids, "
-                        "host names, steps); keep it to the monitoring network", self.address)
+                        "host names, steps); keep it to the monitoring network, or --metrics-token-file", self.address)
         log.info("ondemand-profd: Prometheus metrics at http://%s/metrics", self.address)
 
-    def _bind(self, host: str, port: int) -> WSGIServer:
+    def _bind(self, host: str, port: int) -> socket.socket:
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         except socket.gaierror as exc:
             raise MetricsError(f"--metrics {host}:{port}: cannot resolve {host!r}: {exc.strerror}") from None
-
-        class Server(WSGIServer):
-            address_family = family
-
-            def handle_error(self, request: Any, client_address: Any) -> None:  # no traceback per dropped client
-                log.debug("ondemand-profd metrics: request from %s failed", client_address, exc_info=True)
-
+        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            return make_server(host, port, self._app, Server, handler_class=_Handler)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server does: a restart rebinds
+            sock.bind((host, port))
+            sock.listen(LISTEN_BACKLOG)
         except OSError as exc:
+            sock.close()
             raise MetricsError(f"--metrics {host}:{port}: cannot listen: {exc.strerror or exc}") from None
+        return sock
 
     @property
     def port(self) -> int:
@@ -365,7 +575,8 @@ class MetricsServer:
             self._fresh.notify_all()
 
     def close(self) -> None:
-        self.server.shutdown()  # returns once serve_forever has stopped
+        self.server.shutdown()
+        self.thread.join(timeout=10)  # the loop wakes at once (and waits at most WAIT_FOR_LOOP_S in a scrape)
         self.server.server_close()
 
     # the server thread ---------------------------------------------------------------------------------------
@@ -394,24 +605,30 @@ class MetricsServer:
                 self._cache = (serial, self._cache[1], gzip.compress(self._cache[1], 6))
             return self._cache[2] if gzipped else self._cache[1]  # type: ignore[return-value]
 
-    def _app(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
+    def authorized(self, headers: dict[str, str]) -> bool:
+        if self.token is None:
+            return True
+        scheme, _, credentials = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode("latin-1"), self.token)
+
+    def _serve(self, method: str, path: str, headers: dict[str, str]) -> tuple[str, list[tuple[str, str]], bytes]:
         from prometheus_client import exposition
 
+        if not self.authorized(headers):  # before anything else: an unauthorised client learns nothing
+            return "401 Unauthorized", [("WWW-Authenticate", 'Bearer realm="ondemand-profd metrics"')], \
+                b"a bearer token is needed (--metrics-token-file)\n"
         # the classic text format (0.0.4), which is what this endpoint writes (our names need no UTF-8 escaping)
         content_type = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", exposition.CONTENT_TYPE_LATEST)
-        if environ.get("PATH_INFO") not in ("/metrics", "/"):
-            start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"not found: the metrics are at /metrics\n"]
-        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
-            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
-            return [b""]
-        gzipped = "gzip" in environ.get("HTTP_ACCEPT_ENCODING", "")
+        if path not in ("/metrics", "/"):
+            return "404 Not Found", [], b"not found: the metrics are at /metrics\n"
+        if method not in ("GET", "HEAD"):
+            return "405 Method Not Allowed", [("Allow", "GET, HEAD")], b""
+        gzipped = "gzip" in headers.get("accept-encoding", "")
         data = self.body(gzipped)
-        headers = [("Content-Type", content_type), ("Content-Length", str(len(data)))]
+        extra = [("Content-Type", content_type)]
         if gzipped:
-            headers.append(("Content-Encoding", "gzip"))
-        start_response("200 OK", headers)
-        return [b"" if environ["REQUEST_METHOD"] == "HEAD" else data]
+            extra.append(("Content-Encoding", "gzip"))
+        return "200 OK", extra, data
 
 
 class _Collector:

@@ -1,5 +1,5 @@
 """ondemand-profd [--runtime-dir DIR] [--state-dir DIR] [--group NAME] [--listen tcp://HOST:PORT --keys DIR]
-[--tcp-per-peer N] [--metrics HOST:PORT] [--log-level LEVEL]"""
+[--tcp-per-peer N] [--metrics HOST:PORT [--metrics-token-file FILE]] [--log-level LEVEL]"""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (off by default; a port alone binds "
                    "127.0.0.1; 0.0.0.0:9464 serves every interface, unauthenticated); needs prometheus_client "
                    "(pip install 'ondemand_prof[metrics]')")
+    p.add_argument("--metrics-token-file", type=Path, default=None, metavar="FILE",
+                   help="with --metrics: answer only requests that send 'Authorization: Bearer TOKEN', TOKEN the "
+                   "contents of FILE (a port on loopback is readable by every local user otherwise; Prometheus: "
+                   "authorization.credentials_file)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="logging level (default INFO)")
     p.add_argument("--version", action="version", version=f"ondemand-profd {__version__}")
@@ -42,12 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.tcp_per_peer <= 65536:
         parser.error(f"argument --tcp-per-peer: expected 1 to 65536, got {args.tcp_per_peer}")
+    if args.metrics_token_file is not None and args.metrics is None:
+        parser.error("argument --metrics-token-file: needs --metrics HOST:PORT")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     from .transport import run
 
     return run(args.runtime_dir or default_runtime_dir(), args.state_dir or default_state_dir(), group=args.group,
-               listen=args.listen, keys=args.keys, tcp_per_peer=args.tcp_per_peer, metrics=args.metrics)
+               listen=args.listen, keys=args.keys, tcp_per_peer=args.tcp_per_peer, metrics=args.metrics,
+               metrics_token_file=args.metrics_token_file)
 
 
 if __name__ == "__main__":

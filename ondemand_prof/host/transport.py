@@ -77,7 +77,8 @@ def write_pid_file(path: Path) -> tuple[int, int]:
 
 class Daemon:
     def __init__(self, runtime_dir: Path, state_dir: Path, *, group: str | None = None, listen: str | None = None,
-                 keys: Path | None = None, tcp_per_peer: int = TCP_PER_PEER, metrics: str | None = None) -> None:
+                 keys: Path | None = None, tcp_per_peer: int = TCP_PER_PEER, metrics: str | None = None,
+                 metrics_token_file: Path | None = None) -> None:
         self.runtime_dir = runtime_dir
         self.listen = listen
         self.tcp_per_peer = tcp_per_peer
@@ -95,6 +96,7 @@ class Daemon:
         self._listener: Listener | None = None
         self._pid_identity: tuple[int, int] | None = None
         self.metrics_address = metrics
+        self.metrics_token_file = metrics_token_file  # --metrics-token-file: scrapes must present its token
         self.metrics: Any = None  # metrics.MetricsServer (--metrics HOST:PORT)
         self.version = __version__
         # counted for the metrics: plain integer adds, the heartbeats' only at each tick (from _beats)
@@ -107,10 +109,12 @@ class Daemon:
 
     def open(self) -> None:
         if self.metrics_address:  # before anything is created: a missing package or a bad address is one line
-            from .metrics import MetricsError, preflight
+            from .metrics import MetricsError, preflight, read_token
 
             try:
                 preflight(self.metrics_address)
+                if self.metrics_token_file is not None:
+                    read_token(self.metrics_token_file)
             except MetricsError as exc:
                 raise DaemonError(str(exc)) from None
         self._prepare_runtime_dir()
@@ -145,7 +149,7 @@ class Daemon:
         from .metrics import METRICS_FILE, MetricsError, MetricsServer
 
         try:
-            self.metrics = MetricsServer(address, self)
+            self.metrics = MetricsServer(address, self, self.metrics_token_file)
         except MetricsError as exc:
             raise DaemonError(str(exc)) from None
         write_atomic(self.runtime_dir / METRICS_FILE, self.metrics.address + "\n", 0o644)
@@ -485,9 +489,10 @@ def is_loopback(host: str) -> bool:
 
 
 def run(runtime_dir: Path, state_dir: Path, *, group: str | None = None, listen: str | None = None,
-        keys: Path | None = None, tcp_per_peer: int = TCP_PER_PEER, metrics: str | None = None) -> int:
+        keys: Path | None = None, tcp_per_peer: int = TCP_PER_PEER, metrics: str | None = None,
+        metrics_token_file: Path | None = None) -> int:
     daemon = Daemon(runtime_dir, state_dir, group=group, listen=listen, keys=keys, tcp_per_peer=tcp_per_peer,
-                    metrics=metrics)
+                    metrics=metrics, metrics_token_file=metrics_token_file)
     try:
         daemon.open()
     except (DaemonError, ProtocolError, OSError, zmq.ZMQError) as exc:

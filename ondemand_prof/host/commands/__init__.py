@@ -12,8 +12,9 @@ from .keygen import Keygen
 from .report import Compare, Report, Summaries
 from .status import Status
 from .triage import FlightRecorder, Memory, Stacks
+from .trigger import Trigger
 
-COMMANDS: list[Command] = [Status(), Capture(), List(), Show(), Cancel(), Report(), Stacks(), Memory(),
+COMMANDS: list[Command] = [Status(), Capture(), Trigger(), List(), Show(), Cancel(), Report(), Stacks(), Memory(),
                            FlightRecorder(), Keygen(), Watch(), Summaries(), Compare()]
 CLI_COMMANDS: list[Command] = [c for c in COMMANDS if c.cli]  # ondemandctl's subcommands
 DAEMON_COMMANDS: dict[str, Command] = {c.name: c for c in COMMANDS if c.needs_daemon}  # what the daemon serves

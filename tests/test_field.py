@@ -238,3 +238,75 @@ def test_the_readmes_ten_lines_run_as_written(env: dict[str, Any]) -> None:
     assert "rank 0 of 1, job " in res.stderr and "capture with `touch " in res.stderr, res.stderr
     (cap,) = captures(env["tmp"] / "profile")
     assert trace_steps(cap) == [3, 4]
+
+
+def test_a_window_a_rank_never_reached_says_why(env: dict[str, Any]) -> None:
+    """As torchrun does when a worker dies: rank 1 is killed (SIGKILL), rank 0 SIGTERMed, before a capture's
+    window. Each part says why and where, from what the rank said (SIGTERM) or the daemon saw (the exit status
+    of a process its parent, here the test, has not reaped yet); it said "training ended before the window"."""
+    daemon(env)
+    # no process group: rank 0 must not see rank 1's death as a gloo error first (it would exit on that)
+    procs = job(env, 2, "--steps", "1000000", "--step-sleep", "0.05", "--no-dist", "--profile-job-id", "why",
+                daemon_dir=env["run"])
+    wait_for(lambda: len(live_ranks(env["run"])) == 2 and all(r["step_time_s"] for r in live_ranks(env["run"])),
+             120, "2 ranks stepping")
+    start = max(r["step"] for r in live_ranks(env["run"])) + 400
+    capture_id = ctl_json(env["run"], "capture", "--start-step", str(start), "--steps", "2")["capture_id"]
+
+    def record() -> dict[str, Any]:
+        return json.loads(ctl(env["run"], "show", capture_id, "--json").stdout)  # exit 1 once it failed
+
+    wait_for(lambda: [p["state"] for p in record()["parts"].values()] == ["scheduled"] * 2, 60, "both scheduled",
+             pause=0.3)
+    procs[1].send_signal(9)
+    procs[0].send_signal(15)
+    ended = wait_for(lambda: (lambda r: r if r["status"] != "running" else None)(record()), 60, "the capture to end",
+                     pause=0.3)
+    errors = {int(k): p["error"] for k, p in ended["parts"].items()}
+    assert re.fullmatch(rf"rank 0 terminated by SIGTERM \(at step \d+, before the window \[{start}, {start + 2}\) "
+                        r"began\)", errors[0]), errors
+    assert re.fullmatch(rf"rank 1 is gone: process {procs[1].pid} on \S+ exited, killed by SIGKILL \(last heard at "
+                        rf"step \d+, before the window \[{start}, {start + 2}\) began\)", errors[1]), errors
+    shown = ctl(env["run"], "show", capture_id).stdout
+    assert "rank 0 terminated by SIGTERM" in shown and "killed by SIGKILL" in shown, shown
+
+
+ENDING = """
+import os, sys, time, ondemand_prof
+prof = ondemand_prof.OnDemandProfiler.from_env()
+def loop():
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.02)
+        prof.step()
+    if sys.argv[2] == "raise":
+        raise RuntimeError("the peer is gone")
+if sys.argv[2] == "raise":
+    try:
+        loop()
+    finally:
+        prof.close()
+else:
+    loop()  # and the program ends, never closing the profiler
+"""
+
+
+@pytest.mark.parametrize("how, said", [
+    ("raise", r"training ended at step \d+, before the window \(after RuntimeError: the peer is gone\)"),
+    ("end", r"rank 0 exited normally, without closing the profiler \(at step \d+, before the window \[\d+, \d+\) "
+            r"began\)")])
+def test_a_window_after_the_end_of_training_says_how_it_ended(env: dict[str, Any], how: str, said: str) -> None:
+    daemon(env)
+    (env["tmp"] / "ending.py").write_text(ENDING)
+    stop = env["tmp"] / "stop"
+    proc = subprocess.Popen([sys.executable, str(env["tmp"] / "ending.py"), str(stop), how], cwd=env["tmp"],
+                            env=base_env(ONDEMAND_PROF_RUNTIME_DIR=str(env["run"]), ONDEMAND_PROF_JOB_ID="ending",
+                                         ONDEMAND_PROF_MIN_FREE_MB="0"), stderr=subprocess.PIPE, text=True)
+    env["procs"].append(proc)
+    wait_for(lambda: [r["step_time_s"] for r in live_ranks(env["run"])] not in ([], [None]), 120, "the rank stepping")
+    capture_id = ctl_json(env["run"], "capture", "--start", "100000", "--steps", "2")["capture_id"]
+    wait_for(lambda: json.loads(ctl(env["run"], "show", capture_id, "--json").stdout)["parts"]["0"]["state"] ==
+             "scheduled", 60, "the window scheduled", pause=0.3)
+    stop.touch()
+    proc.wait(timeout=60)
+    part = json.loads(ctl(env["run"], "show", capture_id, "--json").stdout)["parts"]["0"]
+    assert part["state"] == "failed" and re.fullmatch(said, part["error"]), part

@@ -211,7 +211,7 @@ def test_close_fails_windows_that_never_began() -> None:
     sched.submit(window(50, 52), listener)
     sched.close(3)
     assert events == [("failed", {"capture_id": "w", "window": [50, 52],
-                                  "error": "training ended before the window"})]
+                                  "error": "training ended at step 3, before the window"})]
     assert sched.submit(window(60, 61)) == (False, "profiler closed")
 
 

@@ -125,6 +125,28 @@ def pid_alive(pid: int, thorough: bool = False) -> bool:
     return True
 
 
+def exit_status_text(pid: int) -> str:
+    """How a process that is gone ended, as far as anyone but its parent can tell: while it is a zombie (its
+    launcher has not reaped it yet) /proc/<pid>/stat's exit_code (field 52, waitpid's status) says "killed by
+    SIGKILL" or "with status 1"; '' once it was reaped (or /proc cannot say)."""
+    import signal
+
+    try:
+        fields = proc_stat_fields(f"/proc/{pid}/stat")
+        if fields[0] != b"Z" or len(fields) < 50:
+            return ""
+        status = int(fields[49])
+    except (OSError, ValueError, IndexError):
+        return ""
+    if status & 0x7F:
+        try:
+            name = signal.Signals(status & 0x7F).name
+        except ValueError:
+            name = f"signal {status & 0x7F}"
+        return f"killed by {name}" + (" (core dumped)" if status & 0x80 else "")
+    return f"with status {(status >> 8) & 0xFF}"
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Reading a file on another user's behalf (the daemon, often root, reads what a rank wrote)
 

@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..core.version import __version__
-from ..core.files import iso_time, pid_alive
+from ..core.bounds import MAX_STEP, bounded_int
+from ..core.files import exit_status_text, iso_time, pid_alive
 from ..core.protocol import FINAL_STATES, HEARTBEAT_S, MAX_BATCHED_EVENTS, RANK_TIMEOUT_S, encode, reply_error, \
     reply_ok
 from ..core.ids import valid_id
 from ..core.safejson import holds_lone_surrogate
+from ..core.text import printable
 from .records import KEEP_RECORDS, CaptureRecord, RecordRefused, RecordStore
 from .registry import DeliveryBook, RankConflict, RankInfo, Registry
 from .triage import TriageBook
@@ -29,6 +31,10 @@ log = logging.getLogger("ondemand_prof.daemon")
 
 PID_CHECK_S = 0.5  # how often the pids of local ranks are checked (a SIGKILLed rank leaves within this)
 MAX_WATCH_S = 30.0
+# a rank's process gone with no bye: no exit, close() or SIGTERM of it ran (ours says why it goes at each), and it
+# was reaped before the daemon could read its exit status
+NO_WORD = (" without a word: killed by a signal it cannot catch (SIGKILL, the OOM killer) or crashed (SIGSEGV, "
+           "SIGABRT); its launcher's log has the exit status")
 
 
 class BadRequest(Exception):
@@ -224,8 +230,13 @@ class Service:
     def on_bye(self, route: bytes, msg: dict[str, Any]) -> None:
         info = self.registry.remove(route)
         if info is not None:
-            log.info("ondemand-profd: rank %d of job %s closed", info.rank, info.job)
-            self._fail_parts(info, f"rank {info.rank} closed the profiler before the window ended", time.time())
+            # why the rank goes, in its words (rank/daemon_link.py last_words): terminated by SIGTERM, exited
+            # normally or after an exception, closed the profiler; and at which step
+            said = msg.get("why")
+            why = printable(said[:400] if isinstance(said, str) else "closed the profiler")
+            step = msg.get("step") if bounded_int(msg.get("step"), -1, MAX_STEP) else None
+            log.info("ondemand-profd: rank %d of job %s %s", info.rank, info.job, why)
+            self._fail_parts(info, f"rank {info.rank} {why}", time.time(), step)
         return None
 
     # ------------------------------------------------------------------------------------------------------
@@ -274,6 +285,9 @@ class Service:
             for info, reason in self.registry.expire(min(now, self.caught_up), self.pid_check):
                 log.warning("ondemand-profd: rank %d of job %s left: %s", info.rank, info.job, reason)
                 self.triage.forget_later(info, reason, now)  # a hung rank stays reachable for a native dump
+                if reason.startswith("process "):  # it exited without a word (a bye says why it goes)
+                    how = exit_status_text(info.pid) if info.pid_visible else ""
+                    reason += f", {how}" if how else NO_WORD
                 self._fail_parts(info, f"rank {info.rank} is gone: {reason}", wall)
             if self.delivery.jobs:  # job names are reused (port29500, pidN): a later run starts afresh
                 self.delivery.keep_only(r.key for r in self.registry.by_route.values())
@@ -284,11 +298,13 @@ class Service:
         if self.watches:
             self.answer_due_watches(now)
 
-    def _fail_parts(self, info: RankInfo, error: str, wall: float) -> None:
+    def _fail_parts(self, info: RankInfo, error: str, wall: float, step: int | None = None) -> None:
+        """The rank's parts of running captures fail with `error` and where the rank was: at which step (its
+        last word, else its last heartbeat), before or during its window."""
         for record in self.store.running():
             part = record.part(info.rank)
             if of_job(record, info) and part and part["pid"] == info.pid and record.fail_rank(
-                    info.rank, error, wall):
+                    info.rank, error + window_position(record, part, step, info.step), wall):
                 self.changed(record)
 
     def _fail_orphans(self, wall: float) -> None:
@@ -348,6 +364,22 @@ def with_nspids(peer: Any) -> Any:
     except (OSError, ValueError):
         return peer
     return peer._replace(nspids=nspids) if nspids and nspids[0] == peer.pid else peer
+
+
+def window_position(record: Any, part: dict[str, Any], step: int | None, heard: int | None = None) -> str:
+    """ (at step 262, before the window [300, 302) began) / (at step 301, during the window [300, 302)): `step`
+    as the rank said it at the end, else the step of its last heartbeat (`heard`)."""
+    window = part.get("window") or record.data.get("window")
+    at = f"at step {step}" if step is not None else f"last heard at step {heard}"
+    step = heard if step is None else step
+    if step is None or not (isinstance(window, list) and len(window) == 2 and type(window[0]) is int):
+        return ""
+    span = f"[{window[0]}, {window[1]})" if type(window[1]) is int else f"from step {window[0]}"
+    if step < window[0]:
+        return f" ({at}, before the window {span} began)"
+    if type(window[1]) is int and step >= window[1]:
+        return f" ({at}, after the window {span}, before its trace was written)"
+    return f" ({at}, during the window {span})"
 
 
 def of_job(record: Any, info: RankInfo) -> bool:

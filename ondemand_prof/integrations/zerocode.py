@@ -96,7 +96,7 @@ class StepCounter:
                 self._broken = True
                 log.error("ondemand_prof: zero-code profiling off: %s", exc)
                 return None
-            atexit.register(self.profiler.close)  # windows in progress are written at exit
+            atexit.register(self.profiler.close_at_exit)  # windows in progress are written at exit
         return self.profiler
 
     def expect_steps(self) -> None:
@@ -137,7 +137,7 @@ class StepCounter:
             self._forward = None
         if self.profiler is not None:
             self.profiler.close()
-            atexit.unregister(self.profiler.close)
+            atexit.unregister(self.profiler.close_at_exit)
 
 
 _lock = threading.Lock()
@@ -164,7 +164,7 @@ def enable(config: ProfileConfig | None = None, **options: Any) -> OnDemandProfi
             _counter = StepCounter(lambda: prof)
             _counter.register()
         _counter.profiler = prof  # ONDEMAND_PROF_AUTO armed the hook before this call: its profiler is this one
-        atexit.register(prof.close)
+        atexit.register(prof.close_at_exit)
         return prof
 
 

@@ -42,7 +42,8 @@ class Agent:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ondemand-prof-agent", daemon=True)
         self.files = FileTrigger(self, wanted, self._thread)  # the trigger file, and the status files
-        self.terminator = TermFinalizer(self.files.status.finalize)
+        self.terminator = TermFinalizer(self.ending)
+        self.closing_why = "closed the profiler"  # the bye's words at a close() (rank/hook.py says why)
         self._agreement = JobAgreement(self.config.job_id)
         self._told = prof.identity()  # who we said we are (start-up line, registration) before settling
         self._settled = False
@@ -92,6 +93,17 @@ class Agent:
 
     def wake(self) -> None:
         self._event.set()
+
+    def ending(self, why: str) -> None:
+        """Any thread, the process is ending without close() (SIGTERM, interpreter exit): trigger statuses get
+        their final state, and the daemon hears why and at which step (waited for, briefly), so that a window
+        this rank never reached says so instead of a rank that vanished."""
+        try:
+            self.files.status.finalize(why)
+        finally:
+            if self.link is not None:
+                self.link.last_words(why, self.prof.current_step,
+                                     on_agent_thread=threading.current_thread() is self._thread)
 
     @property
     def trigger_dir(self) -> Path:

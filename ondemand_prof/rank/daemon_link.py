@@ -39,6 +39,8 @@ DAEMON_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
 MAX_REPLY_BYTES = MAX_MESSAGE_BYTES - 1024  # what a triage answer may take of a message (1 KiB to spare)
 REFUSED_RETRY_S = 5.0  # a registration the daemon refused is tried again this often
 RECENT = 16  # the last events of this many captures are replayed at registration (a restarted daemon learns them)
+LAST_WORDS_S = 0.5  # how long a thread ending the process (SIGTERM, exit) waits for the agent to say why
+MAX_WHY = 400  # characters of a bye's why
 
 
 class AgentLike(Protocol):
@@ -96,6 +98,8 @@ class DaemonLink(Extension):
         self._recent: collections.OrderedDict[str, tuple[str, dict[str, Any]]] = collections.OrderedDict()
         self._recent_lock = threading.Lock()
         self._replies: collections.deque[bytes] = collections.deque()  # triage answers (rank/triage.py)
+        self._last_words: tuple[str, int] | None = None  # (why, step): the process is ending (last_words)
+        self._said = threading.Event()  # the last words left (or there was no daemon to hear them)
         log.debug("ondemand_prof: daemon link to %s", self.url)
 
     # ------------------------------------------------------------------------------------------------------
@@ -116,6 +120,15 @@ class DaemonLink(Extension):
                 break
             if self._distrust is None:  # nothing from a daemon we did not register with is acted on
                 self._on_message(frame)
+        self._flush()
+        if self._last_words is not None:
+            self._say_last_words()
+        elif now >= self._next_beat:
+            self._next_beat = now + HEARTBEAT_S
+            self._beat()
+
+    def _flush(self) -> None:
+        """Send the queued events and triage answers (while the daemon takes them)."""
         while self._outbox and self.registered:
             body, n = self._events_message(min(len(self._outbox), self._batch))
             if not self._send(body):
@@ -126,9 +139,6 @@ class DaemonLink(Extension):
             if not self._send(self._replies[0]):
                 break
             self._replies.popleft()
-        if now >= self._next_beat:
-            self._next_beat = now + HEARTBEAT_S
-            self._beat()
 
     def daemon_present(self) -> bool:
         """Whether a daemon's socket file exists (it may still be stale: only an answer tells). A runtime
@@ -144,10 +154,33 @@ class DaemonLink(Extension):
         self.acknowledged = False
         self._next_beat = 0.0
 
-    def close(self) -> None:
+    def last_words(self, why: str, step: int, on_agent_thread: bool, wait_s: float = LAST_WORDS_S) -> None:
+        """The process is ending (SIGTERM, interpreter exit): what is queued, then a bye saying why and at which
+        step. Sent by the agent thread; another thread waits for it at most `wait_s`."""
+        self._last_words = (why[:MAX_WHY], step)
+        if on_agent_thread:
+            self._say_last_words()
+            return
+        self.agent.wake()
+        self._said.wait(wait_s)
+
+    def _say_last_words(self) -> None:
+        if self._last_words is None or self._said.is_set():
+            return
+        why, step = self._last_words
         if self.registered:
+            self._flush()
+            self._send(encode("bye", why=why, step=step))
+            self.registered = False
+        self._said.set()
+
+    def close(self) -> None:
+        if self._said.is_set():
+            pass  # the daemon heard our last words already
+        elif self.registered:
             self.poll(0.0)  # results that finished while the agent was stopping
-            self._send(encode("bye"))
+            self._send(encode("bye", why=str(getattr(self.agent, "closing_why", "closed the profiler"))[:MAX_WHY],
+                              step=self.agent.prof.current_step))
         self._sock.close(linger=0)
         if self._own_ctx:
             self._ctx.term()

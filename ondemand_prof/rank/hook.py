@@ -11,6 +11,7 @@ Nothing raised by the profiler, the disk or a trigger reaches the training loop.
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import dataclasses
 import datetime as _dt
@@ -19,6 +20,7 @@ import operator
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -68,6 +70,7 @@ class OnDemandProfiler:
         self.scheduler = Scheduler(self, warmup_steps=self.config.warmup_steps)
         self.agent: Any = None
         self._agent_settles = False  # the agent agrees the job with the other ranks once torch.distributed is up
+        self._at_exit = False  # close() runs at interpreter exit (close_at_exit)
         self.signal_trigger: Any = None
         self._auto: Any = None  # --profile-auto: the idle step also times itself (rank/autocapture.py)
         if self.config.auto_ratio and self.config.ondemand:
@@ -356,6 +359,19 @@ class OnDemandProfiler:
             log.error("ondemand_prof: on-demand listening disabled: %s", exc)
             self.agent = None
             self._agent_settles = False
+            return
+        atexit.register(_last_words_at_exit, weakref.ref(self))
+
+    def close_at_exit(self) -> bool:
+        """close(), registered with atexit (zero-code): a window it fails says what ended the program."""
+        self._at_exit = True
+        return self.close()
+
+    def ending_why(self, at_exit: bool = False) -> str:
+        """Why training ends, in the words a failed window gives (rank/terminate.exit_reason)."""
+        from .terminate import exit_reason
+
+        return exit_reason(at_exit)
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish any open window, stop listening and wait (bounded) for pending exports. Never raises."""
@@ -364,7 +380,10 @@ class OnDemandProfiler:
         if self._counter is not None:
             self._leave_idle()
         self._drain_inbox(self._step)
-        self.scheduler.close(self._step)
+        why = self.ending_why(at_exit=self._at_exit)
+        self.scheduler.close(self._step, why)
+        if self.agent is not None:
+            self.agent.closing_why = "closed the profiler" + (f" ({why})" if why else "")
         self._wake = IDLE
         if self.signal_trigger is not None:
             self.signal_trigger.uninstall()
@@ -379,6 +398,20 @@ class OnDemandProfiler:
             except Exception:  # noqa: BLE001
                 log.debug("agent stop failed", exc_info=True)
         return done
+
+
+def _last_words_at_exit(ref: "weakref.ReferenceType[OnDemandProfiler]") -> None:
+    """At interpreter exit, for a profiler never closed: tell the daemon the process is ending and why (normally,
+    or after the exception that ended it), so its windows do not read as a rank that vanished."""
+    prof = ref()
+    if prof is None or prof.scheduler.closed or prof.agent is None:
+        return
+    try:
+        why = prof.ending_why(at_exit=True)
+        prof.agent.ending("exited " + (why if why.startswith("after") else f"({why})" if why else
+                                                   "normally, without closing the profiler"))
+    except Exception:  # noqa: BLE001 - nothing of ours delays or breaks an exit
+        log.debug("last words at exit failed", exc_info=True)
 
 
 def _idle_step(counter: Any) -> Callable[..., None]:

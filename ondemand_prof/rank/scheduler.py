@@ -138,9 +138,9 @@ class Scheduler:
             return IDLE
         return plan_begin(self.queue[0].window, step, self.warmup_steps).wake
 
-    def close(self, step: int) -> None:
+    def close(self, step: int, why: str = "") -> None:
         """Finish the running window (a window still in its warmup step recorded nothing: it says so) and fail
-        the ones that never began."""
+        the ones that never began, saying at which step and `why` training ended (rank/terminate.exit_reason)."""
         try:
             if self.active is not None:
                 self._finish(step, ending="training ended (close()) during the warmup step, before the window began")
@@ -149,7 +149,8 @@ class Scheduler:
         self.closed = True
         for queued in self.queue:
             if queued.window.source != "static":
-                tell(queued.listener, "failed", queued.window, error="training ended before the window")
+                tell(queued.listener, "failed", queued.window, error=f"training ended at step {step}, before the "
+                     f"window{f' ({why})' if why else ''}")
         self.queue.clear()
 
     def _maybe_begin(self, step: int) -> None:

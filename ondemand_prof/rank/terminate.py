@@ -4,7 +4,8 @@ SIGTERM (torchrun and Slurm stop workers with it) used to leave a trigger's stat
 the program has no SIGTERM handler of its own, we install one that writes a final state ("failed: terminated by
 SIGTERM") and then dies of SIGTERM exactly as before. The main thread may be stuck in a C call (a collective)
 where Python cannot run a handler, so the agent thread also watches the signal's wake-up descriptor and does the
-same from there. kill -9 cannot be caught: status files name the rank's pid, and read_status() (used by the next
+same from there. Before it dies it also tells the daemon (the agent's last words), so that a window this rank
+never reached says it was terminated, not that training ended. kill -9 cannot be caught: status files name the rank's pid, and read_status() (used by the next
 agent on the same trigger directory) reports a non-final state of a pid that is gone as failed.
 """
 
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -104,6 +106,23 @@ class TermFinalizer:
         except (OSError, AttributeError):
             pass
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def exit_reason(at_exit: bool = False) -> str:
+    """Why training is ending, as far as Python can tell here: the exception propagating now (close() in a
+    `finally` or `with` block) or, `at_exit`, the one that ended the program (sys.last_value, set once the uncaught
+    exception was printed; an interactive session sets it for every failed command); '' when there is none."""
+    exc = sys.exc_info()[1]
+    if exc is None and at_exit:
+        exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if exc is None:
+        return ""
+    if isinstance(exc, SystemExit):
+        return f"sys.exit({exc.code!r})"
+    if isinstance(exc, KeyboardInterrupt):
+        return "KeyboardInterrupt (Ctrl-C or SIGINT)"
+    text = " ".join(str(exc).split())
+    return f"after {type(exc).__name__}" + (f": {text[:157]}..." if len(text) > 160 else f": {text}" if text else "")
 
 
 def read_status(path: Path) -> dict[str, Any] | None:

@@ -245,10 +245,29 @@ class Service:
     def changed(self, record: CaptureRecord) -> None:
         self.store.mark(record)
         if record.status != "running":
+            if record.data.get("compare_with") and "cause" not in record.data:
+                self._conclude_automatic(record)
             self.store.save(record)  # results are written at once; progress is batched
             self.store.dirty.discard(record.capture_id)
         if self.watches:
             self._watch_due.add(record.capture_id)  # answered after this batch of messages: one reply, not 4096
+
+    def _conclude_automatic(self, record: CaptureRecord) -> None:
+        """An automatic capture, once done, against the baseline it was taken to be compared with (this host's
+        ranks, from their summaries): its cause line is logged and kept on the record (list, show)."""
+        from .records import MAX_TEXT
+        from .summaries import compare_records, conclude_replies
+
+        base = self.store.records.get(record.data["compare_with"])
+        try:
+            if base is None:
+                raise ValueError(f"the baseline's record {record.data['compare_with']} was dropped")
+            cause = conclude_replies([(self.host, compare_records(record.data, base.data))])["cause"]
+        except Exception as exc:  # noqa: BLE001 - a summary we cannot read: said, and the record still settles
+            cause = f"not compared: {exc}"
+        record.data["cause"] = cause[:MAX_TEXT]
+        log.warning("ondemand-profd: automatic capture %s of job %s against baseline %s: %s", record.capture_id,
+                    record.data["job"], record.data["compare_with"], record.data["cause"])
 
     def watch(self, route: bytes, rid: Any, record: CaptureRecord, timeout: float, since: int | None = None) -> None:
         self.watches.append((route, rid, record.capture_id, time.monotonic() + timeout, since))

@@ -231,3 +231,62 @@ def test_the_comparison_as_text_and_html(job: dict[str, Any], tmp_path: Path) ->
                     f"--user-data-dir={tmp_path / 'chrome'}", f"--screenshot={shot}", "--window-size=1200,1600",
                     page.as_uri()], capture_output=True, timeout=120)
     assert shot.exists() and shot.stat().st_size > 10_000
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The automatic baseline: --profile-auto takes one, the automatic capture of a slowdown is compared with it
+
+
+def test_an_automatic_capture_is_compared_with_the_automatic_baseline(tmp_path: Path) -> None:
+    """A 2-rank job with --profile-auto 1.5 --profile-baseline-at 40: the start-up line says when the baseline is
+    taken, the daemon records it on both ranks and `list` marks it; a straggler switched on later opens an
+    automatic capture, which the daemon compares with the baseline (its log carries the cause line), `list` shows
+    as `vs <baseline>`, and `show` and `report` print the comparison without --baseline. A second baseline by hand
+    (capture --baseline) then replaces it, and a restarted daemon still knows it."""
+    run, state, work = short_dir("odpab"), short_dir("odpabs"), Path(short_dir("odpabw"))
+    inject = work / "inject.json"
+    inject.write_text("{}")
+    daemon = start_daemon(run, state)
+    procs = start_ranks(["--steps", "1000000", "--step-sleep", "0.02", "--status-file", str(work / "steps.jsonl"),
+                         "--inject-file", str(inject), "--profile-auto", "2.5", "--profile-auto-steps", "4",
+                         "--profile-baseline-at", "40", "--profile-auto-cooldown", "0", "--profile-auto-budget", "100"],
+                        world=2,
+                        env={"ONDEMAND_PROF_RUNTIME_DIR": str(run), "ONDEMAND_PROF_LOG": "INFO"}, cwd=work)
+    try:
+        def listed() -> list[dict[str, Any]]:
+            res = ctl(run, "list", "--json")
+            return json.loads(res.stdout)["captures"] if res.returncode == 0 else []
+
+        base = wait_for(lambda: next((c for c in listed() if c.get("baseline")), None), 180, "the automatic baseline",
+                        pause=0.5)
+        assert base["capture_id"].startswith("baseline-") and base["ranks"] == 2, base
+        assert "BASELINE" in ctl(run, "list").stdout
+        inject.write_text(json.dumps({"kind": "straggler", "rank": 1, "amount": 40}))
+        # (a loaded host may slow the job on its own first: those captures are compared too, and are not this one)
+        auto = wait_for(lambda: next((c for c in listed() if c["capture_id"].startswith("auto-") and
+                                      c["status"] != "running" and "rank 1: compute grew" in c.get("cause", "")),
+                                     None), 180, "an automatic capture of the straggler compared with the baseline",
+                        pause=0.5)
+        inject.write_text("{}")
+        assert auto["compare_with"] == base["capture_id"], auto
+        assert auto["cause"].startswith("rank 1: compute grew"), auto["cause"]
+        assert f"vs {base['capture_id']}" in ctl(run, "list").stdout
+        shown = ctl(run, "show", auto["capture_id"])
+        assert f"against baseline {base['capture_id']}" in shown.stdout and "cause: rank 1: compute grew" in \
+            shown.stdout, shown.stdout
+        reported = ctl(run, "report", auto["capture_id"], cwd=work)
+        assert reported.returncode == 0, reported.stderr
+        assert f"against baseline {base['capture_id']}" in reported.stdout, reported.stdout
+        assert "rank 1: compute grew" in reported.stdout
+
+        manual = json.loads(ctl(run, "capture", "--steps", "3", "--baseline", "--wait", "--json").stdout)
+        assert manual["baseline"] is True
+        daemon.terminate()
+        daemon.communicate(timeout=30)
+        daemon = start_daemon(run, state)
+        marked = [c["capture_id"] for c in listed() if c.get("baseline")]
+        assert marked == [manual["capture_id"]], marked  # one a job, the newest wins, kept across restarts
+    finally:
+        end_test_env([*procs, daemon], run, state, work)
+    logs = [p.communicate()[1] for p in procs]
+    assert "compared with a baseline at step 40 (--profile-baseline-at)" in logs[0], logs[0][-3000:]

@@ -52,6 +52,9 @@ class ProfileConfig(ConfigMethods):
     auto_steps: int = 3  # Consecutive slow steps that open an automatic capture.
     auto_cooldown_s: float = 600.0  # Seconds after an automatic capture during which no other starts.
     auto_per_hour: int = 4  # Automatic captures per hour at most.
+    # With --profile-auto: the step of the one baseline window automatic captures are compared with (0: once step
+    # times are steady after warm-up; -1: none).
+    auto_baseline_at: int = 0
     # No start-up line and no 'capture written' lines on stderr (they still go to the ondemand_prof logger).
     quiet: bool = False
 

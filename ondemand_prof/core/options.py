@@ -305,6 +305,9 @@ OPTIONS: tuple[Option, ...] = (
            "during which no other starts.", ours=True, bounds=(0, 86400 * 7)),
     Option("auto_per_hour", "profile_auto_budget", parse_int, 4, "Automatic captures per hour at most.", ours=True,
            bounds=(1, 3600)),
+    Option("auto_baseline_at", "profile_baseline_at", parse_int, 0, "With --profile-auto: the step of the one "
+           "baseline window automatic captures are compared with (0: once step times are steady after warm-up; "
+           "-1: none).", ours=True, bounds=(-1, MAX_STEP)),
     Option("quiet", "profile_quiet", _B, False, "No start-up line and no 'capture written' lines on stderr "
            "(they still go to the ondemand_prof logger).", ours=True),
 )

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,9 @@ class Injection:
     small_ops  every rank runs N extra tiny additions a step (more small operators)"""
 
     def __init__(self, path: str | None) -> None:
-        self.path, self.mtime, self.spec = path, None, {}
+        self.path = path
+        self.mtime: int | None = None
+        self.spec: dict[str, Any] = {}
         self._buffers: dict[str, torch.Tensor] = {}
 
     def refresh(self) -> None:

@@ -49,6 +49,7 @@ class Target:
     native: dict[str, Any] | None  # {"file": path} from the rank's registration: it listens for the dump signal
     process: ProcessIdentity | None = None  # the registered process (pid, start time, uid): the only one signalled
     uid: int | None = None  # the rank's uid (the kernel's word): the dump file must be that user's
+    root: str = "/"  # where the rank's paths start for the daemon (a container's: /proc/PID/root)
 
 
 @dataclass
@@ -81,7 +82,8 @@ class Pending:
 def target_of(info: "RankInfo", host: str) -> Target:
     native = getattr(info, "native_dump", None)
     return Target(info.rank, info.host, info.pid, is_local(info, host),
-                  native if isinstance(native, dict) else None, getattr(info, "process", None), info.uid)
+                  native if isinstance(native, dict) else None, getattr(info, "process", None), info.uid,
+                  getattr(info, "fs_root", None) or "/")
 
 
 def is_local(info: "RankInfo", host: str) -> bool:
@@ -243,9 +245,12 @@ class TriageBook:
             return encode("register")
         try:
             window = window_from_wire(msg["window"])
-            if not window.capture_id.startswith("auto-") or not window.capture_id.endswith(
-                    f"-r{info.rank}-{info.pid}"):
-                raise ValueError(f"capture id {window.capture_id!r} is not auto-...-r{info.rank}-{info.pid}")
+            baseline = isinstance(window.requested.get("auto_baseline"), dict)
+            kind = "baseline" if baseline else "auto"
+            pids = {info.pid, getattr(info, "ns_pid", None) or info.pid}  # the rank names it with its own pid
+            if not window.capture_id.startswith(f"{kind}-") or not any(
+                    window.capture_id.endswith(f"-r{info.rank}-{pid}") for pid in pids):
+                raise ValueError(f"capture id {window.capture_id!r} is not {kind}-...-r{info.rank}-{info.pid}")
         except ValueError as exc:
             self.budget.refused(info, "bad", f"bad automatic window: {exc}")
             return None
@@ -255,28 +260,51 @@ class TriageBook:
             self.budget.refused(info, "budget", f"automatic capture {window.capture_id} not recorded: {held}")
             return None
         ranks = self.service.registry.jobs().get(info.job, [])
-        ref = reference_rank(info, ranks)
-        targets = [info] + ([ref] if ref is not None else [])
-        request = {"auto": auto_reason(window.requested.get("auto")), "slow_rank": info.rank,
-                   "reference_rank": ref.rank if ref is not None else None}
+        if baseline:  # the job's baseline on this host: the same window on every rank of it registered here
+            ref = None
+            others = sorted((r for r in ranks if r is not info), key=lambda r: r.rank)
+            targets = [info, *others]
+            request: dict[str, Any] = {"auto_baseline": auto_reason(window.requested.get("auto_baseline")),
+                                       "asked_by_rank": info.rank}
+        else:
+            ref = reference_rank(info, ranks)
+            others = [ref] if ref is not None else []
+            targets = [info, *others]
+            request = {"auto": auto_reason(window.requested.get("auto")), "slow_rank": info.rank,
+                       "reference_rank": ref.rank if ref is not None else None}
         plan: dict[str, Any] = {"start_step": window.start, "end_step": window.end, "lead_steps": 0, "late_ranks": [],
                 "current_steps": {t.rank: t.estimated_step(wall) for t in targets},
-                "note": (f"automatic: rank {info.rank} slowed down; reference rank {ref.rank}" if ref is not None
+                "note": (f"automatic baseline of job {info.job}, asked by rank {info.rank}" if baseline else
+                         f"automatic: rank {info.rank} slowed down; reference rank {ref.rank}" if ref is not None
                          else f"automatic: rank {info.rank} slowed down; no other rank to compare with")}
         record = CaptureRecord.new(window.capture_id, info.job, request, plan, window.options.as_dict(),
                                    [{"rank": t.rank, "host": t.host, "pid": t.pid, "uid": t.uid} for t in targets],
                                    wall)
+        if baseline:
+            record.data["baseline"] = True  # the job's baseline once it records something (records.py)
+        else:
+            known = self.service.store.baseline_of(info.job)
+            if known is not None:  # compared with it once done (show, report, and the daemon's log line)
+                record.data["compare_with"] = known.capture_id
         try:
             self.service.store.add(record, owner=info.uid if info.uid is not None else -1)
         except RecordRefused as exc:
             self.budget.refused(info, "store", f"automatic capture {window.capture_id} not recorded: {exc}")
             return None
         assert window.end is not None  # window_from_wire checked it
-        if ref is not None:
-            self.service.send(ref.route, encode("capture", window={**window.to_wire(), "requested": {
-                "auto": request["auto"], "steps": window.end - window.start, "reference_for_rank": info.rank}}))
-        log.info("ondemand-profd: automatic capture %s: rank %d of job %s slowed down; reference rank %s",
-                 window.capture_id, info.rank, info.job, ref.rank if ref is not None else "none")
+        steps = window.end - window.start
+        for other in others:
+            requested = {"auto_baseline": request["auto_baseline"], "steps": steps, "asked_by_rank": info.rank} \
+                if baseline else {"auto": request["auto"], "steps": steps, "reference_for_rank": info.rank}
+            self.service.send(other.route, encode("capture", window={**window.to_wire(), "requested": requested}))
+        if baseline:
+            log.info("ondemand-profd: automatic baseline %s of job %s: %d rank(s), steps [%d, %d), asked by rank %d",
+                     window.capture_id, info.job, len(targets), window.start, window.end, info.rank)
+        else:
+            log.info("ondemand-profd: automatic capture %s: rank %d of job %s slowed down; reference rank %s%s",
+                     window.capture_id, info.rank, info.job, ref.rank if ref is not None else "none",
+                     f"; compared with baseline {record.data['compare_with']} once done"
+                     if record.data.get("compare_with") else "; no baseline to compare with yet")
         return None
 
     def on_result(self, route: bytes, msg: dict[str, Any]) -> None:
@@ -314,7 +342,7 @@ class TriageBook:
             path = str(t.native.get("file", ""))
             signum = native_dump_signal()
             try:
-                offset = size_beneath_root(path, t.uid)
+                offset = size_beneath_root(path, t.uid, root=t.root)
                 why = "no native-dump signal here" if signum is None or t.process is None else \
                     signal_process(t.process, signum)
             except OSError as exc:
@@ -332,7 +360,7 @@ class TriageBook:
             if t.rank in p.results:
                 continue
             if t.rank in p.native_sent:
-                p.results[t.rank] = read_native(*p.native_sent[t.rank], t.uid)
+                p.results[t.rank] = read_native(*p.native_sent[t.rank], t.uid, t.root)
             else:
                 p.results[t.rank] = {"ok": False, "method": "none", "error": "no answer before the timeout"
                                      + ("" if p.action != "stacks" else _why_no_native(t))}
@@ -475,11 +503,12 @@ def _why_no_native(t: Target) -> str:
     return ""
 
 
-def read_native(path: str, offset: int, uid: int | None) -> dict[str, Any]:
+def read_native(path: str, offset: int, uid: int | None, root: str = "/") -> dict[str, Any]:
     """What faulthandler appended to the rank's file since `offset`: reached without following any link on the
-    way, a regular file owned by the rank's own user (the path came from the rank; the daemon may run as root)."""
+    way, a regular file owned by the rank's own user (the path came from the rank; the daemon may run as root);
+    `root`: where the rank's paths start (a container's root, its file as the rank names it)."""
     try:
-        raw = read_beneath_root(path, uid, MAX_NATIVE_BYTES, offset)
+        raw = read_beneath_root(path, uid, MAX_NATIVE_BYTES, offset, root=root)
     except OSError as exc:
         return {"ok": False, "method": "native", "error": f"cannot read the native dump {path}: "
                                                           f"{exc.strerror or exc}"}

@@ -3,6 +3,14 @@
 reason in its metadata) and asks the daemon for the same window on a median-speed reference rank of its job.
 A cooldown and an hourly budget bound how many captures a slow phase can start.
 
+A baseline first (--profile-baseline-at): one window of the healthy job, what the automatic captures are compared
+with (ondemandctl show/report AUTO print the comparison; the daemon logs its cause line). By default it is taken
+once step times are steady after warm-up: at least BASELINE_WARMUP steps in, the slowest tenth of the last
+HISTORY steps within STEADY_SPREAD times the fastest tenth (checked as the median is, every EVERY steps); STEP
+takes it at that step (or as soon as it can after it); -1 takes none. With a daemon, the rank with local rank 0
+asks it, and the daemon records the same window on every rank of the job on its host (the job's baseline there);
+without one, each rank takes its own.
+
 Threads: SlowStepMonitor's step function runs on the training thread as the idle step() (a small Python
 function around the C counter instead of the counter alone: about 0.3 us more per step, bench/bench_hook.py);
 deciding, planning and scheduling happen on the agent thread (AutoCapture.poll). Off (the default), nothing
@@ -33,6 +41,8 @@ EVERY = 16  # the median is recomputed every this many steps (sorting 64 floats 
 MIN_SAMPLES = 16  # no judgement before this many steps
 
 
+BASELINE_WARMUP = 64  # steps before a baseline may be called steady (compilation, caches, the first allocations)
+STEADY_SPREAD = 1.25  # the slowest tenth of the last HISTORY steps within this many times the fastest tenth
 MIN_EXTRA_S = 0.001  # a step must also be this much longer than the median to count as slow (sub-ms jitter
                      # of a tiny loop, a GIL hand-over to another thread, is not a slowdown)
 
@@ -50,11 +60,17 @@ class SlowStepMonitor:
         self.n = 0  # intervals seen (synchronised from the closure on the rare path)
         self.median: float | None = None
         self.threshold = float("inf")  # no judgement until a median exists
+        self.on_median: Callable[[int, list[float]], None] | None = None  # (steps seen, sorted durations)
+        # True while a window of ours is still being written: its helpers share the cores, and a step they slow
+        # is not the job slowing down (a baseline's own export opened automatic captures of itself)
+        self.busy: Callable[[], bool] = lambda: False
 
     def _update_median(self, n: int) -> None:
         ordered = sorted(self.durations[:n] if n < HISTORY else self.durations)
         self.median = median = ordered[len(ordered) // 2]
         self.threshold = max(self.ratio * median, median + MIN_EXTRA_S)
+        if self.on_median is not None:
+            self.on_median(n, ordered)
 
     def step_fn(self, counter: Any) -> Callable[..., Any]:
         """A fresh idle step() (after a window the first interval is not a step: the clock starts again)."""
@@ -67,6 +83,9 @@ class SlowStepMonitor:
 
         def rare(dt: float) -> None:
             nonlocal n, threshold, slow
+            if dt > threshold and me.busy():
+                slow = []
+                return  # neither judged nor kept in the median: our own export's cost
             if dt > threshold:
                 slow.append(dt)
                 if len(slow) >= me.steps:
@@ -112,6 +131,14 @@ class AutoCapture(Extension):
         self._fired_q: collections.deque[tuple[list[float], float, int]] = collections.deque(maxlen=16)
         self.started: list[float] = []  # when automatic captures started (the budget's hour)
         self.held = 0  # slowdowns not captured because of the cooldown or the budget
+        self.baseline_at = int(getattr(config, "auto_baseline_at", 0))
+        self.baseline_id: str | None = None  # the baseline this rank took or asked for
+        self._baseline_due: tuple[int, float] | None = None  # (step, median) once it is time (training thread)
+        if self.baseline_at != -1:
+            self.monitor.on_median = self._baseline_check
+        exporter = getattr(prof, "_exporter", None)  # the hook's: windows still being written
+        if exporter is not None:
+            self.monitor.busy = lambda: exporter.pending() > 0
 
     def idle_step(self, counter: Any) -> Callable[..., Any]:
         return self.monitor.step_fn(counter)
@@ -120,8 +147,31 @@ class AutoCapture(Extension):
         self.agent = agent
         agent.extensions.append(self)
         log.info("ondemand_prof: automatic captures when %d consecutive steps are %gx slower than the rolling "
-                 "median (cooldown %g s, at most %d per hour)", self.steps, self.ratio, self.cooldown_s,
-                 self.per_hour)
+                 "median (cooldown %g s, at most %d per hour), compared with a baseline %s", self.steps, self.ratio,
+                 self.cooldown_s, self.per_hour, self.baseline_text())
+
+    def baseline_text(self) -> str:
+        """When the baseline is taken, as the start-up line says it."""
+        if self.baseline_at == -1:
+            return "none (--profile-baseline-at -1)"
+        if self.baseline_at > 0:
+            return f"at step {self.baseline_at} (--profile-baseline-at)"
+        return (f"once step times are steady after {BASELINE_WARMUP} steps (the slowest tenth within "
+                f"{STEADY_SPREAD:g}x the fastest; --profile-baseline-at STEP to choose)")
+
+    def _baseline_check(self, n: int, ordered: list[float]) -> None:  # training thread, every EVERY steps
+        if self._baseline_due is not None or self.baseline_id is not None:
+            return
+        step = self.prof.current_step
+        if self.baseline_at > 0:
+            due = step + 2 * EVERY >= self.baseline_at  # scheduled at baseline_at, ahead of time
+        else:
+            due = n >= BASELINE_WARMUP and len(ordered) >= HISTORY and \
+                ordered[HISTORY * 9 // 10] <= STEADY_SPREAD * ordered[HISTORY // 10]
+        if due:
+            self._baseline_due = (step, ordered[len(ordered) // 2])
+            if self.agent is not None:
+                self.agent.wake()
 
     def _fired(self, slow: list[float], median: float) -> None:  # training thread: hand over, nothing more
         self._fired_q.append((slow, median, self.prof.current_step))
@@ -131,6 +181,8 @@ class AutoCapture(Extension):
     # agent thread ------------------------------------------------------------------------------------------
 
     def poll(self, now: float) -> None:
+        if self._baseline_due is not None and self.baseline_id is None:
+            self._take_baseline(*self._baseline_due)
         while self._fired_q:
             slow, median, step = self._fired_q.popleft()
             self._decide(slow, median, step)
@@ -168,14 +220,48 @@ class AutoCapture(Extension):
         if link is not None:  # the daemon opens the same window on a median-speed rank of this job
             link.post(encode("auto_capture", window=window.to_wire()))
 
-    def _window(self, reason: dict[str, Any], lead: int) -> Window:
+    def _take_baseline(self, step: int, median: float) -> None:
+        """The baseline window (module docstring): on this rank, and through the daemon on the job's ranks of
+        this host; with a daemon, only the rank of local rank 0 asks."""
+        agent = self.agent
+        assert agent is not None
+        link = agent.link
+        ident = self.prof.identity()
+        with_daemon = link is not None and link.registered
+        if with_daemon and (ident.local_rank if ident.local_rank is not None else ident.rank) != 0:
+            self.baseline_id = ""  # the local rank 0 asks for this host's ranks
+            return
+        reason = {"why": self.baseline_text(), "median_step_s": round(median, 6), "decided_at_step": step}
+        lead = agent.files.lead_steps() + 1
+        start = max(self.baseline_at, self.prof.current_step + lead) if self.baseline_at > 0 else None
+        window = self._window(reason, lead, kind="baseline", start=start)
+        self.baseline_id = window.capture_id
+        log.warning("ondemand_prof: baseline %s of steps [%d, %d) (%s)%s", window.capture_id, window.start,
+                    window.end, reason["why"], "; the daemon records it on this host's ranks of the job"
+                    if with_daemon else "")
+        listener = link.listener_for(window.capture_id) if link is not None else _log_listener(window.capture_id)
+        agent.schedule(window, listener)
+        if with_daemon:
+            assert link is not None
+            link.post(encode("auto_capture", window=window.to_wire()))
+
+    def _window(self, reason: dict[str, Any], lead: int, kind: str = "auto", start: int | None = None) -> Window:
+        """An automatic window on this rank: `kind` auto (a slowdown, compared with this rank's baseline when it
+        took one) or baseline; from `start`, else `lead` steps ahead (enough for the daemon to reach other ranks)."""
         prof, config = self.prof, self.prof.config
-        start = prof.current_step + lead  # ahead enough for the daemon to reach a reference rank too
+        start = prof.current_step + lead if start is None else start
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        capture_id = f"auto-{stamp}-r{prof.identity().rank}-{os.getpid()}"
+        capture_id = f"{kind}-{stamp}-r{prof.identity().rank}-{os.getpid()}"
         steps = min(config.ondemand_steps, config.max_window_steps)
+        requested: dict[str, Any] = {"steps": steps}
+        if kind == "baseline":
+            requested["auto_baseline"] = reason
+        else:
+            requested["auto"] = reason
+            if self.baseline_id:
+                requested["baseline"] = self.baseline_id  # report AUTO without a daemon finds it by this
         return Window(start, start + steps, WindowOptions.from_config(config), source="auto", capture_id=capture_id,
-                      requested={"auto": reason, "steps": steps})
+                      requested=requested)
 
 
 def _log_listener(capture_id: str) -> Callable[[str, dict[str, Any]], None]:

@@ -454,8 +454,8 @@ class RankAnalyzer:
         n = len(steps)
         if not n:
             return {"steps": 0, "ops": [], "kernels": [], "complete": {"ops": True, "kernels": True}}
-        ops = sorted(([self.name_list[k], int(c), s_us, t_us] for k, (c, t_us, s_us) in in_steps.items()),
-                     key=lambda r: -r[2])
+        ops: list[list[Any]] = sorted(([self.name_list[k], int(c), s_us, t_us]
+                                       for k, (c, t_us, s_us) in in_steps.items()), key=lambda r: -r[2])
         kernels: dict[int, list[float]] = {}
         d = self.dev
         for i in range(len(d.ts)):
@@ -465,7 +465,8 @@ class RankAnalyzer:
                     row = kernels[d.name[i]] = [0, 0.0]
                 row[0] += 1
                 row[1] += d.dur[i]
-        krows = sorted(([self.name_list[k], int(c), us] for k, (c, us) in kernels.items()), key=lambda r: -r[2])
+        krows: list[list[Any]] = sorted(([self.name_list[k], int(c), us] for k, (c, us) in kernels.items()),
+                                        key=lambda r: -r[2])
         return {"steps": n, "ops": [_rounded(r) for r in ops[:PER_STEP_OPS]],
                 "kernels": [_rounded(r) for r in krows[:PER_STEP_KERNELS]],
                 "complete": {"ops": len(ops) <= PER_STEP_OPS, "kernels": len(krows) <= PER_STEP_KERNELS}}
@@ -610,7 +611,8 @@ class _Issuers:
 
     def around(self, ts: float, thread: int) -> str | None:
         if thread not in self._by_thread:
-            t = self.an.threads.get(self.keys.get(thread))
+            key = self.keys.get(thread)
+            t = self.an.threads.get(key) if key is not None else None
             ops = []
             if t is not None:
                 for i in range(len(t.ts)):

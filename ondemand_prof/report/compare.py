@@ -48,14 +48,14 @@ def rank_figures(r: dict[str, Any]) -> dict[str, Any]:
     by collective kind, operators and kernels (name -> [calls, self us, total us] / [calls, us])."""
     steps = [s for s in r.get("steps") or [] if isinstance(s, dict)]
     n = len(steps)
-    per = r.get("step_ops") if isinstance(r.get("step_ops"), dict) else {}
+    per: dict[str, Any] = r["step_ops"] if isinstance(r.get("step_ops"), dict) else {}
     m = per.get("steps") or 0  # the operator tables' steps (those of the split, unless a format lacks one)
     split = {key: (sum(float(s.get(field) or 0.0) for s in steps) / n if n else None) for key, field in SPLIT}
     return {
         "rank": r.get("rank"), "world_size": r.get("world_size"), "steps": n,
         "step_ms": (sum(float(s.get("dur_ms") or 0.0) for s in steps) / n) if n else r.get("step_ms_mean"),
         "split": split, "basis": r.get("basis"),
-        "level": (r.get("options") or {}).get("level") if isinstance(r.get("options"), dict) else None,
+        "level": r["options"].get("level") if isinstance(r.get("options"), dict) else None,
         "libraries": {lib["library"]: lib["ms"] / n for lib in r.get("comm_libraries") or [] if n},
         "collectives": {c["kind"]: (c["count_per_step"], c["ms_per_step"]) for c in r.get("collectives") or []},
         "ops": {row[0]: [x / m for x in row[1:]] for row in per.get("ops") or [] if m},
@@ -208,9 +208,9 @@ def _cause(ranks: list[dict[str, Any]], base: float, now: float) -> dict[str, An
     comm = [r for r in ranks if r["wait_growth_ms"] >= t]
     if comm:
         who = "every rank" if len(comm) == len(ranks) > 1 else _ranks(comm)
-        grew = [r for r in ranks if r["own_growth_ms"] >= t]
-        listed = ", ".join(f"rank {r['rank']} {_signed(r['own_growth_ms'])}" for r in grew[:4])
-        own = f"; own work grew less ({listed} ms/step)" if grew else ", no rank's own work did"
+        worked = [r for r in ranks if r["own_growth_ms"] >= t]
+        listed = ", ".join(f"rank {r['rank']} {_signed(r['own_growth_ms'])}" for r in worked[:4])
+        own = f"; own work grew less ({listed} ms/step)" if worked else ", no rank's own work did"
         return {"cause": f"{who}: communication grew ({_range(r['wait_growth_ms'] for r in comm)} ms/step){own}: "
                          + _kind_text(comm), "category": "communication",
                 "culprits": [r["rank"] for r in comm], "waiting": []}

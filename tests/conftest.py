@@ -290,8 +290,11 @@ def status_lines(path: Path) -> list[dict[str, Any]]:
         return []
 
 
-def ctl(run_dir: Path, *args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(ROOT / "bin" / "ondemandctl"), *args], env=base_env(ONDEMAND_PROF_RUNTIME_DIR=str(run_dir)),
+def ctl(run_dir: Path, *args: str, timeout: float = 120, cwd: Path | None = None,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The real CLI against the daemon of `run_dir`; `env`: more of the environment (TMPDIR, as the job's)."""
+    return subprocess.run([str(ROOT / "bin" / "ondemandctl"), *args],
+                          env=base_env(ONDEMAND_PROF_RUNTIME_DIR=str(run_dir), **(env or {})),
                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 

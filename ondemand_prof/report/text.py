@@ -233,16 +233,32 @@ def _steps_text(r: RankResult) -> str:
 
 
 def comm_counted(r: RankResult) -> str:
-    """What the split counted as communication: each library with its time inside the steps."""
+    """What the split counted as communication: each collective kind with its calls and time per step (what ran
+    the transfer, and what issued it), then each library with its time inside the steps (libraries nest: c10d's
+    operator issues gloo's range, so their times do not add up)."""
     libraries = r.get("comm_libraries") or []
     if r.get("split_from"):
         return f"communication: as torch_npu's {r['split_from']} counts it (HCCL)"
     if not libraries:
         return ("communication: none recognised (NCCL/RCCL, HCCL, gloo, c10d, DeepEP, NVSHMEM, SymmetricMemory, "
-                "MSCCL++ names; see the README)")
-    return "communication counted: " + ", ".join(
+                "MSCCL++ names; see docs/reports.md)")
+    text = ""
+    kinds = r.get("collectives") or []
+    if kinds:
+        text = "communication per step, by collective (kinds can overlap one another): " + ", ".join(
+            f"{k['kind']} {k['ms_per_step']:.2f} ms ({_calls(k['count_per_step'])} call(s) via {'/'.join(k['via'])}"
+            + (f", issued by {_issued(k)}" if _issued(k) else "") + ")" for k in kinds) + "\n  "
+    return text + "communication counted: " + ", ".join(
         f"{lib['library']} {lib['ms']:.2f} ms ({lib['count']} {lib['unit'] if lib['count'] != 1 else lib['unit'][:-1]})"
-        for lib in libraries)
+        for lib in libraries) + (" (libraries nest, c10d's operators around the transfers: not additive)"
+                                 if len(libraries) > 1 else "")
+
+
+def _issued(k: dict[str, Any]) -> str:
+    """Where the kind comes from the operator that issued the transfer, not from the transfer's own name
+    (FSDP's reduce_scatter run by gloo as an all_reduce): that operator."""
+    issued = k.get("issued_by") or {}
+    return next(iter(issued), "") if issued else ""
 
 
 def _memory_text(mem: dict[str, Any] | None) -> str:

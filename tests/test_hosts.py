@@ -361,6 +361,34 @@ def test_one_aligned_capture_across_hosts_with_one_id_and_summaries_merged(clust
     assert text.returncode == 0 and "rank" in text.stdout
 
 
+def test_a_capture_compared_with_a_baseline_across_hosts_from_summaries_alone(cluster: Cluster) -> None:
+    """Issue 28, 5: `capture --baseline` across hosts marks one id as the baseline on every host; `report NOW
+    --baseline BASE --hosts ...` has each daemon compare its ranks' summaries and the CLI conclude over every
+    host's ranks, with the traces gone (nothing but summary.json is read); a host that is down is named."""
+    ids = []
+    for extra in (["--baseline"], []):
+        res = cluster.ctl("capture", "--steps", "3", "--wait", "--json", "--timeout", "120", *extra)
+        assert res.returncode == 0, res.stdout + res.stderr
+        record = json.loads(res.stdout)
+        ids.append(record["capture_id"])
+        for part in record["parts"].values():
+            for f in Path(part["path"]).iterdir():
+                if f.name not in ("metadata.json", "summary.json"):
+                    f.unlink()
+    base, now = ids
+    listed = json.loads(cluster.ctl("list", "--json").stdout)["captures"]
+    assert next(c for c in listed if c["capture_id"] == base)["baseline"] is True
+    res = cluster.ctl("report", now, "--baseline", base, "--json")
+    assert res.returncode == 0, res.stderr
+    c = json.loads(res.stdout)["comparison"]
+    assert (c["capture"], c["baseline"]) == (now, base) and [r["rank"] for r in c["ranks"]] == list(range(RANKS))
+    assert c["cause"] and c["step_ms"]["baseline"] > 0 and not c["notes"], c["notes"]  # one job, same model
+    for r in c["ranks"]:
+        assert r["steps"] == {"baseline": 3, "now": 3} and r["split"]["compute"]["now"] is not None
+    text = cluster.ctl("report", now, "--baseline", base)
+    assert text.returncode == 0 and f"capture {now}" in text.stdout and f"against baseline {base}" in text.stdout
+
+
 def test_the_smallest_length_cap_of_any_host_holds_for_every_rank(cluster: Cluster) -> None:
     """Each daemon caps a window by its own ranks' --profile-max-window-steps; the CLI caps the request at the
     smallest over every target host first, so that all ranks record the same steps, and says so."""

@@ -97,10 +97,12 @@ def compare_rank(base: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
 
 
 def _changes(b: dict[str, Any], n: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
-    """The CHANGES names whose per-step time moved most, sorted by growth; and the share of time that matches by
-    name on both sides (min over max, summed: 1.0 for the same mix, near 0 for two different models)."""
+    """The CHANGES names whose per-step time moved most, sorted by growth; and the share of time spent in names
+    that both sides have (the mean of each side's share: 1.0 for the same operators, however much slower they
+    run; near 0 for two different models)."""
     rows = []
-    both = most = 0.0
+    shared = {"b": 0.0, "n": 0.0}
+    total = {"b": 0.0, "n": 0.0}
     for table, category, time_at in (("ops", "operator", 1), ("kernels", "kernel", 1)):
         bt, nt = b[table], n[table]
         b_full, n_full = b["complete"].get(table, True), n["complete"].get(table, True)
@@ -110,8 +112,11 @@ def _changes(b: dict[str, Any], n: dict[str, Any]) -> tuple[list[dict[str, Any]]
             bv, nv = bt.get(name), nt.get(name)
             b_ms = bv[time_at] / 1000 if bv else (0.0 if b_full else None)
             n_ms = nv[time_at] / 1000 if nv else (0.0 if n_full else None)
-            both += min(b_ms if b_ms is not None else b_floor / 1000, n_ms if n_ms is not None else n_floor / 1000)
-            most += max(b_ms or 0.0, n_ms or 0.0)
+            total["b"] += b_ms or 0.0
+            total["n"] += n_ms or 0.0
+            if bv is not None and nv is not None:
+                shared["b"] += b_ms or 0.0
+                shared["n"] += n_ms or 0.0
             status = "new" if bv is None and b_full else "vanished" if nv is None and n_full else "changed"
             grown = (n_ms if n_ms is not None else n_floor / 1000) - (b_ms if b_ms is not None else b_floor / 1000)
             rows.append((grown, {
@@ -124,7 +129,8 @@ def _changes(b: dict[str, Any], n: dict[str, Any]) -> tuple[list[dict[str, Any]]
     rows.sort(key=lambda r: -abs(r[0]))
     top = [r for r in rows[:CHANGES] if abs(r[0]) >= 1e-4]
     top.sort(key=lambda r: -r[0])
-    return [r[1] for r in top], (both / most if most > 0 else 1.0)
+    sides = [shared[k] / total[k] for k in ("b", "n") if total[k] > 0]
+    return [r[1] for r in top], (sum(sides) / len(sides) if sides else 1.0)
 
 
 def _is_comm(name: str) -> bool:

@@ -290,3 +290,14 @@ def test_an_automatic_capture_is_compared_with_the_automatic_baseline(tmp_path: 
         end_test_env([*procs, daemon], run, state, work)
     logs = [p.communicate()[1] for p in procs]
     assert "compared with a baseline at step 40 (--profile-baseline-at)" in logs[0], logs[0][-3000:]
+
+
+def test_two_different_models_or_world_sizes_are_said_never_silently_compared(tmp_path: Path) -> None:
+    """ResNet-50 on one GPU against a recommendation model's rank: the operators barely overlap, which the
+    comparison says in one line (and the world sizes differ, and so do the ranks compared)."""
+    shutil.copy(REAL / "kineto_resnet50_2021-06.pt.trace.json.gz", tmp_path / "resnet.json.gz")
+    shutil.copy(REAL / "hta_trace_diff_control.json.gz", tmp_path / "dlrm.json.gz")
+    c = report_json("resnet.json.gz", "--baseline", "dlrm.json.gz", cwd=tmp_path)
+    assert any(n.startswith("different models? only ") for n in c["notes"]), c["notes"]
+    same = report_json("dlrm.json.gz", "--baseline", "dlrm.json.gz", cwd=tmp_path)
+    assert same["notes"] == [] and same["cause"].startswith("no change"), same

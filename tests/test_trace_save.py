@@ -409,3 +409,26 @@ def test_a_gloo_rank_lets_other_threads_finish_before_the_profiler_stops() -> No
     finally:
         stop.set()
         dist.destroy_process_group()
+
+
+def test_the_native_build_is_stopped_while_a_capture_is_post_processed() -> None:
+    """The build a first capture starts (its own process group, the compiler in it) is stopped while a trace is
+    post-processed and continued after: both at SCHED_IDLE, they shared the leftover CPU (issue 32)."""
+    import subprocess
+
+    def state(pid: int) -> str:
+        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
+
+    saver = native_save.NativeSaver()
+    build = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)  # a group of two
+    try:
+        saver._build = build
+        wait_for(lambda: state(build.pid) == "S", 10, "the stand-in asleep")
+        with saver.paused():
+            wait_for(lambda: state(build.pid) == "T", 10, "the build stopped")
+        wait_for(lambda: state(build.pid) == "S", 10, "the build continued")
+    finally:
+        os.killpg(build.pid, signal.SIGKILL)
+        build.wait()
+    with saver.paused():  # a build that has ended: nothing to stop, nothing raised
+        pass

@@ -30,21 +30,27 @@ FALLBACK_NICE = 10
 # training, data loader workers): SCHED_IDLE yields to that almost entirely, and the trace would wait for the load
 # to end (minutes; `capture --wait` times out). It is then moved to the normal policy FALLBACK_NICE levels down.
 RAISE_AFTER_S = 10.0
+# ... and sooner for a small job: a post-processing child of a trace under SMALL_TRACE_BYTES needs about 0.1 s of
+# CPU (interpreter start included), which at nice 10 takes about that much from training, once, while at SCHED_IDLE
+# on busy cores it waited seconds: a 47 KB trace of tiny steps took 5-10 s to appear (issue 32)
+SMALL_TRACE_BYTES = 4 << 20
+SMALL_RAISE_AFTER_S = 1.0
 CHILD_CWD = "/"  # where every child starts: root's, never writable by a job's neighbours
 
 
-def python_child(module: str, *args: str) -> tuple[list[str], dict[str, str]]:
+def python_child(module: str, *args: str, site: bool = True) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that run `python -m module args` as a helper of this rank: nothing is
     imported from the working directory or an empty PYTHONPATH entry (-P and PYTHONSAFEPATH on Python 3.11+; the
     child's cwd is CHILD_CWD on every version, pass cwd=CHILD_CWD), and this package is found where it was loaded
-    from."""
+    from. `site=False` (-S): a child that needs only the standard library and this package skips site-packages and
+    its .pth files (the post-processing child: 15% of its CPU, which it spends at idle priority)."""
     env = dict(os.environ)
     package_parent = str(Path(__file__).resolve().parents[2])  # the directory holding ondemand_prof/
     # an empty entry in PYTHONPATH means the working directory: dropped
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join([package_parent, *rest])
     env["PYTHONSAFEPATH"] = "1"
-    flags = ["-P"] if sys.version_info >= (3, 11) else []
+    flags = (["-P"] if sys.version_info >= (3, 11) else []) + ([] if site else ["-S"])
     return [sys.executable, *flags, "-m", module, *args], env
 
 
@@ -92,7 +98,7 @@ def lower_priority(pid: int) -> None:
         pass
 
 
-def raise_priority(pid: int) -> None:
+def raise_priority(pid: int, after_s: float | None = None) -> None:
     """A helper process left at SCHED_IDLE too long (RAISE_AFTER_S): each of its threads to the normal policy,
     FALLBACK_NICE levels down. Best effort; nothing to do when it was lowered by nice levels only."""
     if not idle_priority_enabled():
@@ -108,14 +114,16 @@ def raise_priority(pid: int) -> None:
         except (OSError, AttributeError):
             pass
     log.info("ondemand_prof: a trace helper (pid %d) still running after %.0f s at idle priority (every core is "
-             "busy): raised to nice %d", pid, RAISE_AFTER_S, FALLBACK_NICE)
+             "busy): raised to nice %d", pid, RAISE_AFTER_S if after_s is None else after_s, FALLBACK_NICE)
 
 
-def spawn_background(cmd: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+def spawn_background(cmd: list[str], env: dict[str, str], timeout_s: float,
+                     raise_after_s: float | None = None) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True) with the child at background priority, off the training
     thread's core (helper_cpus). The priority and CPUs are set from here right after exec (not with preexec_fn, which runs Python between fork and exec in a
     process with other threads), so the child's interpreter start-up is the only part that runs at normal
-    priority."""
+    priority. Still at SCHED_IDLE after `raise_after_s` (default RAISE_AFTER_S), it is raised (raise_priority)."""
+    raise_after_s = RAISE_AFTER_S if raise_after_s is None else raise_after_s
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           cwd=CHILD_CWD) as proc:
         lower_priority(proc.pid)
@@ -127,12 +135,12 @@ def spawn_background(cmd: list[str], env: dict[str, str], timeout_s: float) -> s
                 pass
         try:
             try:
-                out, err = proc.communicate(timeout=min(RAISE_AFTER_S, timeout_s))
+                out, err = proc.communicate(timeout=min(raise_after_s, timeout_s))
             except subprocess.TimeoutExpired:
-                if timeout_s <= RAISE_AFTER_S:
+                if timeout_s <= raise_after_s:
                     raise
-                raise_priority(proc.pid)
-                out, err = proc.communicate(timeout=timeout_s - RAISE_AFTER_S)
+                raise_priority(proc.pid, raise_after_s)
+                out, err = proc.communicate(timeout=timeout_s - raise_after_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()

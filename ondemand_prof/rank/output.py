@@ -23,7 +23,7 @@ from ..core.safedir import save_path_problem
 from .backends import Export, Identity
 from .layout import METADATA_FILE, RankOutput
 from ..core.window import Window
-from .helpers import python_child, spawn_background
+from .helpers import SMALL_RAISE_AFTER_S, SMALL_TRACE_BYTES, python_child, spawn_background
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +144,11 @@ def publish(job: ExportJob) -> dict[str, Any]:
         meta["backend"] = dict(meta.get("backend", {}), **job.export.info)
         out_dir = written.directory
         if written.raw_trace is not None:
+            from .native_save import SAVER
+
             t0 = time.monotonic()
-            result = run_postprocess(job, written.raw_trace, out_dir)
+            with SAVER.paused():  # the native save's background build waits meanwhile (a first capture's)
+                result = run_postprocess(job, written.raw_trace, out_dir)
             timings["postprocess_s"] = time.monotonic() - t0
             trace = out_dir / result["trace"]
             meta["steps_in_trace"] = result["steps_in_trace"]
@@ -228,8 +231,10 @@ def run_postprocess(job: ExportJob, raw: Path, out_dir: Path) -> dict[str, Any]:
     spec_path.write_text(json.dumps(spec), encoding="utf-8")
     # at background priority (SCHED_IDLE): on a machine whose cores training keeps busy it would stretch steps;
     # --parent: the child dies with its rank (PR_SET_PDEATHSIG); nothing imported from the job's cwd (helpers.py)
-    cmd, env = python_child("ondemand_prof.rank.postprocess", "--parent", str(os.getpid()), str(spec_path))
-    proc = spawn_background(cmd, env, POSTPROCESS_TIMEOUT_S)
+    cmd, env = python_child("ondemand_prof.rank.postprocess", "--parent", str(os.getpid()), str(spec_path),
+                            site=False)
+    small = os.path.getsize(raw) <= SMALL_TRACE_BYTES  # raised to nice 10 after a second, not ten (helpers.py)
+    proc = spawn_background(cmd, env, POSTPROCESS_TIMEOUT_S, SMALL_RAISE_AFTER_S if small else None)
     spec_path.unlink(missing_ok=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]

@@ -90,6 +90,8 @@ def test_the_default_relative_save_path_captures_through_the_daemon(env: dict[st
     assert sorted(c["rank"] for c in caps) == [0, 1]
     (folder,) = {c["folder"] for c in caps}
     assert f"  capture folder: {folder}" in res.stdout
+    # and how to open it in HTA with both steps (HTA leaves out the last one by default)
+    assert f"  in HTA: TraceAnalysis(trace_dir='{folder}', include_last_profiler_step=True)" in res.stdout, res.stdout
     start, end = map(int, re.search(r"steps \[(\d+), (\d+)\)", res.stdout).groups())
     for cap in caps:
         trace = folder / Path(cap["trace_file"]).name

@@ -141,3 +141,19 @@ def test_hta_runs_its_critical_path_analysis(tmp_path: Path) -> None:
     (rank,) = analysis.t.traces
     graph, ok = analysis.critical_path_analysis(rank=rank, annotation="ProfilerStep", instance_id=None)
     assert ok and graph.number_of_nodes() > 100
+
+
+def test_hta_keeps_every_captured_step_only_when_asked(two_rank_capture: list[dict]) -> None:
+    """What the capture summary, the HTML report and the docs tell HTA users: by default HTA leaves out a trace's
+    last ProfilerStep, so our 2-step capture is one step there; include_last_profiler_step=True keeps both."""
+    hta = pytest.importorskip("hta.trace_analysis", reason="HolisticTraceAnalysis is in the test extra")
+    logging.getLogger("hta").setLevel(logging.ERROR)
+    (folder,) = {cap["folder"] for cap in two_rank_capture}
+
+    def steps(**kw: bool) -> list[str]:
+        t = hta.TraceAnalysis(trace_dir=str(folder), **kw).t
+        names = t.symbol_table.sym_table
+        return sorted({names[i] for i in t.traces[0]["name"].unique() if names[i].startswith("ProfilerStep#")})
+
+    assert steps() == ["ProfilerStep#3"]
+    assert steps(include_last_profiler_step=True) == ["ProfilerStep#3", "ProfilerStep#4"]

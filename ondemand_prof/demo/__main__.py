@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] $ ondemandctl report {save} --summary --html {html}")
     subprocess.run([sys.executable, "-m", "ondemand_prof.host.ctl", "report", str(save), "--summary", "--html",
                     str(html)])
-    print("[demo] each capture folder under", save, "is one HTA trace_dir and one TensorBoard run (a worker per "
-          "rank); traces open in https://ui.perfetto.dev too")
+    print("[demo] each capture folder under", save, "is one HTA trace_dir (TraceAnalysis(trace_dir=..., "
+          "include_last_profiler_step=True): HTA leaves out the last captured step without it) and one TensorBoard "
+          "run (a worker per rank); traces open in https://ui.perfetto.dev too")
     return rc
 
 

@@ -442,7 +442,8 @@ def _open_traces(group: CaptureGroup) -> str:
         items.append(f"<li>rank {_rank(r)}: <code>{_e(trace)}</code></li>")
     return ("<h3>Open the traces</h3><p>In <a href=\"https://ui.perfetto.dev\">ui.perfetto.dev</a>: "
             "<em>Open trace file</em> and pick the file (it is read in your browser, nothing is uploaded); or "
-            "<code>tensorboard --logdir &lt;save path&gt;</code>; or HTA's <code>TraceAnalysis(trace_dir=...)</code>."
+            "<code>tensorboard --logdir &lt;save path&gt;</code>; or HTA's <code>TraceAnalysis(trace_dir=..., "
+            "include_last_profiler_step=True)</code> (without it HTA leaves out the last captured step)."
             "</p><ul>" + "".join(items) + "</ul>")
 
 

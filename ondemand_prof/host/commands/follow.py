@@ -203,11 +203,23 @@ def result_text(record: dict[str, Any], finished: bool, waited: bool = True, acr
     if folders:
         lines.append(f"  capture folder{'s' if len(folders) > 1 else ''}: {', '.join(folders)}  (ondemandctl report "
                      f"{record['capture_id']})\n")
+        if len(folders) == 1 and all(str(p.get("trace") or "").endswith(KINETO_TRACE) for p in done):
+            lines.append(hta_line(folders[0]))
     here = socket.gethostname()
     lines += [line for p in parts if (line := _part_result(p, here, across))]
     hosts, misaligned = _host_lines(record), record.get("misaligned")
     tail = [f"  MISALIGNED: {misaligned['text']}\n"] if misaligned else []
     return "".join(lines + (hosts + tail if across else tail + hosts))
+
+
+KINETO_TRACE = (".pt.trace.json", ".pt.trace.json.gz")  # torch's traces: what HTA reads (torch_npu's: not)
+
+
+def hta_line(folder: str) -> str:
+    """How to open the capture folder in HTA with every captured step: HTA drops a trace's last ProfilerStep
+    unless asked (include_last_profiler_step, False by default in HTA 0.5), so `--steps 2` showed one step."""
+    return (f"  in HTA: TraceAnalysis(trace_dir={folder!r}, include_last_profiler_step=True)  (without it HTA leaves "
+            "out the last captured step)\n")
 
 
 def _head(record: dict[str, Any], parts: list[dict[str, Any]], done: int, finished: bool, waited: bool,

@@ -312,3 +312,49 @@ def test_a_window_after_the_end_of_training_says_how_it_ended(env: dict[str, Any
     proc.wait(timeout=60)
     part = json.loads(ctl(env["run"], "show", capture_id, "--json").stdout)["parts"]["0"]
     assert part["state"] == "failed" and re.fullmatch(said, part["error"]), part
+
+
+def test_getting_started_runs_as_written(env: dict[str, Any]) -> None:
+    """docs/getting-started.md's shell blocks, top to bottom, one command at a time in one bash, from a directory
+    with only the checkout's examples/, scripts/ and .venv: the daemon and the example job started in the
+    background, status, capture, report and the trigger once the job printed its start-up line (as the page
+    says), and the kill at the end. `bash scripts/setup.sh` is the one command not run: it made this suite's venv
+    (run again, it reinstalls the package under the other tests' feet)."""
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    commands = [line for block in re.findall(r"```bash\n(.*?)```", page, re.S) for line in block.splitlines()
+                if line.strip()]
+    assert commands[0].startswith("bash scripts/setup.sh"), commands
+    clone = env["tmp"] / "clone"
+    clone.mkdir()
+    for name in ("examples", "scripts", ".venv"):
+        (clone / name).symlink_to(ROOT / name)
+    (env["tmp"] / "tmp").mkdir()
+    shell_env = base_env(ONDEMAND_PROF_RUNTIME_DIR=str(env["run"]), ONDEMAND_PROF_STATE_DIR=str(env["state"]),
+                         TMPDIR=str(env["tmp"] / "tmp"))
+    out_path, err_path = env["tmp"] / "out.txt", env["tmp"] / "err.txt"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        shell = subprocess.Popen(["bash"], stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=clone, env=shell_env,
+                                 text=True)
+    env["procs"].append(shell)
+    said: dict[str, str] = {}
+    for i, command in enumerate(commands[1:]):
+        if command.startswith("ondemandctl status"):  # "in a few seconds the job prints one line": read it first
+            wait_for(lambda: "capture with `ondemandctl capture --job demo" in err_path.read_text(), 120,
+                     "the job's start-up line", pause=0.2)
+        before = out_path.read_text()
+        shell.stdin.write(f"{command}\necho __done_{i} $?\n")
+        shell.stdin.flush()
+        marker = re.compile(rf"^__done_{i} (\d+)$", re.M)
+        found = wait_for(lambda: marker.search(out_path.read_text()), 180, f"{command!r} to finish", pause=0.1)
+        text = out_path.read_text()[len(before):]
+        assert found.group(1) == "0", f"{command!r} exited {found.group(1)}:\n{text}\n{err_path.read_text()[-3000:]}"
+        said[command.split("#")[0].strip()] = text
+    status, capture, report, trigger = (next(v for k, v in said.items() if k.startswith(c)) for c in (
+        "ondemandctl status", "ondemandctl capture", "ondemandctl report", "ondemandctl trigger"))
+    assert "job demo: 1 of 1 rank(s) registered" in status, status
+    assert "done: 1 of 1 rank(s) wrote a trace" in capture and "include_last_profiler_step=True" in capture, capture
+    assert "top operators by self time" in report and "aten::addmm" in report, report
+    assert "done: 1 of 1 rank(s) wrote a trace" in trigger, trigger
+    assert len(captures(clone / "profile")) == 2  # the daemon's capture and the trigger's, under ./profile
+    shell.stdin.close()
+    shell.wait(timeout=60)

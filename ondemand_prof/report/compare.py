@@ -186,13 +186,14 @@ def _cause(ranks: list[dict[str, Any]], base: float, now: float) -> dict[str, An
     grew = {r["rank"]: r["own_growth_ms"] for r in ranks}
     largest = max(grew.values(), default=0.0)
     culprits = [r for r in ranks if r["own_growth_ms"] >= max(t, 0.5 * largest)]
-    others_wait = max((r["wait_growth_ms"] for r in ranks if r not in culprits), default=0.0)
+    named = {id(r) for r in culprits}  # (by identity: comparing the rows themselves is a deep comparison)
+    others_wait = max((r["wait_growth_ms"] for r in ranks if id(r) not in named), default=0.0)
     if culprits and len(culprits) < len(ranks) and largest * WAIT_FACTOR < others_wait:
         culprits = []  # the others' communication grew far more than this work explains: communication is the cause
     if culprits and len(culprits) < len(ranks):
-        waiting = [r for r in ranks if r not in culprits and r["wait_growth_ms"] >= t]
+        waiting = [r for r in ranks if id(r) not in named and r["wait_growth_ms"] >= t]
         about = [r for r in waiting if r["wait_growth_ms"] <= WAIT_FACTOR * largest + t]
-        beyond = [r for r in waiting if r not in about]
+        beyond = [r for r in waiting if r["wait_growth_ms"] > WAIT_FACTOR * largest + t]
         text = "; ".join(_own_text(r) for r in culprits[:4]) + (f" (+{len(culprits) - 4} more ranks)"
                                                                if len(culprits) > 4 else "")
         if about:

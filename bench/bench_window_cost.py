@@ -31,7 +31,8 @@ SCHED_IDLE); ours-inprocess = ONDEMAND_PROF_TRACE_SAVE=in-process (kineto's save
 the GIL: the default before issue 20); ours-fork = ONDEMAND_PROF_TRACE_SAVE=fork; ours-nice =
 ONDEMAND_PROF_EXPORT_SCHED=nice (helpers 10 nice levels down instead of SCHED_IDLE); ours-anycpu =
 ONDEMAND_PROF_HELPER_CPUS=all (helpers not kept off the training thread's core).
-Numbers are CPU only (torch's CPU activity).
+Numbers are CPU only (torch's CPU activity) unless `--device cuda`: then the model trains on the GPU (each step
+ends with its loss read back, so its kernels are done) and torch.profiler records CUDA activity too, as ours does.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ VARIANT_ENV = {
 IDLE_STEPS = 30
 WINDOW_START = IDLE_STEPS + 5
 AFTER = 10  # the issue's measure: the window-end step and the 10 after it
+DEVICE = "cpu"  # --device
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -76,9 +78,7 @@ def runqueue_ns() -> int:
 def drive(step: Callable[[], None], end: int, tail: int) -> dict[str, Any]:
     """Train steps 0 .. end+tail-1, calling step() after each; times every step (wall, this thread's CPU, run
     queue wait) and the call ending the window."""
-    from bench_hook import make_model, train_step  # the model of bench_hook's window-end benchmark
-
-    model, opt = make_model()
+    model, opt, train_step = device_model()
     durations, cpu, rq, stall, stall_cpu, stall_rq, marks = [], [], [], 0.0, 0.0, 0.0, {}
     for i in range(end + tail):
         if i == WINDOW_START - 1:
@@ -97,6 +97,28 @@ def drive(step: Callable[[], None], end: int, tail: int) -> dict[str, Any]:
     marks["tail_end"] = time.monotonic()
     return {"durations": durations, "cpu": cpu, "rq": rq, "stall": stall, "stall_cpu": stall_cpu, "stall_rq": stall_rq,
             "marks": marks}
+
+
+def device_model() -> tuple[Any, Any, Callable[[Any, Any], None]]:
+    """bench_hook's window-end model and step (on --device: a CUDA step ends when its kernels are done)."""
+    from bench_hook import make_model, train_step
+
+    model, opt = make_model()
+    if DEVICE == "cpu":
+        return model, opt, train_step
+    import torch
+
+    model.to(DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def device_step(model: Any, opt: Any) -> None:
+        loss = model(torch.randn(32, 512, device=DEVICE)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        loss.item()
+
+    return model, opt, device_step
 
 
 class Phases:
@@ -196,7 +218,9 @@ def run_torch(active: int, tail: int, warm_up: bool = True) -> dict[str, Any]:
             handler(prof)
             phases.update(save_s=time.perf_counter() - t0, save_thread_cpu_s=time.thread_time() - c0)
 
-        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=sched,
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                              if DEVICE == "cuda" else [])
+        return torch.profiler.profile(activities=activities, schedule=sched,
                                       with_stack=True, record_shapes=True, on_trace_ready=timed_handler)
 
     if warm_up:
@@ -353,11 +377,16 @@ def wait_for_quiet(max_wait_s: float, limit_cores: float = 0.15) -> float:
             return load
 
 
+def python_path() -> str:
+    """The children's PYTHONPATH: the checkout, then what was there (packages carried beside an installed torch)."""
+    return os.pathsep.join([str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
+
+
 def run_variant(variant: str, active: int, tail: int, threads: int) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **VARIANT_ENV[variant])
+    env = dict(os.environ, PYTHONPATH=python_path(), **VARIANT_ENV[variant])
     t0, b0, o0, load = time.monotonic(), busy_cpu_s(), own_cpu_s(), os.getloadavg()[0]
     proc = subprocess.Popen([sys.executable, __file__, "--child", variant, "--active", str(active), "--tail",
-                             str(tail), "--threads", str(threads)], env=env, stdout=subprocess.PIPE,
+                             str(tail), "--threads", str(threads), "--device", DEVICE], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     sampler = MemorySampler(proc.pid)
     out, err = proc.communicate(timeout=600)
@@ -418,7 +447,8 @@ def shape_name(threads: int) -> str:
 
 
 def print_table(runs: dict[int, dict[str, list[dict[str, Any]]]], args: argparse.Namespace) -> None:
-    print(f"\n{args.active}-step window, with_stack + record_shapes, CPU only, {os.cpu_count()} cores; "
+    print(f"\n{args.active}-step window, with_stack + record_shapes, "
+          f"{'CPU only' if DEVICE == 'cpu' else DEVICE + ' model, CPU + CUDA activity'}, {os.cpu_count()} cores; "
           f"median (min-max) of {args.repeat} runs, " + ("every variant's windows in turn in one process per shape"
           if args.same_process else "each variant in its own process, interleaved"))
     print(f"| training | variant | idle step ms | window-end stall ms | stall + {AFTER} steps ms | same without "
@@ -478,8 +508,12 @@ def main() -> None:
     parser.add_argument("--quiet-wait", type=float, default=30, help="seconds to wait for a quiet machine")
     parser.add_argument("--same-process", action="store_true",
                         help="all variants' windows in turn in one process per shape (no memory figures)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the model trains (cuda: torch.profiler records CUDA activity too)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     if args.child:
         child_main(args.child, args.active, args.tail, int(args.threads), args.repeat, args.variants.split(","))
         return
@@ -503,11 +537,11 @@ def run_same_process(args: argparse.Namespace) -> tuple[dict[int, dict[str, list
     runs: dict[int, dict[str, list[dict[str, Any]]]] = {}
     for threads in (int(t) for t in args.threads.split(",")):
         wait_for_quiet(args.quiet_wait)
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=python_path())
         t0, b0, o0 = time.monotonic(), busy_cpu_s(), own_cpu_s()
         proc = subprocess.run([sys.executable, __file__, "--child", "same-process", "--active", str(args.active),
                                "--tail", str(args.tail), "--threads", str(threads), "--repeat", str(args.repeat),
-                               "--variants", args.variants], env=env, capture_output=True, text=True, timeout=3600)
+                               "--variants", args.variants, "--device", DEVICE], env=env, capture_output=True, text=True, timeout=3600)
         foreign = (busy_cpu_s() - b0 - (own_cpu_s() - o0)) / (time.monotonic() - t0)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:

@@ -51,6 +51,8 @@ class RankResult(TypedDict, total=False):
     annotations: list[dict[str, Any]]
     kernel_steps: dict[str, int]
     comm_libraries: list[dict[str, Any]]
+    collectives: list[dict[str, Any]]  # per collective kind: calls and time per step, via, issued_by (analyze.py)
+    step_ops: dict[str, Any]  # the operators and kernels inside the steps, what a comparison matches (compare.py)
     memory: dict[str, Any] | None
     # across hosts (host/summaries.merge_summaries): which daemon returned the rank, how late its window began
     daemon: str

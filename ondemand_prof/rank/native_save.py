@@ -2,8 +2,11 @@
 
 torch binds `ProfilerResult.save` (behind `export_chrome_trace`) without releasing the GIL, so a trace written on
 our exporter thread stops the training thread for the whole write (33 ms for a 5.5 MB CPU trace, seconds for a
-large GPU window). `_native/odp_save.cpp` (about 40 lines) calls the same C++ method with the GIL released, on a
-thread that first lowers its own priority: the file is the one export_chrome_trace writes, byte for byte.
+large GPU window). `_native/odp_save.cpp` calls the same C++ method with the GIL released, on a thread that first
+lowers its own priority: the file is the one export_chrome_trace writes, byte for byte. The result's contents are
+then destroyed in place on a thread at the caller's priority (never at idle priority: those frees take the
+training thread's malloc arena lock), and a process that exits meanwhile waits for the save (issue 31; the C++
+file's header says how).
 
 It is compiled with the host's C++ compiler against the installed torch's headers (no network), once per user,
 torch build, Python and source, and kept in a cache directory we create 0700 and check at every use

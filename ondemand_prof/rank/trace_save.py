@@ -7,7 +7,10 @@ Two costs follow the window-end step when the export runs on a thread of the tra
 
 So save_trace() writes the raw trace, by ONDEMAND_PROF_TRACE_SAVE:
   auto        (default) with the GIL-free native save (rank/native_save.py: the same C++ save, the GIL released,
-              on a thread at idle priority) when its module is built for this torch; else in-process, as before;
+              on a thread at idle priority; the contents freed after it at the caller's priority) when its module
+              is built for this torch; else in-process, as before. A result the module does not take (another
+              pybind11 registry) is saved in-process; a failure once it has the result is raised, never retried
+              (the module frees the contents either way);
   in-process  export_chrome_trace on the exporter thread (holds the GIL throughout); never builds anything;
   fork        from a forked child of the training process (also ONDEMAND_PROF_FORK_SAVE=1, the older switch): the
               child holds its own copy of the GIL, the parent waits in the kernel. The fork itself holds the GIL
@@ -42,6 +45,9 @@ SAVE_ENV = "ONDEMAND_PROF_TRACE_SAVE"
 SAVE_MODES = ("auto", "in-process", "fork")
 FORK_SAVE_TIMEOUT_S = 300.0  # a SCHED_IDLE child on busy cores is slow, not stuck; this bounds a stuck one
 SLOW_FORK_S = 0.1
+# A process that exits while a native save runs waits for it (the module's exit handler) at most this long, then
+# ends with its own exit status rather than destroy what the save still uses.
+EXIT_WAIT_S = 30.0
 
 # Python 3.12+ warns at every fork of a process with threads; this module forks a threaded process on purpose
 # and its child runs no code that needs another thread's locks (see _child_main).
@@ -87,7 +93,10 @@ def save_trace(save: Callable[[str], None], path: Path, timeout_s: float = FORK_
 
 
 def _save_native(kineto_result: Callable[[], Any], path: Path) -> str | None:
-    """None when the native module wrote `path`; otherwise why not (nothing was written: the caller saves)."""
+    """None when the native module wrote `path`; otherwise why not, when nothing was done (the caller saves it
+    in-process). A failure once the module has the result is raised, never answered with another save: the
+    module frees the result's contents whatever the outcome, and kineto's save of an emptied result dereferences
+    a null trace."""
     from .native_save import SAVER
 
     module = SAVER.module()
@@ -99,11 +108,22 @@ def _save_native(kineto_result: Callable[[], Any], path: Path) -> str | None:
         return f"no kineto result: {type(exc).__name__}: {exc}"
     idle = idle_priority_enabled()
     try:
-        module.save(result, str(path), idle, 0 if idle else FALLBACK_NICE, helper_cpus(), RAISE_AFTER_S,
-                    FALLBACK_NICE)
-    except TypeError as exc:  # the module does not know this result type (a pybind11 registry apart): unsaved
-        return f"the native module cannot take this result: {exc}"
+        module.set_exit_wait(EXIT_WAIT_S)
+        job = module.save(result, str(path), idle, 0 if idle else FALLBACK_NICE, helper_cpus(), RAISE_AFTER_S,
+                          FALLBACK_NICE)
+    except module.Unsaved as exc:  # not a result this module knows (another pybind11 registry), no thread: unsaved
+        return f"the native module did not take this result: {exc}"
+    except TypeError as exc:  # pybind11 refused the arguments before the call: nothing was done
+        return f"the native module cannot take these arguments: {exc}"
+    _wait_for(job)
+    job.finish()  # raises what kineto's save raised
     return None
+
+
+def _wait_for(job: Any) -> None:
+    """Until the native job is over, in select (the GIL is free for the training thread meanwhile)."""
+    while not job.done():
+        select.select([job], [], [])
 
 
 def _save_in_child(save: Callable[[str], None], path: Path, timeout_s: float) -> str | None:

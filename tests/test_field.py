@@ -354,7 +354,21 @@ def test_getting_started_runs_as_written(env: dict[str, Any]) -> None:
     assert "job demo: 1 of 1 rank(s) registered" in status, status
     assert "done: 1 of 1 rank(s) wrote a trace" in capture and "include_last_profiler_step=True" in capture, capture
     assert "top operators by self time" in report and "aten::addmm" in report, report
+    assert "with_cpu=True" in report, report  # CPU activity is always recorded (it read with_cpu=False)
     assert "done: 1 of 1 rank(s) wrote a trace" in trigger, trigger
     assert len(captures(clone / "profile")) == 2  # the daemon's capture and the trigger's, under ./profile
     shell.stdin.close()
     shell.wait(timeout=60)
+
+
+def test_a_rank_that_has_not_finished_a_step_reads_starting(env: dict[str, Any]) -> None:
+    """A rank in its first step (here: held there, as a slow data loader or a compile would) is `starting N s`
+    in status from the first look, not `idle` at step 0 (what it read for its first 10 s)."""
+    daemon(env)
+    job(env, 1, "--steps", "1000000", "--no-dist", "--profile-job-id", "slowstart", "--stall-rank", "0",
+        "--stall-at-step", "0", "--stall-s", "300", daemon_dir=env["run"])
+    wait_for(lambda: live_ranks(env["run"]), 120, "the rank registered", pause=0.2)
+    text = ctl(env["run"], "status").stdout
+    row = next(line for line in text.splitlines() if line.startswith("0 "))
+    assert re.search(r"\s0\s+-\s+starting \d+ s\s", row), text
+    assert "idle" not in row and "STALLED" not in text, text

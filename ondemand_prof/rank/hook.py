@@ -311,7 +311,7 @@ class OnDemandProfiler:
             "window": {"start": window.start, "end": window.end, "recorded_steps": steps, "late_by": active.late_by,
                        "warmup_steps": self.config.warmup_steps, "note": window.note or None,
                        "cancelled": active.cancelled},
-            "options": window.options.as_dict(),
+            "options": _recorded_options(window.options.as_dict(), info),
             "backend": {"name": backend.name, **backend.versions(), **info},
             "timings": {"window_began_at": active.context["began_at"], "window_ended_at": iso_time(),
                         "collect_s": round(collect_s, 4)},
@@ -398,6 +398,13 @@ class OnDemandProfiler:
             except Exception:  # noqa: BLE001
                 log.debug("agent stop failed", exc_info=True)
         return done
+
+
+def _recorded_options(options: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
+    """The window's options as recorded: with_cpu says whether CPU activity was recorded, which torch always does
+    (the option adds it on NPU only); it read with_cpu=False on every CPU capture."""
+    activities = (info.get("torch_profile_kwargs") or {}).get("activities") or ()
+    return {**options, "with_cpu": True} if "CPU" in activities else options
 
 
 def _last_words_at_exit(ref: "weakref.ReferenceType[OnDemandProfiler]") -> None:

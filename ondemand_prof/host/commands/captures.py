@@ -132,7 +132,9 @@ class Show(OneCapture):
                 + ("  (the job's BASELINE)" if data.get("is_job_baseline") else "") + "\n"
                 f"  steps {window_text(data['window'])}  request {data['request']}\n")
         if data.get("options"):
-            text += "  options " + ", ".join(f"{k}={v}" for k, v in sorted(data["options"].items())) + "\n"
+            text += "  options " + ", ".join(f"{k}={v}" + (" (NPU only: torch records CPU activity always)"
+                                                          if k == "with_cpu" and v is False else "")
+                                             for k, v in sorted(data["options"].items())) + "\n"
         if (data.get("plan") or {}).get("note"):
             text += f"  note: {data['plan']['note']}\n"
         for part in sorted(data["parts"].values(), key=lambda p: p["rank"]):

@@ -147,6 +147,7 @@ def _state(rank: dict[str, Any]) -> str:
     stalled, in_step = rank.get("stalled_s"), rank.get("in_step_s") or 0.0
     if stalled is not None:
         return f"STALLED {stalled:.0f} s"
-    if not rank.get("step_time_s") and in_step >= 10:  # no step finished yet (a stall once one has)
-        return f"starting {in_step:.0f} s"
+    if not rank.get("step_time_s"):  # no step finished yet: never STALLED (no step time to compare with)
+        state = rank["state"]
+        return f"starting {in_step:.0f} s" + ("" if state == "idle" else f" ({state})")
     return rank["state"]

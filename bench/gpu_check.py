@@ -245,11 +245,12 @@ def read_trace(path: Path) -> dict[str, Any]:
 
 
 def step_ranges(trace: dict[str, Any]) -> list[tuple[int, float, float, Any]]:
-    """(step, start, end, tid) of each ProfilerStep# range, in step order."""
+    """(step, start, end, tid) of each ProfilerStep# range on the host, in step order (a CUDA trace repeats each on
+    the device's timeline as a gpu_user_annotation: not a step of its own)."""
     out = []
     for e in trace.get("traceEvents", []):
         name = str(e.get("name", ""))
-        if e.get("ph") == "X" and name.startswith("ProfilerStep#"):
+        if e.get("ph") == "X" and name.startswith("ProfilerStep#") and e.get("cat") != "gpu_user_annotation":
             out.append((int(name.split("#", 1)[1]), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)),
                         e.get("tid")))
     return sorted(out)
@@ -568,11 +569,20 @@ def last_line(text: str) -> str:
 # The checks
 
 
-ENV_PROBE = ("import json, sys, torch; c = torch.cuda.is_available(); d = {'torch': torch.__version__, "
-             "'python': sys.version.split()[0], 'cuda_available': c, 'cuda': torch.version.cuda}\n"
-             "if c: p = torch.cuda.get_device_properties(0); d.update(name=p.name, capability=f'{p.major}.{p.minor}', "
-             "memory_gib=round(p.total_memory / 2**30, 1), nccl='.'.join(map(str, torch.cuda.nccl.version())))\n"
-             "print(json.dumps(d))")
+ENV_PROBE = """
+import json, sys, torch
+c = torch.cuda.is_available()
+d = {'torch': torch.__version__, 'python': sys.version.split()[0], 'cuda_available': c, 'cuda': torch.version.cuda}
+if c:
+    p = torch.cuda.get_device_properties(0)
+    d.update(name=p.name, capability=f'{p.major}.{p.minor}', memory_gib=round(p.total_memory / 2**30, 1))
+    try:
+        v = torch.cuda.nccl.version()
+        d['nccl'] = '.'.join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception as exc:
+        d['nccl'] = f'? ({type(exc).__name__})'
+print(json.dumps(d))
+"""
 
 
 def check_environment(run: Run, asked: str) -> str:

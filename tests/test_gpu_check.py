@@ -81,6 +81,8 @@ def _cuda_trace(kernel_past_end_us: float = 0.0) -> dict[str, Any]:
     """SYNTHETIC: two ProfilerStep# ranges on the host thread, kernels and a copy on a device stream."""
     steps = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{7 + i}", "pid": 1, "tid": 1,
               "ts": 1000.0 + i * 1000, "dur": 900.0} for i in range(2)]
+    # kineto repeats each step on the device's timeline (not a step of its own)
+    steps += [dict(s, cat="gpu_user_annotation", pid=0, tid=7, ts=s["ts"] + 40) for s in steps]
     device = [{"ph": "X", "cat": "kernel", "name": "ampere_sgemm", "pid": 0, "tid": 7, "ts": 1050.0, "dur": 300.0},
               {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "pid": 0, "tid": 7, "ts": 1800.0, "dur": 20.0},
               {"ph": "X", "cat": "kernel", "name": "flash_fwd", "pid": 0, "tid": 7, "ts": 2100.0,
@@ -154,3 +156,19 @@ def test_torchs_analyzer_reads_a_one_rank_nccl_dump_renamed_not_as_written(tmp_p
     assert result["full"]["ok"] and result["full"]["value"] > 0, res.stderr[-3000:]
     # torch's analyzer wants file names ending in the rank: ours end in .fr_trace.pickle
     assert not result["as_written"]["ok"] and "prefix" in result["as_written"]["error"]
+
+
+def test_a_cuda_table_fills_the_readme_section_and_a_cpu_table_does_not(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text((ROOT / "README.md").read_text())  # the real README's markers
+    cpu, cuda = tmp_path / "cpu.md", tmp_path / "cuda.md"
+    cpu.write_text("GPU check, 2026-12-03, --device cpu: torch 2.13.0+cpu\n\n| check | result | figure | s |\n")
+    cuda.write_text("GPU check, 2026-12-03, --device cuda: torch 2.11.0+cu130, NVIDIA H200\n\n"
+                    "| check | result | figure | s |\n|---|---|---|---|\n| torch and device | PASS | H200 | 3 |\n")
+    assert gc.fill_readme(cpu, readme) == 2 and readme.read_text() == (ROOT / "README.md").read_text()
+    assert gc.fill_readme(cuda, readme) == 0
+    text = readme.read_text()
+    section = text[text.index("## Measured on a GPU"):text.index("**How a lent machine runs it.**")]
+    assert "| torch and device | PASS | H200 | 3 |" in section and "Not yet" not in section
+    assert section.count(gc.README_BEGIN) == 1 and section.count(gc.README_END) == 1
+    assert gc.fill_readme(cuda, readme) == 0 and readme.read_text() == text  # again: the same, not twice

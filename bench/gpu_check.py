@@ -80,7 +80,8 @@ def train_main(argv: list[str]) -> int:
     parser.add_argument("--status-file", required=True)
     parser.add_argument("--dist", choices=["none", "gloo", "nccl"], default="none")
     parser.add_argument("--size", choices=["quick", "cpu", "cuda"], default="cpu")
-    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of sleep a step (--quick: a lighter load)")
+    parser.add_argument("--step-sleep", type=float, default=0.0,
+                        help="seconds of sleep a step (--quick: a lighter load)")
     add_profile_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("ONDEMAND_PROF_LOG", "INFO"), format="%(asctime)s %(name)s: %(message)s")
@@ -518,20 +519,17 @@ class Run:
 
     def stop_all(self) -> None:
         """Every process this run started, and whatever they started."""
-        try:
-            import psutil
-        except ImportError:  # pragma: no cover - a dependency of the package
-            psutil = None
+        import psutil  # a dependency of the package
+
         for proc in self.procs:
-            kids = []
-            if psutil is not None:
+            pids = [proc.pid]
+            try:
+                pids += [k.pid for k in psutil.Process(proc.pid).children(recursive=True)]
+            except psutil.Error:
+                pass
+            for pid in pids:
                 try:
-                    kids = psutil.Process(proc.pid).children(recursive=True)
-                except psutil.Error:
-                    pass
-            for p in [proc, *kids]:
-                try:
-                    os.kill(p.pid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
             try:
@@ -664,7 +662,8 @@ class Job:
         steps = "20" if run.quick else "200"
         size = "cuda" if run.cuda else "quick" if run.quick else "cpu"
         sleep = ["--step-sleep", "0.02"] if run.quick else []  # 2 loaded cores: the rank need not take one whole
-        self.rank = run.spawn("rank", [sys.executable, str(HERE), "--train", "--device", run.device, "--steps", steps, *sleep,
+        self.rank = run.spawn("rank", [sys.executable, str(HERE), "--train", "--device", run.device, "--steps", steps,
+                                       *sleep,
                                        "--size", size, "--dist", "nccl" if run.cuda else "gloo", "--stop-file",
                                        str(self.stop), "--status-file", str(self.status), "--profile-save-path",
                                        str(self.save), "--profile-job-id", JOB, "--profile-min-free-mb", "0"], env)
@@ -801,7 +800,8 @@ def check_report(run: Run, job: Job) -> str:
     libs = ", ".join(f"{x.get('library', x.get('name', '?'))}" for x in r.get("comm_libraries") or []) or "none"
     figure = (f"basis {r.get('basis')}: compute {r.get('compute_pct', 0):.0f}%, communication "
               f"{r.get('comm_pct', 0):.0f}% ({libs}), overlap {r.get('overlap_pct', 0):.0f}%, idle "
-              f"{r.get('idle_pct', 0):.0f}%; {len(r.get('steps') or [])} steps, {r.get('step_ms_mean', 0):.2f} ms mean; "
+              f"{r.get('idle_pct', 0):.0f}%; {len(r.get('steps') or [])} steps, {r.get('step_ms_mean', 0):.2f} ms "
+              "mean; "
               + (f"top kernel {kernels[0].get('name', '?')[:60]} ({kernels[0].get('total_us', 0):.0f} us)" if kernels
                  else "no kernels"))
     if run.cuda and (r.get("basis") != "device" or not kernels):
@@ -868,7 +868,8 @@ def check_flight_recorder(run: Run, job: Job) -> str:
     fr = json.loads(result[-1][len("RESULT "):])
     written = ("the folder as written reads too" if fr["as_written"]["ok"] else
                f"the folder as written is refused ({fr['as_written']['error'][:70]})")
-    figure = (f"{len(dump['entries'])} entries (version {dump.get('version')}; {', '.join(n for n in names if n)[:60]}), "
+    figure = (f"{len(dump['entries'])} entries (version {dump.get('version')}; "
+              f"{', '.join(n for n in names if n)[:60]}), "
               f"{len(groups)} process group(s) summarised; torch's analyzer: ")
     if not fr["loader"]["ok"]:
         raise Failed(figure + f"its loader cannot read the dump: {fr['loader']['error']}")
@@ -1009,9 +1010,9 @@ def write_outputs(run: Run) -> None:
     run.out.mkdir(parents=True, exist_ok=True)
     text = table(run)
     (run.out / "table.md").write_text(text)
-    (run.out / "results.json").write_text(json.dumps({"environment": run.env_info, "device": run.device,
-                                                      "quick": run.quick, "rows": [asdict(r) for r in run.rows.values()]},
-                                                     indent=2, default=str) + "\n")
+    results = {"environment": run.env_info, "device": run.device, "quick": run.quick,
+               "rows": [asdict(r) for r in run.rows.values()]}
+    (run.out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     with tarfile.open(run.out / "logs.tar.gz", "w:gz") as tar:
         tar.add(run.logs, arcname="logs")
         budget = LOG_BYTES

@@ -87,9 +87,10 @@ if [ -n "$missing" ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
         --target "$site" "${keep[@]}"
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-    still=$("$PY" -c "import importlib.util as u; print(' '.join(m for m in '$missing'.split() if u.find_spec(m) is None))")
+    still=$("$PY" -c "import importlib.util as u, sys
+print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))" $missing)
     if [ -n "$still" ]; then
-        echo "gpu_check: $still still missing after installing ${keep[*]:-nothing} from $WHEELS (wrong Python version?)" >&2
+        echo "gpu_check: $still still missing after installing ${keep[*]} from $WHEELS (another Python version?)" >&2
         exit 2
     fi
     echo "gpu_check: installed from $WHEELS: $(basename -a "${keep[@]}" | tr '\n' ' ')"

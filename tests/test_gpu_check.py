@@ -79,8 +79,8 @@ def test_the_cpu_run_passes_every_row_and_writes_its_table(tmp_path: Path) -> No
 
 def _cuda_trace(kernel_past_end_us: float = 0.0) -> dict[str, Any]:
     """SYNTHETIC: two ProfilerStep# ranges on the host thread, kernels and a copy on a device stream."""
-    steps = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{7 + i}", "pid": 1, "tid": 1,
-              "ts": 1000.0 + i * 1000, "dur": 900.0} for i in range(2)]
+    steps: list[dict[str, Any]] = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{7 + i}", "pid": 1,
+                                    "tid": 1, "ts": 1000.0 + i * 1000, "dur": 900.0} for i in range(2)]
     # kineto repeats each step on the device's timeline (not a step of its own)
     steps += [dict(s, cat="gpu_user_annotation", pid=0, tid=7, ts=s["ts"] + 40) for s in steps]
     device = [{"ph": "X", "cat": "kernel", "name": "ampere_sgemm", "pid": 0, "tid": 7, "ts": 1050.0, "dur": 300.0},

@@ -155,18 +155,20 @@ class UnsafePath(OSError):
     file, or not owned by the user it should belong to."""
 
 
-def open_beneath_root(path: str, owner: int | None, flags: int = os.O_RDONLY) -> int:
+def open_beneath_root(path: str, owner: int | None, flags: int = os.O_RDONLY, root: str = "/") -> int:
     """An open descriptor of the regular file at absolute `path`, reached without following any symbolic link:
     every directory on the way is opened relative to the one before with O_NOFOLLOW (so a component swapped for
     a link after a check is refused, not followed), and the file itself too. With `owner`, the file must belong
-    to that uid. UnsafePath (an OSError) or another OSError says why not."""
+    to that uid. `root`: where `path` starts (/proc/PID/root: the root of a process in a container, its path as
+    that process sees it). UnsafePath (an OSError) or another OSError says why not."""
     if not isinstance(path, str) or not path.startswith("/") or "\0" in path or len(path) > 4096:
         raise UnsafePath(f"not an absolute path: {path[:200]!r}" if isinstance(path, str) else "not a path")
     names = [n for n in path.split("/") if n and n != "."]
     if not names or ".." in names:
         raise UnsafePath(f"{path}: '..' or no file name")
     dir_flags = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open("/", dir_flags)
+    fd = os.open("/", dir_flags) if root == "/" else \
+        os.open(root, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC)  # (a magic link)
     try:
         for name in names[:-1]:
             try:
@@ -196,9 +198,9 @@ def open_beneath_root(path: str, owner: int | None, flags: int = os.O_RDONLY) ->
     return file_fd
 
 
-def read_beneath_root(path: str, owner: int | None, limit: int, offset: int = 0) -> bytes:
+def read_beneath_root(path: str, owner: int | None, limit: int, offset: int = 0, root: str = "/") -> bytes:
     """Up to `limit` bytes from `offset` of the file open_beneath_root() opens; OSError says why not."""
-    fd = open_beneath_root(path, owner)
+    fd = open_beneath_root(path, owner, root=root)
     try:
         if offset:
             os.lseek(fd, offset, os.SEEK_SET)
@@ -214,8 +216,8 @@ def read_beneath_root(path: str, owner: int | None, limit: int, offset: int = 0)
         os.close(fd)
 
 
-def size_beneath_root(path: str, owner: int | None) -> int:
-    fd = open_beneath_root(path, owner)
+def size_beneath_root(path: str, owner: int | None, root: str = "/") -> int:
+    fd = open_beneath_root(path, owner, root=root)
     try:
         return os.fstat(fd).st_size
     finally:

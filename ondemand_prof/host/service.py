@@ -24,6 +24,7 @@ from ..core.ids import valid_id
 from ..core.safejson import holds_lone_surrogate
 from ..core.text import printable
 from .records import KEEP_RECORDS, CaptureRecord, RecordRefused, RecordStore
+from .podpath import host_path, own_mount_namespace, root_of
 from .registry import DeliveryBook, RankConflict, RankInfo, Registry
 from .triage import TriageBook
 
@@ -130,6 +131,10 @@ class Service:
             raise BadRequest(str(exc)) from None
         info.ns_pid = ns_pid
         info.kernel_pid = peer is not None and info.pid == peer.pid  # the connector: a process of this host
+        if info.kernel_pid and not own_mount_namespace(info.pid):  # a container's files: reached through its root
+            info.fs_root = root_of(info.pid)
+            info.host_trigger_dir = (host_path(info.pid, info.trigger_dir) or "") if info.trigger_dir else ""
+            info.host_save_root = (host_path(info.pid, info.save_root) or "") if info.save_root else ""
         self.triage.registered(info)  # the process's identity (pid reuse), its native dump checked
         log.info("ondemand-profd: rank %d/%d of job %s (uid %s) registered (host %s, pid %d%s, step %d)", info.rank,
                  info.world_size, info.job, info.uid, info.host, info.pid,
@@ -204,8 +209,18 @@ class Service:
         data = data if isinstance(data, dict) else {}
         if event == "scheduled":
             self._learn_delivery(info, record, data)
+        # what a container's paths are on this host is the daemon's to say, never the rank's
+        data = {k: v for k, v in data.items() if k not in ("pod_path", "pod_only", "save_root")}
+        root = info.save_root
+        if info.fs_root is not None and event == "done":
+            data, root = self._pod_paths(info, data)
         for key in ("path", "trace"):
-            problem = None if data.get(key) is None else output_path_problem(data[key], info.save_root, info.uid)
+            if data.get(key) is None:
+                problem = None
+            elif data.get("pod_only"):  # only the container sees it: checked as it sees it (host/podpath.py)
+                problem = pod_output_problem(info, data[key])
+            else:
+                problem = output_path_problem(data[key], root, info.uid)
             if problem:
                 log.warning("ondemand-profd: capture %s: rank %d of job %s reported %s, refused: %s", capture_id,
                             info.rank, info.job, event, problem)
@@ -213,6 +228,27 @@ class Service:
                 break
         if record.update(info.rank, event, data, time.time(), pid=info.pid):  # only from the process it was sent to
             self.changed(record)
+
+    @staticmethod
+    def _pod_paths(info: RankInfo, data: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """A rank in a container reports its paths as it sees them: where this host sees the same files (a
+        hostPath, a volume), this host's paths are kept, with the rank's own name of the trace beside them
+        (`pod_path`); where it does not, the rank's paths are kept and marked as the container's only. Returns the
+        event's data and the save root to check its paths against."""
+        out = dict(data)
+        for key in ("path", "trace"):
+            value = data.get(key)
+            if not isinstance(value, str) or not value.startswith("/"):
+                continue
+            host = host_path(info.pid, value)
+            if host is None:
+                return {**data, "pod_only": True}, info.save_root
+            out[key] = host
+            if host != value and (key == "trace" or "pod_path" not in out):
+                out["pod_path"] = value
+        if "pod_path" not in out:
+            return out, info.save_root
+        return out, host_path(info.pid, info.save_root) or "(the save root, not on this host)"
 
     def _learn_delivery(self, info: RankInfo, record: CaptureRecord, data: dict[str, Any]) -> None:
         """Only from the process the window was sent to (a record read back from disk may hold anything)."""
@@ -417,6 +453,23 @@ def with_kernel_pid(peer: Any, msg: dict[str, Any]) -> tuple[dict[str, Any], int
     if peer is None or claimed == peer.pid or (peer.uid == 0 and claimed not in peer.nspids[1:]):
         return msg, None
     return {**msg, "pid": peer.pid}, claimed
+
+
+def pod_output_problem(info: RankInfo, path: Any) -> str | None:
+    """output_path_problem for a path only the rank's container sees: a plain absolute path under the save root
+    it registered, that exists there and is the rank's uid's (looked at through /proc/PID/root, never read)."""
+    if not isinstance(path, str) or not path.startswith("/") or len(path) > 4096 or "\0" in path or \
+            holds_lone_surrogate(path) or os.path.normpath(path) != path:
+        return "not a plain absolute path"
+    if not info.save_root or not path.startswith(info.save_root.rstrip("/") + "/"):
+        return f"{path} is not under the rank's save root {info.save_root}"
+    try:
+        st = os.stat(f"{info.fs_root}{path}", follow_symlinks=False)
+    except OSError as exc:
+        return f"{path} (in its container): {exc.strerror}"
+    if info.uid is not None and st.st_uid != info.uid:
+        return f"{path} is owned by uid {st.st_uid}, not by the rank's uid {info.uid}"
+    return None
 
 
 def output_path_problem(path: Any, save_root: str, uid: int | None) -> str | None:

@@ -56,10 +56,11 @@ def refusal_fix(reason: str) -> str:
 
 def startup_line(ident: Identity, trigger_path: Path, save_root: Path, daemon: str | None,
                  daemon_url: str | None, moved: bool = False, default_ranks: Sequence[int] = (ALL,),
-                 refused: str | None = None) -> str:
+                 refused: str | None = None, untrusted: str | None = None) -> str:
     """rank, job, how to trigger (daemon or file: a command that captures this rank), where traces go; one
     line, commands between backquotes. daemon: the daemon's address when it registered this rank; daemon_url:
-    where it was looked for (None: the daemon link is off); refused: why the daemon there refused this rank."""
+    where it was looked for (None: the daemon link is off); refused: why the daemon there refused this rank;
+    untrusted: why this rank does not register with the daemon's socket there."""
     who = f"rank {ident.rank} of {ident.world_size}, job {ident.job_id}"
     touch, which = trigger_command(ident.rank, trigger_path, default_ranks)
     if daemon:
@@ -68,6 +69,8 @@ def startup_line(ident: Identity, trigger_path: Path, save_root: Path, daemon: s
     elif refused and daemon_url:
         how = (f"ondemand-profd at {daemon_url} REFUSED this rank: {refused}{refusal_fix(refused)}; until it takes "
                f"the rank (asked again every few seconds), capture with `{touch}` ({which})")
+    elif untrusted and daemon_url:
+        how = f"not registering with ondemand-profd at {daemon_url}: {untrusted}; capture with `{touch}` ({which})"
     elif daemon_url:
         how = f"capture with `{touch}` ({which}; no ondemand-profd answered at {daemon_url}: start one for ondemandctl)"
     else:

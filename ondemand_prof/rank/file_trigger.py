@@ -51,6 +51,8 @@ class FileTrigger(Extension):
         self._fired = threading.Event()  # the watcher saw the trigger change
         self._check_at = 0.0
         self._empty_since: dict[str, float] = {}  # empty trigger versions -> when first seen
+        self._claim_fd: int | None = None  # our lock on capture.status/.rank{R}.lock (see _claim)
+        self._claimed: tuple[Path, int] | None = None  # (the directory wanted, the rank claimed in it)
         self._open(wanted)
         self.status = TriggerStatus(self.prof, self.status_dir, thread, agent.wake)
 
@@ -62,7 +64,7 @@ class FileTrigger(Extension):
     def _open(self, wanted: Path) -> None:
         """Watch this trigger directory: checked as ours (or a private fallback), old status settled, writers
         tracked where inotify works; a trigger written before we came is not replayed."""
-        trigger_dir = prepare_trigger_dir(wanted, self.prof.job_id)
+        trigger_dir = self._claim(wanted, prepare_trigger_dir(wanted, self.prof.job_id))
         status_dir = trigger_dir / STATUS_DIR
         ensure_dir(status_dir)
         try:
@@ -79,6 +81,40 @@ class FileTrigger(Extension):
                 self.tracker = WriterTracker(trigger_dir)
             except (OSError, AttributeError) as exc:
                 log.debug("ondemand_prof: no exact writer tracking (%s); using the watcher's events", exc)
+
+    def _claim(self, wanted: Path, trigger_dir: Path, again: bool = True) -> Path:
+        """One live process per rank of a job in a trigger directory: a second one (two jobs given one job id,
+        where they share /tmp) would take the other's triggers, into the same capture folder. The claim is an
+        flock on capture.status/.rank{R}.lock, held for the process's life; where another live process holds it,
+        this one watches a directory of its own ({dir}.pid{pid}) and says why. Returns the directory to use."""
+        import fcntl
+
+        rank = self.prof.identity().rank
+        lock = trigger_dir / STATUS_DIR / f".rank{rank}.lock"
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            log.debug("ondemand_prof: cannot claim rank %d in %s: %s", rank, trigger_dir, exc)
+            return trigger_dir
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            own = trigger_dir.with_name(f"{trigger_dir.name}.pid{os.getpid()}")
+            log.warning("ondemand_prof: another live process is rank %d of job %s in %s (two jobs with one job id?): "
+                        "this one watches %s instead; give each job its own: --profile-job-id NAME or "
+                        "ONDEMAND_PROF_JOB_ID=NAME", rank, self.prof.job_id, trigger_dir, own)
+            return self._claim(wanted, prepare_trigger_dir(own, self.prof.job_id), False) if again else trigger_dir
+        if self._claim_fd is not None:
+            os.close(self._claim_fd)  # the directory (or rank) we held before
+        self._claim_fd, self._claimed = fd, (wanted, rank)
+        return trigger_dir
+
+    def reregister(self) -> None:
+        """The identity settled: a rank that guessed its number before (rank 0 until the group is up) claims
+        its real one, in the directory it wanted."""
+        if self._claimed is not None and self._claimed[1] != self.prof.identity().rank:
+            self.watch(self._claimed[0])
 
     def watch(self, wanted: Path) -> None:
         """The job settled on another trigger directory: watch that one instead."""

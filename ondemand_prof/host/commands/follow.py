@@ -247,7 +247,11 @@ def _part_result(p: dict[str, Any], here: str, across: bool) -> str:
             path, note = p.get("path"), ""
         else:  # the trace file (torch_npu writes a directory), checked when it is on this host
             path = p.get("trace") or p.get("path") or "?"
-            note = presence_note(path) if p["host"] == here else ""
+            note = presence_note(path) if p["host"] == here or p.get("pod_path") else ""
+        if p.get("pod_path"):  # a rank in a container: where this host has its file, then the rank's own name
+            note += f"  (in its container: {p['pod_path']})"
+        elif p.get("pod_only"):
+            note += "  (in its container's own filesystem: not on this host; see ondemandctl show)"
         return start + f"{path}" + (f"  steps {steps[0]}..{steps[-1]}" if steps else "") + note + late + "\n"
     if p["state"] in ("failed", "rejected") or (across and p["state"] == "cancelled"):
         return start + f"{p['state']}: {p.get('error')}{late}\n"

@@ -93,7 +93,12 @@ class _TriageCommand(Command):
         asking (a job id several users chose means the asker's)."""
         registry = service.registry
         silent = service.triage.silent_ranks(None, time.monotonic()) if self.action == "stacks" else []
-        silent = [r for r in silent if job is None or job in (r.job, registry.name_of(r.uid, r.job))]
+        # a silent rank's job: its name, or a unique beginning of it, as for live jobs
+        silent = [r for r in silent if job is None or registry.name_of(r.uid, r.job).startswith(job) or
+                  r.job.startswith(job)]
+        if len({r.key for r in silent}) > 1 and job is not None:
+            exact = [r for r in silent if job in (r.job, registry.name_of(r.uid, r.job))]
+            silent = exact or silent
         live = registry.jobs()
         if silent and not live.get(job or registry.name_of(silent[0].uid, silent[0].job)):
             key = silent[0].key

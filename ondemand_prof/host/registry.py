@@ -135,7 +135,6 @@ class RankInfo:
     step_time: float | None = None
     step_began_at: float | None = None  # wall time the reported step began (same host: same clock)
     state: str = "idle"
-    state_since: float | None = None  # wall time its state began, where the rank says (rendezvous)
     local_rank: int | None = None
     save_root: str = ""
     trigger_dir: str = ""  # the rank's trigger directory (its file trigger, status files)
@@ -197,7 +196,6 @@ class RankInfo:
                 "step": self.step, "step_estimate": self.estimated_step(wall),
                 "in_step_s": in_step, "stalled_s": None if stalled is None else round(stalled, 1),
                 "step_time_s": self.step_time, "state": self.state, "local_rank": self.local_rank,
-                **({"state_s": round(max(0.0, wall - self.state_since), 1)} if self.state_since is not None else {}),
                 "save_root": self.save_root, "trigger_dir": self.trigger_dir, "version": self.version,
                 **({"in_container": True, "trigger_dir_on_host": self.host_trigger_dir or None,
                     "save_root_on_host": self.host_save_root or None, "container_root": self.fs_root}
@@ -319,8 +317,6 @@ class Registry:
         state = msg.get("state")
         if isinstance(state, str) and len(state) <= 32:
             info.state = state
-        since = msg.get("state_since")
-        info.state_since = float(since) if finite_number(since, 0.0, MAX_WALL) else None
         info.windows = _windows(msg.get("windows"))
 
     def remove(self, route: bytes) -> RankInfo | None:

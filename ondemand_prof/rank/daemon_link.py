@@ -171,10 +171,6 @@ class DaemonLink(Extension):
         except OSError:
             return False
 
-    def beat_soon(self) -> None:
-        """The agent thread: the next poll sends a heartbeat (the rank's state changed)."""
-        self._next_beat = 0.0
-
     def reregister(self) -> None:
         """Register again at once (this rank's job, rank or trigger directory changed)."""
         self.registered = False
@@ -248,9 +244,6 @@ class DaemonLink(Extension):
             {"step": began[0], "began": round(began[1], 6)}
         out["at"] = round(time.time(), 3)  # when sent: the daemon tells time in a step from a heartbeat's age
         out["state"] = prof.state
-        since = getattr(self.agent, "rendezvous_since", None)
-        if since is not None and out["state"] == "rendezvous":
-            out["state_since"] = round(since, 3)  # the daemon shows "rendezvous N s"
         windows = prof.scheduler.windows() if hasattr(prof, "scheduler") else []
         if windows:  # the daemon plans new captures after these (file-triggered ones too)
             out["windows"] = windows

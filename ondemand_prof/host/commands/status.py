@@ -105,7 +105,6 @@ def _job_text(job: str, ranks: list[dict[str, Any]], data: dict[str, Any], silen
     stall = (data.get("stalled") or {}).get(job)
     if stall:
         text += stall_text(job, stall) + "\n"
-    text += _rendezvous_text(job, ranks, world)
     text += _silent_text(job, silent)
     for c in (data.get("conflicts") or {}).get(job) or []:
         text += (f"CONFLICT: rank {c['rank']} is held by pid {c['pid']} ({c['host']}); pid {c['refused_pid']} "
@@ -120,21 +119,6 @@ def _job_text(job: str, ranks: list[dict[str, Any]], data: dict[str, Any], silen
         text += (f"slow: rank(s) {spans(slow['slow_ranks'])} (step time over {slow['slow_ratio']:g}x the "
                  f"job's median, {ms(slow['median_step_time_s'])})\n")
     return text
-
-
-RENDEZVOUS_NOTE_S = 10.0  # a rank this long in its rendezvous gets a line under its job (docs/daemon.md)
-
-
-def _rendezvous_text(job: str, ranks: list[dict[str, Any]], world: int) -> str:
-    """A line when ranks have waited RENDEZVOUS_NOTE_S or more in init_process_group: which, how long, how many
-    of the job's ranks the daemon knows, and what to run."""
-    waiting = [r for r in ranks if r["state"] == "rendezvous" and (r.get("state_s") or 0) >= RENDEZVOUS_NOTE_S]
-    if not waiting:
-        return ""
-    longest = max(r.get("state_s") or 0 for r in waiting)
-    return (f"job {job}: rank(s) {spans(r['rank'] for r in waiting)} have waited {longest:.0f} s in the rendezvous "
-            f"(init_process_group) for the job's other ranks ({len(ranks)} of {world} registered here); see where "
-            f"they wait: ondemandctl stacks --job {job}\n")
 
 
 def _on_host(rank: dict[str, Any], key: str) -> str:
@@ -176,8 +160,6 @@ def _state(rank: dict[str, Any]) -> str:
     stalled, in_step = rank.get("stalled_s"), rank.get("in_step_s") or 0.0
     if stalled is not None:
         return f"STALLED {stalled:.0f} s"
-    if rank["state"] == "rendezvous":  # in init_process_group before its first step (rank/agent.py)
-        return f"rendezvous {rank.get('state_s') or 0:.0f} s"
     if not rank.get("step_time_s"):  # no step finished yet: never STALLED (no step time to compare with)
         state = rank["state"]
         return f"starting {in_step:.0f} s" + ("" if state == "idle" else f" ({state})")

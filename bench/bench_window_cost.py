@@ -30,7 +30,8 @@ window and default settings (the GIL-free native save when built, which this scr
 SCHED_IDLE); ours-inprocess = ONDEMAND_PROF_TRACE_SAVE=in-process (kineto's save on the export thread, holding
 the GIL: the default before issue 20); ours-fork = ONDEMAND_PROF_TRACE_SAVE=fork; ours-nice =
 ONDEMAND_PROF_EXPORT_SCHED=nice (helpers 10 nice levels down instead of SCHED_IDLE); ours-anycpu =
-ONDEMAND_PROF_HELPER_CPUS=all (helpers not kept off the training thread's core).
+ONDEMAND_PROF_HELPER_CPUS=all (helpers not kept off the training thread's core); ours-accessors and ours-keep =
+the native save freeing less of the result (bench/native_variants.py: the rest is freed under the GIL).
 Numbers are CPU only (torch's CPU activity) unless `--device cuda`: then the model trains on the GPU (each step
 ends with its loss read back, so its kernels are done) and torch.profiler records CUDA activity too, as ours does.
 """
@@ -58,6 +59,9 @@ VARIANT_ENV = {
     "ours-fork": {"ONDEMAND_PROF_TRACE_SAVE": "fork"},
     "ours-nice": {"ONDEMAND_PROF_EXPORT_SCHED": "nice"},
     "ours-anycpu": {"ONDEMAND_PROF_HELPER_CPUS": "all"},
+    # bench/native_variants.py: how the native save frees the result (issue 31)
+    "ours-accessors": {"ODP_BENCH_NATIVE_VARIANT": "accessors"},
+    "ours-keep": {"ODP_BENCH_NATIVE_VARIANT": "keep"},
 }
 IDLE_STEPS = 30
 WINDOW_START = IDLE_STEPS + 5
@@ -182,6 +186,9 @@ def run_ours(active: int, tail: int, phases: Phases | None = None) -> dict[str, 
                            source="bench", capture_id="bench"), listener=on_event)
         return prof
 
+    from native_variants import use_variant
+
+    use_variant(os.environ.get("ODP_BENCH_NATIVE_VARIANT") or "inplace")
     if phases is None:  # a process of its own: warm kineto up first (in --same-process, warm_up() did)
         warm = profiler(2, 2, lambda e, i: None)
         drive(lambda: warm.step(), 4, 2)
@@ -266,6 +273,7 @@ def same_process(active: int, tail: int, repeat: int, variants: list[str]) -> li
             os.environ.pop("ONDEMAND_PROF_TRACE_SAVE", None)
             os.environ.pop("ONDEMAND_PROF_EXPORT_SCHED", None)
             os.environ.pop("ONDEMAND_PROF_HELPER_CPUS", None)
+            os.environ.pop("ODP_BENCH_NATIVE_VARIANT", None)
             os.environ.update(VARIANT_ENV[variant])
             gc.collect()
             load = os.getloadavg()[0]
@@ -521,6 +529,10 @@ def main() -> None:
         from ondemand_prof.rank import native_save
 
         ok, message = native_save.build()  # what `python -m ondemand_prof.rank.native_save build` does
+        from native_variants import build_variants
+
+        build_variants([VARIANT_ENV[v]["ODP_BENCH_NATIVE_VARIANT"] for v in args.variants.split(",")
+                        if "ODP_BENCH_NATIVE_VARIANT" in VARIANT_ENV.get(v, {})])
         print(f"native save: {message}", flush=True)
     runs, retried = run_same_process(args) if args.same_process else run_all(args)
     print_table(runs, args)

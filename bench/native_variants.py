@@ -49,22 +49,29 @@ def build_variants(names: list[str]) -> None:
         print(f"native variant {name}: built {out}", flush=True)
 
 
+_loaded: dict[str, Any] = {}
+
+
 def use_variant(name: str) -> Any:
-    """Load variant `name` and make it the module this process's native saves use."""
+    """Load variant `name` and make it the module this process's native saves use ("inplace": the shipped one)."""
     import importlib.machinery
     import importlib.util
 
     from ondemand_prof.rank import native_save
 
-    if name == "inplace":
+    if "inplace" not in _loaded:
         module = native_save.SAVER.module(build_missing=False)
         assert module is not None, native_save.SAVER.reason
-        return module
+        _loaded["inplace"] = module
+    if name in _loaded:
+        native_save.SAVER._module, native_save.SAVER._tried = _loaded[name], True
+        return _loaded[name]
     path = variant_path(name)
     loader = importlib.machinery.ExtensionFileLoader(native_save.MODULE_NAME, str(path))
     spec = importlib.util.spec_from_file_location(native_save.MODULE_NAME, path, loader=loader)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
+    _loaded[name] = module
     native_save.SAVER._module, native_save.SAVER._tried = module, True
     return module

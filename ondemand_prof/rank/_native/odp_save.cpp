@@ -346,7 +346,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       PyErr_SetString(unsaved_type, e.what());
     }
   });
-  py::class_<Job>(m, "Job")
+  py::class_<Job>(m, "Job", py::module_local())
       .def("fileno", &Job::fileno)
       .def("done", &Job::done)
       .def("finish", &Job::finish);

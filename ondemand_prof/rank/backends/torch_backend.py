@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import platform
 import sys
 import threading
 import time
@@ -93,15 +94,23 @@ def _without_importing_inductor() -> Iterator[None]:
 
 
 # torch.distributed's gloo backend ends a collective's profiler range on its own worker thread *after* it has
-# completed the work's future (ProcessGroupGloo's AsyncWork: markCompleted, then finish() runs the RecordFunction
-# end callback, with the training thread's profiler state propagated). The training thread, woken by that
-# future, can reach the window's end and stop the profiler while the callback still runs: it then writes the
-# range's end (a small thread id among them) into profiler storage the stop has just freed. Seen on 2-rank gloo
-# DDP under load, with plain torch.profiler too: "free(): invalid pointer" (free of 0x2) destroying the window's
-# results, or a segfault in _disable_profiler. Before stopping, a rank that uses gloo lets such threads finish:
-# it waits until no other thread of the process is running, for at most GLOO_SETTLE_S. This narrows torch's race
-# (a gloo thread starved for longer still hits it; collectives left running past the window are not covered).
-GLOO_SETTLE_S = 0.05
+# completed the work's future (ProcessGroupGloo's AsyncWork::execute: finishWorkGloo marks the future completed,
+# then Work::finish runs the RecordFunction end callback, with the training thread's profiler state propagated).
+# The training thread, woken by that future, can reach the window's end and stop the profiler while the callback
+# still runs: it then writes the range's end into profiler storage the stop has just freed (docs/faults.md, "torch's
+# gloo race"; bench/bench_gloo_race.py reproduces it with plain torch.profiler). Before stopping, a rank that uses
+# gloo waits until every gloo worker thread (torch names them pt_gloo_runloop) is back waiting for its next work
+# item: blocked in a futex wait with no deadline (the work queue's condition variable), which a worker enters only
+# once the work before, its end callbacks included, is over. A worker running, blocked on a lock (a futex wait
+# without a bitset), or in a collective (gloo's waits carry the process group's timeout) is not settled. At most
+# GLOO_SETTLE_S: a collective left running across the window's end (issued async, waited for later) is still
+# exposed to the race; the capture's metadata says so (gloo_settled: false). Where no worker thread carries the
+# name (an older torch), the wait falls back to "no other thread of the process is running".
+GLOO_SETTLE_S = 0.2
+GLOO_WORKER = "pt_gloo_runloop"
+# the futex system call's number, as /proc/<tid>/syscall shows it (elsewhere: the fallback below)
+_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221, "s390x": 238}.get(platform.machine())
+_FUTEX_WAIT_BITSET = 9
 
 
 def _uses_gloo() -> bool:
@@ -132,19 +141,52 @@ def _others_running(me: str) -> bool:
     return False
 
 
-def settle_gloo_threads(max_s: float = GLOO_SETTLE_S) -> float:
-    """On the training thread, before the profiler stops: with gloo in use, wait (sleeping, so that they get the
-    CPU) until no other thread is running, for at most `max_s`. Returns the seconds waited; never raises."""
-    if not _uses_gloo():
-        return 0.0
-    started = time.monotonic()
+def gloo_workers() -> list[str]:
+    """The native thread ids of this process's gloo worker threads (by the name torch gives them)."""
+    found = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm", "rb") as fh:
+                if fh.read().strip() == GLOO_WORKER.encode():
+                    found.append(task)
+        except OSError:
+            continue  # the thread ended
+    return found
+
+
+def gloo_worker_idle(tid: str) -> bool:
+    """Whether gloo worker `tid` waits for its next work item: in a futex wait on a bitset (a condition variable)
+    with no deadline (/proc/self/task/TID/syscall: number, uaddr, op, val, timeout, ...). A thread that ended
+    counts as idle."""
     try:
+        with open(f"/proc/self/task/{tid}/syscall", "rb") as fh:
+            fields = fh.read().split()
+    except FileNotFoundError:
+        return True
+    if len(fields) < 5 or fields[0] != str(_FUTEX).encode():
+        return False  # running, or in another system call
+    return int(fields[2], 16) & 0x7F == _FUTEX_WAIT_BITSET and int(fields[4], 16) == 0
+
+
+def settle_gloo_threads(max_s: float = GLOO_SETTLE_S) -> tuple[float, bool]:
+    """On the training thread, before the profiler stops: with gloo in use, wait (sleeping 1 ms at a time) until
+    every gloo worker waits for its next work item (module comment above), for at most `max_s`. Returns (seconds
+    waited, settled); never raises."""
+    if not _uses_gloo():
+        return 0.0, True
+    started = time.monotonic()
+    settled = False
+    try:
+        workers = gloo_workers() if _FUTEX is not None else []
         me = str(threading.get_native_id())
-        while _others_running(me) and time.monotonic() - started < max_s:
+        while time.monotonic() - started < max_s:
+            if all(gloo_worker_idle(t) for t in workers) if workers else not _others_running(me):
+                settled = True
+                break
             time.sleep(0.001)
     except OSError:  # no /proc: a plain pause instead
         time.sleep(0.002)
-    return time.monotonic() - started
+    return time.monotonic() - started, settled
 
 
 def _prepare(prof: Any) -> None:
@@ -188,7 +230,7 @@ class TorchSession:
             raise RuntimeError("finish() before the window began")
         if self._state == "warmup":
             self._prof.start_trace()  # torch has no way to leave warmup other than through a trace
-        waited = settle_gloo_threads()
+        waited, settled = settle_gloo_threads()
         self._prof.stop_trace()
         note_training_cpu()  # the helpers that write and post-process this trace keep off its core
         self._state = "done"
@@ -196,6 +238,10 @@ class TorchSession:
         info: dict[str, Any] = {"torch_profile_kwargs": _describe(self.kwargs)}
         if waited:
             info["gloo_settle_ms"] = round(waited * 1e3, 1)
+        if not settled:
+            info["gloo_settled"] = False
+            log.info("ondemand_prof: a gloo collective was still running %.0f ms after the window's end; the "
+                     "profiler stopped anyway (torch's gloo race: docs/faults.md)", waited * 1e3)
 
         def kineto_results() -> Any:
             # prof.profiler is set by start_trace, which ran above (were it None, trace_save gives the error and

@@ -4,8 +4,10 @@ training step at each optimizer step (ondemand_prof.integrations.zerocode), with
 Run at interpreter start-up by ondemand_prof_auto.pth (installed next to this module in site-packages), which
 imports this module only when ONDEMAND_PROF_AUTO is set. It stays tiny on purpose: it never imports torch or
 ondemand_prof itself. A meta path finder waits for `import torch`; once torch has finished importing, one
-global optimizer post-step hook is registered; ondemand_prof is imported at the first optimizer step. So a
-process that never imports torch pays nothing, and one that never steps an optimizer (torchrun's agent,
+global optimizer post-step hook is registered, and ondemand_prof is imported (its profiler made) at once in a
+rank its launcher started (RANK and WORLD_SIZE set, not a multiprocessing child), else when the process shows it
+trains: init_process_group called (before its rendezvous), an optimizer made, a forward with gradients, the first
+optimizer step. So a process that never imports torch pays nothing, and one that never trains (torchrun's agent,
 Lightning's or Accelerate's launcher, a DataLoader worker) neither counts steps nor registers anywhere.
 """
 
@@ -115,9 +117,39 @@ def _watch_forward_with_grad(torch: Any) -> None:
     handle = register_module_forward_pre_hook(hook)
 
 
+def _before(owner: Any, name: str, what: str) -> None:
+    """Wrap owner.name so that _appeared(what) runs once before its first call (init_process_group: the rank is
+    known to the daemon during the rendezvous, where a job hangs when a peer never comes)."""
+    original = getattr(owner, name, None)
+    if original is None:
+        return
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if getattr(owner, name, None) is wrapper:
+            setattr(owner, name, original)
+        _appeared(what)
+        return original(*args, **kwargs)
+
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(owner, name, wrapper)
+
+
+def launched_rank(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
+    """Whether this process is a rank its launcher started (torchrun, a Slurm script: RANK and WORLD_SIZE set),
+    not a child of one through multiprocessing (a DataLoader worker, which inherits that environment)."""
+    environ = os.environ if environ is None else environ
+    if not (environ.get("RANK", "").isdigit() and environ.get("WORLD_SIZE", "").isdigit()):
+        return False
+    mp = sys.modules.get("multiprocessing")  # torch has imported it; never imported here
+    try:
+        return mp is None or mp.parent_process() is None
+    except Exception:  # noqa: BLE001 - an odd multiprocessing: take it as a child, as before
+        return False
+
+
 def _watch_for_training() -> None:
-    """The first optimizer made, torch.distributed initialised (under both names it is called by), or a forward
-    with gradients."""
+    """The first optimizer made, torch.distributed about to be initialised (under both names it is called by), or
+    a forward with gradients; a rank its launcher started is made at once (with torch)."""
     import torch
 
     _after(torch.optim.Optimizer, "__init__", "an optimizer")
@@ -127,7 +159,7 @@ def _watch_for_training() -> None:
         from torch.distributed import distributed_c10d
 
         for owner in (dist, distributed_c10d):
-            _after(owner, "init_process_group", "torch.distributed")
+            _before(owner, "init_process_group", "torch.distributed")
 
 
 _installed = False
@@ -149,6 +181,8 @@ def install_hook() -> None:
         _watch_for_training()
     except Exception as exc:  # noqa: BLE001 - the line then comes at the first optimizer step, as before
         print(f"ondemand_prof: {ENV}: cannot watch for the training process to start: {exc}", file=sys.stderr)
+    if launched_rank():  # registered from here on: through its rendezvous, its data loading, its first step
+        _appeared("a rank its launcher started (RANK and WORLD_SIZE)")
 
 
 def install() -> None:

@@ -372,3 +372,29 @@ def test_a_rank_that_has_not_finished_a_step_reads_starting(env: dict[str, Any])
     row = next(line for line in text.splitlines() if line.startswith("0 "))
     assert re.search(r"\s0\s+-\s+starting \d+ s\s", row), text
     assert "idle" not in row and "STALLED" not in text, text
+
+
+def test_a_rank_hung_in_its_rendezvous_is_known_and_reachable(env: dict[str, Any]) -> None:
+    """Zero-code, rank 0 of 2 under a launcher's environment whose rank 1 never comes (a torchrun restart's
+    hang): it registers when torch is imported, status says `rendezvous N s` and, past 10 s, which ranks wait there
+    and what to run; stacks shows it in init_process_group. It was invisible: zero-code registered only once
+    torch.distributed was up ('no ranks registered')."""
+    daemon(env)
+    script = env["tmp"] / "train.py"
+    script.write_text("import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n")
+    penv = base_env(ONDEMAND_PROF_AUTO="1", ONDEMAND_PROF_RUNTIME_DIR=str(env["run"]), RANK="0", WORLD_SIZE="2",
+                    LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env["procs"].append(subprocess.Popen([sys.executable, str(script)], cwd=env["tmp"], env=penv,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    row = wait_for(lambda: next((r for r in live_ranks(env["run"]) if r["state"] == "rendezvous"), None), 120,
+                   "the rank registered in its rendezvous", pause=0.3)
+    assert row["rank"] == 0 and row["world_size"] == 2 and row["step"] == 0, row
+    text = wait_for(lambda: (lambda out: out if "in the rendezvous (init_process_group)" in out else None)(
+        ctl(env["run"], "status").stdout), 60, "the rendezvous line", pause=0.5)
+    job_id = row["job"]
+    assert re.search(r"^0\s.*\srendezvous \d+ s\s", text, re.M), text
+    assert (f"job {job_id}: rank(s) 0 have waited" in text and "(1 of 2 registered here); see where they wait: "
+            f"ondemandctl stacks --job {job_id}" in text), text
+    stacks = ctl(env["run"], "stacks", "--job", job_id, "--timeout", "20")
+    assert stacks.returncode == 0 and "1 answered in-process (Python)" in stacks.stdout, stacks.stdout
+    assert "in init_process_group" in stacks.stdout, stacks.stdout

@@ -114,6 +114,11 @@ class StepCounter:
     def _no_step(self, within: float) -> None:
         if self.counted or self.profiler is None:
             return
+        agent = self.profiler.agent
+        if agent is not None and agent.rendezvous_since is not None:  # still waiting for its peers: not a loop
+            self._no_step_timer = None  # that updates weights by hand; look again later
+            self.expect_steps()
+            return
         from ..rank.announce import say
 
         say(log, self.profiler.config.quiet, f"ondemand_prof: rank {self.profiler.identity().rank}: no "

@@ -8,6 +8,8 @@ OnDemandProfiler.call_at_next_step().
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +32,23 @@ SAMPLE_S = 0.005  # step-clock resolution; also the agent's idle wake-up period
 ANNOUNCE_WAIT_S = 2.0  # the start-up line waits this long at most for the daemon's answer
 
 
+# torch.distributed's calls that wait for every rank of a group to arrive (where a job whose peer never comes hangs)
+RENDEZVOUS_CALLS = frozenset({"init_process_group", "new_group", "new_subgroups", "init_device_mesh",
+                              "_store_based_barrier"})
+
+
+def in_rendezvous(thread_ident: int) -> bool:
+    """Whether that thread is inside one of RENDEZVOUS_CALLS of torch.distributed now (its Python stack)."""
+    frame = sys._current_frames().get(thread_ident)
+    depth = 0
+    while frame is not None and depth < 256:
+        code = frame.f_code
+        if code.co_name in RENDEZVOUS_CALLS and f"torch{os.sep}distributed" in code.co_filename:
+            return True
+        frame, depth = frame.f_back, depth + 1
+    return False
+
+
 class Agent:
     def __init__(self, prof: Any) -> None:
         """`prof`: the OnDemandProfiler this agent serves (rank/hook.py creates the agent)."""
@@ -50,6 +69,11 @@ class Agent:
         self._settle_at = 0.0
         self._announce_at: float | None = None  # when the start-up line is due; None once said
         self._moved = False  # the job settled after the start-up line: the next line says where it is now
+        # wall time the training thread was first seen in init_process_group (or new_group, init_device_mesh)
+        # before its first step; None when it is not there (heartbeats: state "rendezvous", since when)
+        self.rendezvous_since: float | None = None
+        self._first_step = prof.current_step  # the rendezvous is watched until this step has ended
+        self._rendezvous_at = 0.0
         from .triage import Triage
 
         self.triage = Triage(prof, self.files.status_dir)  # stacks, memory, flight recorder on request
@@ -122,6 +146,10 @@ class Agent:
                 if not self._settled and now >= self._settle_at:
                     self._settle_at = now + SETTLE_POLL_S
                     self._settle()
+                if now >= self._rendezvous_at and (self.rendezvous_since is not None or
+                                                   self.prof.current_step == self._first_step):
+                    self._rendezvous_at = now + SETTLE_POLL_S
+                    self._watch_rendezvous()
                 if self._announce_at is not None and (now >= self._announce_at or self._daemon_answered()):
                     self._announce()
                 self.terminator.poll()
@@ -130,6 +158,21 @@ class Agent:
             except Exception:  # noqa: BLE001 - the agent must outlive any one bad event
                 log.exception("ondemand_prof: agent error")
                 time.sleep(0.1)
+
+    def _watch_rendezvous(self) -> None:
+        """Whether the training thread waits in the process group's rendezvous (its stack, read every
+        SETTLE_POLL_S until its first step ends): status then says `rendezvous N s`, not `starting`."""
+        if in_rendezvous(self.prof.training_thread) and self.prof.current_step == self._first_step:
+            if self.rendezvous_since is None:
+                self.rendezvous_since = time.time()
+                self._next_heartbeat_now()
+        elif self.rendezvous_since is not None:
+            self.rendezvous_since = None
+            self._next_heartbeat_now()
+
+    def _next_heartbeat_now(self) -> None:
+        if self.link is not None:
+            self.link.beat_soon()
 
     def _sample_clock(self) -> None:
         self.clock.record(self.prof.current_step, time.time())
@@ -181,8 +224,7 @@ class Agent:
                                                  Path(self.config.save_path), daemon,
                                                  link.url if link is not None else None, moved=self._moved,
                                                  default_ranks=self.config.ondemand_ranks,
-                                                 refused=link.refused if link is not None else None,
-                                                 untrusted=link.untrusted if link is not None else None))
+                                                 refused=link.refused if link is not None else None))
 
     def _link_daemon(self) -> None:
         try:

@@ -19,6 +19,7 @@ import logging
 import operator
 import os
 import socket
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -71,6 +72,7 @@ class OnDemandProfiler:
         self.agent: Any = None
         self._agent_settles = False  # the agent agrees the job with the other ranks once torch.distributed is up
         self._at_exit = False  # close() runs at interpreter exit (close_at_exit)
+        self.training_thread = threading.get_ident()  # where step() is called: the agent watches its rendezvous
         self.signal_trigger: Any = None
         self._auto: Any = None  # --profile-auto: the idle step also times itself (rank/autocapture.py)
         if self.config.auto_ratio and self.config.ondemand:
@@ -225,8 +227,12 @@ class OnDemandProfiler:
 
     @property
     def state(self) -> str:
-        """What the profiler is doing, for heartbeats: idle, scheduled, warmup, recording, disabled, closed."""
-        return self.scheduler.state
+        """What the profiler is doing, for heartbeats: idle, scheduled, warmup, recording, disabled, closed; or
+        rendezvous while the training thread is in init_process_group before its first step (rank/agent.py)."""
+        state = self.scheduler.state
+        if state == "idle" and self.agent is not None and self.agent.rendezvous_since is not None:
+            return "rendezvous"
+        return state
 
     # ------------------------------------------------------------------------------------------------------
     # Step boundaries (training thread)

@@ -92,7 +92,7 @@ def _job_text(job: str, ranks: list[dict[str, Any]], data: dict[str, Any], silen
     world = max(r["world_size"] for r in ranks)
     text = f"\njob {job}: {len(ranks)} of {world} rank(s) registered{_owner(ranks)}\n"
     for label, key in (("trigger dir", "trigger_dir"), ("save path", "save_root")):
-        places = sorted({(r.get(key) or "?") + _on_host(r, key) for r in ranks})
+        places = sorted({r.get(key) or "?" for r in ranks})
         text += f"  {label}: {', '.join(places)}\n"
     # PID: the process as this host sees it (what kill, py-spy and the native dump act on); POD PID: the rank's
     # own view, shown where it lives in a pid namespace of its own (a container)
@@ -105,6 +105,7 @@ def _job_text(job: str, ranks: list[dict[str, Any]], data: dict[str, Any], silen
     stall = (data.get("stalled") or {}).get(job)
     if stall:
         text += stall_text(job, stall) + "\n"
+    text += _rendezvous_text(job, ranks, world)
     text += _silent_text(job, silent)
     for c in (data.get("conflicts") or {}).get(job) or []:
         text += (f"CONFLICT: rank {c['rank']} is held by pid {c['pid']} ({c['host']}); pid {c['refused_pid']} "
@@ -121,17 +122,19 @@ def _job_text(job: str, ranks: list[dict[str, Any]], data: dict[str, Any], silen
     return text
 
 
-def _on_host(rank: dict[str, Any], key: str) -> str:
-    """Where a rank in a container has its trigger directory or save path on this host (its paths are its
-    container's)."""
-    if not rank.get("in_container") or not rank.get(key):
+RENDEZVOUS_NOTE_S = 10.0  # a rank this long in its rendezvous gets a line under its job (docs/daemon.md)
+
+
+def _rendezvous_text(job: str, ranks: list[dict[str, Any]], world: int) -> str:
+    """A line when ranks have waited RENDEZVOUS_NOTE_S or more in init_process_group: which, how long, how many
+    of the job's ranks the daemon knows, and what to run."""
+    waiting = [r for r in ranks if r["state"] == "rendezvous" and (r.get("state_s") or 0) >= RENDEZVOUS_NOTE_S]
+    if not waiting:
         return ""
-    seen = rank.get(f"{key}_on_host")
-    if seen == rank.get(key):
-        return ""
-    if seen:
-        return f" (in its container; on this host {seen})"
-    return f" (in its container only; from this host, while it runs: {rank.get('container_root')}{rank.get(key)})"
+    longest = max(r.get("state_s") or 0 for r in waiting)
+    return (f"job {job}: rank(s) {spans(r['rank'] for r in waiting)} have waited {longest:.0f} s in the rendezvous "
+            f"(init_process_group) for the job's other ranks ({len(ranks)} of {world} registered here); see where "
+            f"they wait: ondemandctl stacks --job {job}\n")
 
 
 def _owner(ranks: list[dict[str, Any]]) -> str:
@@ -160,6 +163,8 @@ def _state(rank: dict[str, Any]) -> str:
     stalled, in_step = rank.get("stalled_s"), rank.get("in_step_s") or 0.0
     if stalled is not None:
         return f"STALLED {stalled:.0f} s"
+    if rank["state"] == "rendezvous":  # in init_process_group before its first step (rank/agent.py)
+        return f"rendezvous {rank.get('state_s') or 0:.0f} s"
     if not rank.get("step_time_s"):  # no step finished yet: never STALLED (no step time to compare with)
         state = rank["state"]
         return f"starting {in_step:.0f} s" + ("" if state == "idle" else f" ({state})")

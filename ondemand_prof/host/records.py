@@ -63,14 +63,14 @@ PART_FIELDS: dict[str, Any] = {
     "current_step": lambda v: v if bounded_int(v, -1, MAX_STEP) else None,
     "steps": _step_list, "window": _window,
     "cancelled": lambda v: v if isinstance(v, bool) else None,
+    # a rank in a container (host/podpath.py): its own name of `path` where this host names it otherwise, or
+    # that this host cannot see it at all
+    "pod_path": _text(4096), "pod_only": lambda v: v if isinstance(v, bool) else None,
 }
 
 
 def _fresh_version() -> int:
     """A first version for a record read back: 2**52 to 2**53 (an exact JSON number anywhere), random, so the
-    # a rank in a container (host/podpath.py): its own name of `path` where this host names it otherwise, or
-    # that this host cannot see it at all
-    "pod_path": _text(4096), "pod_only": lambda v: v if isinstance(v, bool) else None,
     chance that it lands within the few thousand versions of a watch an earlier daemon answered is ~1e-12."""
     return (1 << 52) + secrets.randbelow(1 << 51)
 

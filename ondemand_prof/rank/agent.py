@@ -72,6 +72,7 @@ class Agent:
         # wall time the training thread was first seen in init_process_group (or new_group, init_device_mesh)
         # before its first step; None when it is not there (heartbeats: state "rendezvous", since when)
         self.rendezvous_since: float | None = None
+        self._pid = os.getpid()  # a forked child (a DataLoader worker) has this agent's object, not its thread
         self._first_step = prof.current_step  # the rendezvous is watched until this step has ended
         self._rendezvous_at = 0.0
         from .triage import Triage
@@ -121,7 +122,10 @@ class Agent:
     def ending(self, why: str) -> None:
         """Any thread, the process is ending without close() (SIGTERM, interpreter exit): trigger statuses get
         their final state, and the daemon hears why and at which step (waited for, briefly), so that a window
-        this rank never reached says so instead of a rank that vanished."""
+        this rank never reached says so instead of a rank that vanished. Nothing in a forked child (a DataLoader
+        worker inherits the handler, not the agent: its socket and status files are the rank's)."""
+        if os.getpid() != self._pid:
+            return
         try:
             self.files.status.finalize(why)
         finally:

@@ -417,8 +417,8 @@ def _last_words_at_exit(ref: "weakref.ReferenceType[OnDemandProfiler]") -> None:
     """At interpreter exit, for a profiler never closed: tell the daemon the process is ending and why (normally,
     or after the exception that ended it), so its windows do not read as a rank that vanished."""
     prof = ref()
-    if prof is None or prof.scheduler.closed or prof.agent is None:
-        return
+    if prof is None or prof.scheduler.closed or prof.agent is None or prof.layout.pid != os.getpid():
+        return  # (a forked child that exits through Python has the rank's profiler, not its agent)
     try:
         why = prof.ending_why(at_exit=True)
         prof.agent.ending("exited " + (why if why.startswith("after") else f"({why})" if why else

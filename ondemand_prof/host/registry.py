@@ -145,6 +145,10 @@ class RankInfo:
     pid_visible: bool = False  # the rank's pid exists in our pid namespace, so a vanished pid means it died
     kernel_pid: bool = False  # the pid is the kernel's (the connecting process): a process of this host, whatever
     # host name it says (a pod's own), which liveness, conflicts and native dumps act on
+    fs_root: str | None = None  # where its paths start for the daemon, when it sees other files (a container's
+    # mount namespace: /proc/PID/root); None: the daemon's own
+    host_trigger_dir: str | None = None  # with fs_root: its trigger directory as this host has it ("": nowhere)
+    host_save_root: str | None = None  # with fs_root: its save root as this host has it ("": nowhere)
     observed_step_time: float | None = None  # from the steps and times of the last two heartbeats
     defaults: WindowDefaults | None = None  # what the rank's configuration fills into a request
     windows: list[dict[str, Any]] | None = None  # running and queued windows, from the last heartbeat
@@ -195,6 +199,9 @@ class RankInfo:
                 "step_time_s": self.step_time, "state": self.state, "local_rank": self.local_rank,
                 **({"state_s": round(max(0.0, wall - self.state_since), 1)} if self.state_since is not None else {}),
                 "save_root": self.save_root, "trigger_dir": self.trigger_dir, "version": self.version,
+                **({"in_container": True, "trigger_dir_on_host": self.host_trigger_dir or None,
+                    "save_root_on_host": self.host_save_root or None, "container_root": self.fs_root}
+                   if self.fs_root else {}),
                 "last_seen_s": round(now - self.last_seen, 3), "registered_at": self.registered_at,
                 "windows": self.windows or [],
                 "max_window_steps": self.defaults.max_steps if self.defaults is not None else None,

@@ -228,7 +228,8 @@ class Agent:
                                                  Path(self.config.save_path), daemon,
                                                  link.url if link is not None else None, moved=self._moved,
                                                  default_ranks=self.config.ondemand_ranks,
-                                                 refused=link.refused if link is not None else None))
+                                                 refused=link.refused if link is not None else None,
+                                                 untrusted=link.untrusted if link is not None else None))
 
     def _link_daemon(self) -> None:
         try:

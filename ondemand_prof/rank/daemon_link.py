@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import secrets
 import threading
 import time
@@ -60,6 +61,26 @@ class AgentLike(Protocol):
     def step_began(self) -> tuple[int, float] | None: ...
 
 
+def user_namespace_hint(problem: str) -> str:
+    """What to set when the daemon's socket is refused from inside a user namespace (a rootless container, a pod
+    with hostUsers: false): the kernel shows an owner the namespace does not map as the overflow uid (65534), so
+    root's daemon outside looks like nobody's, and its owner-only directory cannot be entered. '' outside one."""
+    try:
+        with open("/proc/self/uid_map", encoding="ascii") as fh:
+            rows = [line.split() for line in fh if line.strip()]
+    except OSError:
+        return ""
+    if not rows or rows == [["0", "0", "4294967295"]]:
+        return ""
+    mine = next((r for r in rows if len(r) == 3 and int(r[0]) <= os.getuid() < int(r[0]) + int(r[2])), None)
+    outside = str(int(mine[1]) + os.getuid() - int(mine[0])) if mine else "N"
+    return (f" (this rank runs in a user namespace, uid {os.getuid()} here being uid {outside} on the host, which "
+            "maps no other host user: a daemon of root's or another user's shows as uid 65534 here and cannot be "
+            f"trusted; run ondemand-profd as uid {outside}, its runtime directory shared into the container "
+            "(ONDEMAND_PROF_RUNTIME_DIR), or run the container with the host's users (Kubernetes: hostUsers: "
+            "true))")
+
+
 class DaemonLink(Extension):
     def __init__(self, agent: AgentLike, runtime_dir: Path | None = None, context: Any = None) -> None:
         import zmq
@@ -91,6 +112,7 @@ class DaemonLink(Extension):
         self._distrust: str | None = "not checked yet"
         self.acknowledged = False  # the daemon answered a registration ("registered")
         self.refused: str | None = None  # why the daemon refused our latest registration (None: it did not)
+        self.untrusted: str | None = None  # why we do not register with the daemon's socket there (None: we do)
         self._last_error = ""
         self._next_beat = 0.0
         self._outbox: collections.deque[tuple[str, str, dict[str, Any]]] = collections.deque()
@@ -101,6 +123,7 @@ class DaemonLink(Extension):
         self._last_words: tuple[str, int] | None = None  # (why, step): the process is ending (last_words)
         self._said = threading.Event()  # the last words left (or there was no daemon to hear them)
         log.debug("ondemand_prof: daemon link to %s", self.url)
+        self._trusted()  # said before the start-up line, which names what is wrong with the daemon's socket
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -239,9 +262,13 @@ class DaemonLink(Extension):
     def _trusted(self) -> bool:
         """Whether the socket we connect to is our user's or root's daemon (checked before every registration)."""
         problem = daemon_socket_problem(socket_path(self.runtime_dir))
-        if problem and problem != self._distrust:
-            if not problem.endswith("does not exist"):
+        if problem and not problem.endswith("does not exist"):
+            problem += user_namespace_hint(problem)
+            if problem != self._distrust:
                 log.warning("ondemand_prof: not registering with the daemon: %s", problem)
+            self.untrusted = problem
+        else:
+            self.untrusted = None
         self._distrust = problem
         return problem is None
 

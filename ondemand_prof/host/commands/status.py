@@ -92,7 +92,7 @@ def _job_text(job: str, ranks: list[dict[str, Any]], data: dict[str, Any], silen
     world = max(r["world_size"] for r in ranks)
     text = f"\njob {job}: {len(ranks)} of {world} rank(s) registered{_owner(ranks)}\n"
     for label, key in (("trigger dir", "trigger_dir"), ("save path", "save_root")):
-        places = sorted({r.get(key) or "?" for r in ranks})
+        places = sorted({(r.get(key) or "?") + _on_host(r, key) for r in ranks})
         text += f"  {label}: {', '.join(places)}\n"
     # PID: the process as this host sees it (what kill, py-spy and the native dump act on); POD PID: the rank's
     # own view, shown where it lives in a pid namespace of its own (a container)
@@ -135,6 +135,19 @@ def _rendezvous_text(job: str, ranks: list[dict[str, Any]], world: int) -> str:
     return (f"job {job}: rank(s) {spans(r['rank'] for r in waiting)} have waited {longest:.0f} s in the rendezvous "
             f"(init_process_group) for the job's other ranks ({len(ranks)} of {world} registered here); see where "
             f"they wait: ondemandctl stacks --job {job}\n")
+
+
+def _on_host(rank: dict[str, Any], key: str) -> str:
+    """Where a rank in a container has its trigger directory or save path on this host (its paths are its
+    container's)."""
+    if not rank.get("in_container") or not rank.get(key):
+        return ""
+    seen = rank.get(f"{key}_on_host")
+    if seen == rank.get(key):
+        return ""
+    if seen:
+        return f" (in its container; on this host {seen})"
+    return f" (in its container only; from this host, while it runs: {rank.get('container_root')}{rank.get(key)})"
 
 
 def _owner(ranks: list[dict[str, Any]]) -> str:

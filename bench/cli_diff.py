@@ -322,6 +322,7 @@ ACROSS: list[tuple[dict[tuple[str, int], str], list[str]]] = [
     ({}, ["--hosts", "h1,h2", "capture", "--job", "j", "--wait", "--json"]),
     ({}, ["--hosts", "h1,h2", "capture", "--job", "j", "--no-wait"]),
     ({("h2", 3): "late"}, ["--hosts", "h1,h2", "capture", "--job", "j", "--wait"]),
+    ({("h2", 2): "late", ("h2", 3): "late"}, ["--hosts", "h1,h2", "capture", "--job", "j", "--wait"]),
     ({("h2", 2): "fail"}, ["--hosts", "h1,h2", "capture", "--job", "j", "--wait"]),
     ({}, ["--hosts", "h1,h2,h3", "capture", "--job", "j", "--wait", "--timeout", "3"]),
     ({}, ["--hosts", "h1,h2", "list"]), ({}, ["--hosts", "h1,h2", "list", "--json"]),

@@ -154,6 +154,30 @@ def test_record_settles_to_done_partial_or_failed_and_never_moves_back() -> None
     assert all_failed.status == "failed"
 
 
+def test_a_record_whose_ranks_recorded_different_steps_settles_misaligned_once(tmp_path: Path) -> None:
+    """The outcome is the record's: misaligned when its last part is final (not judged again by each reader), in
+    its summary (list) with the steps each group recorded; a record an older daemon settled `done` is settled
+    again when read back."""
+    from ondemand_prof.host.records import RecordStore
+
+    plan = {"start_step": 5, "end_step": 7}
+    rec = CaptureRecord.new("20260101-000000-aaaaaa", "j", {"steps": 2}, plan, {},
+                            [{"rank": r, "host": "h", "pid": r} for r in (0, 1)], 0.0)
+    rec.update(0, "done", {"path": "/p0", "steps": [5, 6]}, 1.0)
+    assert rec.status == "running"
+    rec.update(1, "done", {"path": "/p1", "steps": [9, 10]}, 2.0)
+    assert rec.status == "misaligned" and rec.data["misaligned"]["text"] == (
+        "ranks recorded different steps: rank(s) 0 recorded steps 5..6; rank(s) 1 recorded steps 9..10")
+    assert rec.summary()["status"] == "misaligned" and rec.summary()["recorded"] == [[5, 6, 2], [9, 10, 2]]
+    older = {**rec.data, "capture_id": "20260101-000000-bbbbbb", "status": "done"}
+    older.pop("misaligned")
+    store = RecordStore(tmp_path)
+    (store.dir / f"{older['capture_id']}.json").write_text(json.dumps(older))
+    again = RecordStore(tmp_path).records[older["capture_id"]]
+    assert again.status == "misaligned" and "misaligned" in json.loads((store.dir / f"{older['capture_id']}.json")
+                                                                       .read_text())
+
+
 def test_messages_are_versioned_and_checked() -> None:
     assert decode(encode("show", id=1, capture_id="x"), CLI_MESSAGES)["capture_id"] == "x"
     for body, text in [(b"{}", "protocol version None"),

@@ -8,8 +8,10 @@ same faults in real network namespaces, with a link taken down: tests/test_netns
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -29,7 +31,7 @@ from ondemand_prof.host.alignment import late_refusal, mark_misaligned, misalign
 from ondemand_prof.host.commands import DAEMON_COMMANDS
 from ondemand_prof.host.hosts import HostSpecError, expand_nodelist, parse_hosts, read_hostfile, slurm_nodelist
 from ondemand_prof.host.keys import KeyFileError, authorized_keys, keygen, load_pair
-from ondemand_prof.host.records import RecordStore
+from ondemand_prof.host.records import Plan, RecordStore
 from ondemand_prof.host.service import Service
 from ondemand_prof.host.summaries import MAX_SUMMARY_BYTES, merge_summaries, part_summaries, read_summary
 
@@ -104,10 +106,10 @@ def test_a_daemon_that_was_paused_reads_its_queue_before_it_expires_ranks(tmp_pa
 
 
 def test_late_and_misaligned_captures_are_named() -> None:
-    plan = {"start_step": 300, "current_steps": {0: 290, 1: 640}, "past_ranks": [1]}
+    plan = Plan(300, 302, {0: 290, 1: 640}, past_ranks=(1,))
     text = late_refusal(plan)
     assert text is not None and "rank(s) 1 were already past step 300 (at step 640)" in text
-    assert late_refusal({**plan, "past_ranks": []}) is None
+    assert late_refusal(dataclasses.replace(plan, past_ranks=())) is None
     # a synthetic record, as the issue found it: one id, two ranks, different steps
     part = {"state": "done", "path": "/p"}
     record = {"status": "done", "parts": {"0": {**part, "rank": 0, "steps": list(range(302, 322))},
@@ -663,7 +665,7 @@ def test_a_silent_host_is_unreachable_not_failed_and_show_tells_the_truth_later(
     record = json.loads(out)
     states = {int(k): p["state"] for k, p in record["parts"].items()}
     # (its last known state: what the CLI last heard, which on a loaded machine may be from before "scheduled")
-    assert states[3] == "unreachable" and record["parts"]["3"]["last_state"] in ("sent", "scheduled", "recording",
+    assert states[3] == "unreachable" and record["parts"]["3"]["last_state"] in ("sent", "received", "scheduled", "recording",
                                                                                "writing")
     # the others finish (exit 3: partial), or on a loaded machine may still be writing at --timeout (exit 5)
     assert all(states[r] in ("scheduled", "recording", "writing", "done") for r in range(3)), states
@@ -700,6 +702,9 @@ def test_show_marks_a_capture_whose_ranks_recorded_different_steps(cluster: Clus
         assert res.returncode == 6, res.stdout + res.stderr
         assert "MISALIGNED: ranks recorded different steps: rank(s) 0 recorded steps 302..321; rank(s) 1 " \
                "recorded steps 622..641" in res.stdout, res.stdout
+        # a record an older daemon settled `done` is settled again when read back: list says what show says
+        listed = cluster.ctl("list", hosts=f"127.0.0.1:{spare['port']}")
+        assert re.search(r"^20261201-000000-abcdef\s.*\smisaligned\b", listed.stdout, re.M), listed.stdout
     finally:
         for p in procs:
             if p.poll() is None:

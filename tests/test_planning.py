@@ -16,6 +16,7 @@ from ondemand_prof.host.client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT
 from ondemand_prof.host.planning import (Launched, capture_record, common_cap, exit_across, fail_host, merge_lists,
                                          merge_status, merged_record, nothing_found, one_capture, pick_job,
                                          plan_capture, rank_infos, stalled_refusal)
+from ondemand_prof.host.records import Plan
 from ondemand_prof.host.registry import RankInfo
 
 NOW = 1_800_000_000.0
@@ -49,10 +50,10 @@ def test_one_window_after_the_furthest_rank_with_each_host_told_its_own_ranks() 
     assert plan.job == "j" and {n: [i.rank for i in r] for n, r in plan.targets.items()} == {"a": [0, 1], "b": [2]}
     # delivery 0.05 s + the round trip twice (0.004) + the slowest step (0.1) = 0.154 s of 0.1 s steps: lead 4,
     # counted from rank 2, the furthest ahead (104)
-    assert (plan.plan["start_step"], plan.plan["end_step"], plan.plan["lead_steps"]) == (108, 111, 4)
+    assert (plan.plan.start_step, plan.plan.end_step, plan.plan.lead_steps) == (108, 111, 4)
     assert plan.per_host() == {"a": {"request": {"steps": 3, "level": "level1", "start_step": 108, "ranks": [0, 1]}},
                                "b": {"request": {"steps": 3, "level": "level1", "start_step": 108, "ranks": [2]}}}
-    assert plan.missing == [3] and plan.plan["note"] == ""
+    assert plan.missing == [3] and plan.plan.note == ""
 
 
 def test_default_ranks_are_what_a_touched_trigger_file_captures_on_each_host() -> None:
@@ -68,17 +69,17 @@ def test_default_ranks_are_what_a_touched_trigger_file_captures_on_each_host() -
 def test_the_smallest_length_cap_of_the_target_ranks_holds_everywhere_and_is_said() -> None:
     statuses = _statuses(b=_status(_rank(2, 104, cap=2)), c=_status(_rank(3, 90, cap=1, ranks=(0,))))
     plan = plan_capture(statuses, {"steps": 3}, None, now=NOW)  # rank 3 (cap 1) is not a target by default
-    assert plan.plan["end_step"] - plan.plan["start_step"] == 2 and plan.request["steps"] == 2
-    assert plan.plan["note"] == "steps capped from 3 to 2 (the smallest --profile-max-window-steps of the target ranks)"
+    assert plan.plan.end_step - plan.plan.start_step == 2 and plan.request["steps"] == 2
+    assert plan.plan.note == "steps capped from 3 to 2 (the smallest --profile-max-window-steps of the target ranks)"
     assert common_cap([None, 200, 160, 0]) == 160 and common_cap([None]) is None
 
 
 def test_a_hosts_learned_delivery_lengthens_the_lead_within_bounds() -> None:
     slow = plan_capture(_statuses(b=_status(_rank(2, 104), delivery=0.5)), {"steps": 2}, None, now=NOW)
-    assert slow.plan["lead_steps"] == 9  # 0.5 + 0.004 + 0.1 s of 0.1 s steps, plus two
+    assert slow.plan.lead_steps == 9  # 0.5 + 0.004 + 0.1 s of 0.1 s steps, plus two
     # a host with no target rank, and a number no daemon would learn (at most 5 s), change nothing
     for statuses in (_statuses(c=_status(delivery=4.0)), _statuses(b=_status(_rank(2, 104), delivery=1e9))):
-        assert plan_capture(statuses, {"steps": 2}, None, now=NOW).plan["lead_steps"] == 4
+        assert plan_capture(statuses, {"steps": 2}, None, now=NOW).plan.lead_steps == 4
 
 
 @pytest.mark.parametrize("request_, job, message, code", [
@@ -100,7 +101,7 @@ def test_a_stalled_target_gets_no_window() -> None:
     statuses = _statuses(b=_status(_rank(2, 104, stalled_for=42.0)))
     with pytest.raises(CtlError, match=r"job j is STALLED: rank\(s\) 2 on b have not finished a step for 42 s"):
         plan_capture(statuses, {"steps": 2}, None, now=NOW)
-    assert plan_capture(statuses, {"steps": 2, "ranks": [0, 1]}, None, now=NOW).plan["start_step"] == 104
+    assert plan_capture(statuses, {"steps": 2, "ranks": [0, 1]}, None, now=NOW).plan.start_step == 104
 
 
 def test_the_job_is_found_by_its_slurm_id_its_step_or_a_prefix() -> None:
@@ -133,7 +134,7 @@ def test_each_hosts_steps_are_anchored_at_its_own_answer() -> None:
     assert job == "j" and (a.step, b.step) == (1000, 1050)
     assert a.estimated_step(NOW) == 1050 and b.estimated_step(NOW) == 1050
     plan = plan_capture(statuses, {"steps": 2}, None, now=NOW)
-    assert plan.plan["current_steps"] == {0: 1050, 1: 1050}  # not 1000: rank 0 would begin 50 steps late
+    assert plan.plan.current_steps == {0: 1050, 1: 1050}  # not 1000: rank 0 would begin 50 steps late
 
 
 def test_stalled_ranks_say_since_when_and_where_to_look() -> None:
@@ -186,7 +187,7 @@ def test_ranks_of_different_hosts_that_recorded_different_steps_are_misaligned()
 
 
 def test_a_capture_whose_status_round_missed_ranks_is_partial_even_when_all_it_had_wrote() -> None:
-    run = Launched("c1", "j", {"a": []}, {"start_step": 108, "end_step": 111, "current_steps": {0: 100}},
+    run = Launched("c1", "j", {"a": []}, Plan(108, 111, {0: 100}),
                    {"a": _record("done", _part(0, "done", path="/p", steps=[108, 109, 110]))}, {}, 0.0421,
                    unanswered={"d": "d did not answer within 5 s"}, missing=[3])
     record = capture_record(run, {})
@@ -216,6 +217,26 @@ def test_lists_merge_by_capture_id_newest_first() -> None:
     assert [(c["capture_id"], c["ranks"], c["hosts"], c["status"]) for c in caps] == [
         ("c2", 3, ["a", "b"], "running"), ("c1", 2, ["a"], "done")]
     assert caps[0]["states"] == {"done": 2, "sent": 1} and len(merge_lists(replies, 1)) == 1
+
+
+def test_list_across_hosts_says_misaligned_where_show_does() -> None:
+    """A host's misaligned record, or hosts whose ranks each recorded alike but other steps than the other
+    host's: `list` merged says misaligned, as `show` merged does (before, list said done). A host that sends no
+    `recorded` (an older daemon) leaves the steps unjudged."""
+    def listed(status: str, *recorded: list[int]) -> Reply:
+        cap = {"capture_id": "c1", "created_at": "2026-12-01T00:01", "job": "j", "window": [108, 110], "ranks": 1,
+               "states": {"done": 1}, "status": status}
+        return Reply("ok", data={"captures": [{**cap, "recorded": list(recorded)} if recorded else cap]})
+
+    def status(**replies: Reply) -> str:
+        return merge_lists(replies, 10)[0]["status"]
+
+    assert status(a=listed("done", [108, 109, 2]), b=listed("done", [108, 109, 2])) == "done"
+    assert status(a=listed("done", [108, 109, 2]), b=listed("done", [122, 123, 2])) == "misaligned"
+    assert status(a=listed("misaligned", [108, 109, 2], [111, 112, 2]), b=listed("failed")) == "misaligned"
+    assert status(a=listed("done", [108, 109, 2]), b=listed("done")) == "done"
+    assert merge_lists({"a": listed("done", [108, 109, 2]), "b": listed("partial", [122, 123, 2], ["x"])},
+                       10)[0]["recorded"] == [[108, 109, 2], [122, 123, 2]]
 
 
 def test_a_partial_id_must_mean_one_capture_and_nothing_found_says_why() -> None:

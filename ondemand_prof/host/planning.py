@@ -19,8 +19,9 @@ from ..core.files import iso_epoch
 from ..core.protocol import FINAL_STATES
 from ..core.ranks import spans
 from ..core.bounds import finite_number
-from .alignment import MISALIGNED, mark_misaligned
+from .alignment import MISALIGNED, mark_misaligned, merge_recorded
 from .client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, CtlError
+from .records import Plan
 from .registry import DELIVERY_S, MAX_DELIVERY_S, RankInfo, match_id, plan_window, stall_text, stalls
 
 if TYPE_CHECKING:
@@ -167,16 +168,17 @@ def slowest_delivery(statuses: Replies, job: str, targets: dict[str, list[RankIn
 
 
 def plan_across(targets: dict[str, list[RankInfo]], request: dict[str, Any], round_trip_s: float,
-                local_delivery_s: float = DELIVERY_S, now: float | None = None) -> dict[str, Any]:
+                local_delivery_s: float = DELIVERY_S, now: float | None = None, note: str = "") -> Plan:
     """One absolute window for every target rank. Delivery covers the status round trip (the steps are that
     old) and the capture's way out, plus one step for the daemons' own extrapolation, plus the slowest host's
-    own delivery to its ranks (what each daemon learned from its ranks' answers; DELIVERY_S by default)."""
+    own delivery to its ranks (what each daemon learned from its ranks' answers; DELIVERY_S by default).
+    `note`: said before the planner's own (a length cap)."""
     ranks = [i for infos in targets.values() for i in infos]
     slowest = max((i.step_time or 0.0) for i in ranks)
     try:
-        return plan_window(ranks, time.time() if now is None else now, start=request.get("start"),
-                           start_step=request.get("start_step"), steps=request["steps"],
-                           delivery_s=local_delivery_s + 2 * round_trip_s + slowest)
+        return Plan.of(plan_window(ranks, time.time() if now is None else now, start=request.get("start"),
+                                   start_step=request.get("start_step"), steps=request["steps"],
+                                   delivery_s=local_delivery_s + 2 * round_trip_s + slowest), note)
     except ValueError as exc:
         raise CtlError(str(exc)) from None
 
@@ -189,7 +191,7 @@ class CapturePlan:
 
     job: str
     targets: dict[str, list[RankInfo]]
-    plan: dict[str, Any]
+    plan: Plan
     request: dict[str, Any]
     missing: list[int]
 
@@ -216,15 +218,14 @@ def plan_capture(statuses: Replies, request: dict[str, Any], job: str | None, sl
     if stalled:
         raise CtlError(stalled)
     cap_note = cap_steps_across(statuses, job, targets, request)
-    plan = plan_across(targets, request, round_trip, slowest_delivery(statuses, job, targets), now)
-    if request.get("start_step") is not None and plan["past_ranks"]:
-        steps = plan["current_steps"].values()
-        raise CtlError(f"--start-step {request['start_step']}: rank(s) {spans(plan['past_ranks'])} are already past "
+    plan = plan_across(targets, request, round_trip, slowest_delivery(statuses, job, targets), now, cap_note)
+    if request.get("start_step") is not None and plan.past_ranks:
+        steps = plan.current_steps.values()
+        raise CtlError(f"--start-step {request['start_step']}: rank(s) {spans(plan.past_ranks)} are already past "
                        f"it (the ranks are at steps {min(steps)}-{max(steps)}); across hosts a window starts on the "
                        "same step on every rank or not at all: give a later step, or --start N")
-    plan["note"] = "; ".join(filter(None, [cap_note, plan.get("note", "")]))
     request.pop("start", None)
-    request["start_step"] = plan["start_step"]
+    request["start_step"] = plan.start_step
     return CapturePlan(job, targets, plan, request, missing_ranks(infos, wanted))
 
 
@@ -277,7 +278,8 @@ def nothing_found(replies: Replies) -> CtlError:
 
 
 def merge_status(statuses: list[str]) -> str:
-    """One status from the hosts' (unreachable: a host that never answered counts as not done)."""
+    """One status from the hosts' (unreachable: a host that never answered counts as not done), before the
+    alignment of all their ranks is judged (misaligned counts as done here: every rank of it wrote)."""
     if "running" in statuses:
         return "running"
     if all(s in ("done", MISALIGNED) for s in statuses):  # every rank wrote; whether alike is checked after
@@ -287,20 +289,35 @@ def merge_status(statuses: list[str]) -> str:
     return "partial" if any(s in ("done", "partial", MISALIGNED) for s in statuses) else "failed"
 
 
+def merged_status(statuses: list[str], misaligned: bool) -> str:
+    """The status of one capture's records on several hosts: merge_status, then misaligned when some host's
+    record is, or (`misaligned`) their ranks together recorded different steps: the rule of a record's own
+    outcome (records.py CaptureRecord._settle, alignment.mark_misaligned), over every host's ranks."""
+    status = merge_status(statuses)
+    if status in ("done", "partial") and (MISALIGNED in statuses or misaligned):
+        return MISALIGNED
+    return status
+
+
 def merge_lists(replies: Replies, limit: int) -> list[dict[str, Any]]:
     """`list` replies of several hosts -> one list, newest first: a capture across hosts (one id, a record on
-    every host involved) once, with its ranks and states summed, its hosts, and one status."""
+    every host involved) once, with its ranks and states summed, its hosts, and one status (misaligned where
+    the steps its hosts' ranks recorded differ, as `show` says)."""
     merged: dict[str, dict[str, Any]] = {}
     for name, reply in replies.items():
         for c in reply.data["captures"] if reply.ok else []:
-            m = merged.setdefault(c["capture_id"], {**c, "ranks": 0, "states": {}, "hosts": [], "statuses": []})
+            m = merged.setdefault(c["capture_id"], {**c, "ranks": 0, "states": {}, "hosts": [], "statuses": [],
+                                                    "recorded": []})
             m["ranks"] += c["ranks"]
             m["hosts"].append(name)
             m["statuses"].append(c["status"])
+            if isinstance(c.get("recorded"), list):
+                m["recorded"].append(c["recorded"])
             for state, n in c["states"].items():
                 m["states"][state] = m["states"].get(state, 0) + n
     for m in merged.values():
-        m["status"] = merge_status(m.pop("statuses"))
+        m["recorded"] = merge_recorded(m["recorded"])
+        m["status"] = merged_status(m.pop("statuses"), len(m["recorded"]) > 1)
     return sorted(merged.values(), key=lambda c: iso_epoch(c["created_at"]), reverse=True)[:limit]
 
 
@@ -331,6 +348,7 @@ def merged_record(found: dict[str, dict[str, Any]], failed: dict[str, str],
     record = {**first, "parts": parts, "status": merge_status([h["status"] for h in hosts.values()]),
               "hosts": hosts}
     record.pop("version", None)
+    record.pop("misaligned", None)  # judged again over every host's ranks, by the record's own rule
     mark_misaligned(record)
     return record
 
@@ -359,7 +377,7 @@ class Launched:
     capture_id: str
     job: str
     targets: dict[str, list[RankInfo]]
-    plan: dict[str, Any]
+    plan: Plan
     found: dict[str, dict[str, Any]]
     failed: dict[str, str]
     sent_s: float
@@ -373,12 +391,11 @@ def capture_record(run: Launched, quiet: dict[str, str]) -> dict[str, Any]:
     (`quiet`), those that did not answer the status round and the ranks no host had, and the plan."""
     record = merged_record(run.found, run.failed, quiet, run.targets)
     record.update(capture_id=run.capture_id, job=run.job)
-    record.setdefault("window", [run.plan["start_step"], run.plan["end_step"]])
+    record.setdefault("window", [run.plan.start_step, run.plan.end_step])
     if run.unanswered:  # hosts that did not answer the status round: their ranks (if any) are not in it
         record["unanswered"] = run.unanswered
         record["missing_ranks"] = run.missing
         if run.missing and record["status"] == "done":
             record["status"] = "partial"
-    record["plan"] = {**run.plan, "current_steps": {str(k): v for k, v in run.plan["current_steps"].items()},
-                      "sent_s": round(run.sent_s, 4)}
+    record["plan"] = {**run.plan.as_dict(), "sent_s": round(run.sent_s, 4)}
     return record

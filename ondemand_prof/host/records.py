@@ -14,8 +14,9 @@ import json
 import logging
 import math
 import secrets
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from ..core.files import iso_epoch, iso_time, write_json_atomic
 from ..core.ids import valid_id
@@ -24,12 +25,16 @@ from ..core.safedir import ensure_private_dir
 from ..core.protocol import FINAL_STATES, PID_MAX
 from ..core.ranks import MAX_RANK
 from ..core.bounds import MAX_STEP, bounded_int
+from .alignment import MISALIGNED, mark_misaligned, recorded
 
 log = logging.getLogger("ondemand_prof.host.profd")
 
 # a rank's part of a capture moves through these; the last three are final (FINAL_STATES)
 PART_STATES = ("sent", "received", "scheduled", "recording", "writing", "done", "failed", "rejected", "cancelled")
-RECORD_STATUSES = ("running", "done", "partial", "failed", "cancelled")
+# a capture's outcome, settled once on its record when its last part is final (CaptureRecord._settle): what list,
+# show, --json and the metrics read; misaligned: every part finished, some recorded, not all the same steps
+RECORD_STATUSES = ("running", "done", "partial", "failed", "cancelled", MISALIGNED)
+RECORDED_SOMETHING = ("done", "partial", MISALIGNED)
 KEEP_RECORDS = 1000  # the most records the store holds, whoever floods it
 KEEP_PER_UID = 200  # the most records made on behalf of one uid's ranks (automatic captures)
 MAX_TEXT = 2048  # an error or a note a rank reports
@@ -75,6 +80,38 @@ def _fresh_version() -> int:
     return (1 << 52) + secrets.randbelow(1 << 51)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A capture's window as planned, complete before any window is sent: the steps, where the target ranks were
+    (`current_steps`, rank -> step) and the lead delivery needed, the ranks that will begin it late (`late_ranks`:
+    too close to its start; `past_ranks`: already past it), the windows it was moved after (`after`) and what the
+    console says of it (`note`). The record keeps it as its `plan` (as_dict), which list, show and capture print."""
+
+    start_step: int
+    end_step: int
+    current_steps: Mapping[int, int] = field(default_factory=dict)
+    lead_steps: int = 0
+    late_ranks: tuple[int, ...] = ()
+    past_ranks: tuple[int, ...] = ()
+    after: Mapping[str, Any] | None = None
+    note: str = ""
+
+    @classmethod
+    def of(cls, planned: Mapping[str, Any], *notes: str) -> "Plan":
+        """From the planner's answer (registry.plan_window), with `notes` said before the planner's own."""
+        return cls(planned["start_step"], planned["end_step"], dict(planned.get("current_steps") or {}),
+                   planned.get("lead_steps", 0), tuple(planned.get("late_ranks") or ()),
+                   tuple(planned.get("past_ranks") or ()), planned.get("after"),
+                   "; ".join(filter(None, [*notes, planned.get("note", "")])))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record's `plan` (ranks as text keys: what JSON makes of them anyway)."""
+        return {"current_steps": {str(k): v for k, v in self.current_steps.items()}, "lead_steps": self.lead_steps,
+                "late_ranks": list(self.late_ranks), "past_ranks": list(self.past_ranks),
+                **({"after": dict(self.after)} if self.after is not None else {}), "note": self.note,
+                "start_step": self.start_step, "end_step": self.end_step}
+
+
 def new_capture_id(wall: float) -> str:
     stamp = _dt.datetime.fromtimestamp(wall).strftime("%Y%m%d-%H%M%S")
     return f"{stamp}-{secrets.token_hex(3)}"
@@ -96,9 +133,11 @@ class CaptureRecord:
         self.created = iso_epoch(data["created_at"])  # (its text misorders across a DST fold)
 
     @classmethod
-    def new(cls, capture_id: str, job: str, request: dict[str, Any], plan: dict[str, Any], options: dict[str, Any],
-            targets: Iterable[dict[str, Any]], wall: float) -> "CaptureRecord":
-        """`plan` is the window as resolved (capped, moved after busy windows), which list and show report."""
+    def new(cls, capture_id: str, job: str, request: dict[str, Any], plan: Plan | Mapping[str, Any],
+            options: dict[str, Any], targets: Iterable[dict[str, Any]], wall: float) -> "CaptureRecord":
+        """`plan` is the window as resolved (capped, moved after busy windows), which list and show report (a
+        Plan; a mapping of its fields from the automatic captures' intake, host/triage.py, until it makes one)."""
+        plan = plan.as_dict() if isinstance(plan, Plan) else dict(plan)
         parts = {str(t["rank"]): {"rank": t["rank"], "host": t["host"], "pid": t["pid"], "uid": t.get("uid"),
                                   "state": "sent", "history": [{"state": "sent", "at": iso_time(wall)}]}
                  for t in targets}
@@ -167,22 +206,33 @@ class CaptureRecord:
         return self.update(rank, "failed", {"error": error}, wall)
 
     def _settle(self) -> None:
+        """The outcome, once every part is final: the one place a record's status is decided (host/planning.py
+        merges the statuses of one capture's records on several hosts, by the same alignment rule)."""
         states = [p["state"] for p in self.data["parts"].values()]
         done = states.count("done")
         if self.data.get("cancel_requested"):
             self.data["status"] = "cancelled"
         else:
             self.data["status"] = "done" if done == len(states) else ("partial" if done else "failed")
+            mark_misaligned(self.data)  # recorded, but not the same steps on every rank that finished
         self.data.setdefault("finished_at", iso_time())
+
+    def resettle(self) -> bool:
+        """A finished record read back from disk, settled by a daemon from before a rule: settled again (a record
+        of an older daemon whose ranks recorded different steps says `done`). True when its status changed."""
+        return self.status in ("done", "partial") and mark_misaligned(self.data)
 
     def summary(self) -> dict[str, Any]:
         parts = self.data["parts"].values()
         counts: dict[str, int] = {}
         for p in parts:
             counts[p["state"]] = counts.get(p["state"], 0) + 1
+        # recorded: the distinct steps the finished ranks recorded ([first, last, count] each), so that a capture
+        # across hosts is misaligned in `list` where its ranks on different hosts recorded different steps
         return {k: self.data[k] for k in ("capture_id", "job", "created_at", "window", "status")} | {
             "ranks": len(self.data["parts"]), "states": counts, "request": self.data["request"],
-            "baseline": self.is_baseline} | {k: self.data[k] for k in ("compare_with", "cause") if k in self.data}
+            "baseline": self.is_baseline, "recorded": recorded(parts)} | {
+            k: self.data[k] for k in ("compare_with", "cause") if k in self.data}
 
 
 
@@ -210,7 +260,10 @@ class RecordStore:
                 # versions of a record read back start at a random place far from any an earlier daemon gave out
                 # (not a clock, which can be stepped back between two restarts), so a CLI still holding one of
                 # those gets every part, never only some
-                self.records[data["capture_id"]] = CaptureRecord(data, first_version=_fresh_version())
+                record = CaptureRecord(data, first_version=_fresh_version())
+                self.records[data["capture_id"]] = record
+                if record.resettle():
+                    self.save(record)
                 if data.get("status") == "running":
                     self._running.add(data["capture_id"])
             except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -290,15 +343,15 @@ class RecordStore:
 
     def baseline_of(self, job: str) -> CaptureRecord | None:
         """The job's baseline: of its records marked so (capture --baseline, an automatic baseline), the newest
-        that recorded something (done or partial); one a job, the newest wins, and a baseline that failed leaves
-        the one before it in place."""
+        that recorded something (done, partial or misaligned); one a job, the newest wins, and a baseline that
+        failed leaves the one before it in place."""
         return self.baselines().get(job)
 
     def baselines(self) -> dict[str, CaptureRecord]:
         """Every job's baseline (baseline_of), in one pass over the records (oldest first: the newest wins)."""
         out: dict[str, CaptureRecord] = {}
         for record in self.records.values():
-            if record.is_baseline and record.status in ("done", "partial"):
+            if record.is_baseline and record.status in RECORDED_SOMETHING:
                 out[record.data["job"]] = record
         return out
 

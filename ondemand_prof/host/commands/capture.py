@@ -17,11 +17,11 @@ from ...core.options import add_window_flags, window_overrides
 from ...core.protocol import encode
 from ...core.ranks import RankSpecError, parse_ranks, spans
 from ...core.requests import RequestError, WindowDefaults, parse_request, resolve
-from ..alignment import late_refusal, mark_misaligned, refuse_parts
+from ..alignment import late_refusal, refuse_parts
 from ..client import EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, OneHost, dumps
 from ..multihost import give_up, launch
 from ..planning import capture_record, common_cap, no_window
-from ..records import CaptureRecord, new_capture_id
+from ..records import CaptureRecord, Plan, new_capture_id
 from ..registry import plan_window, select_ranks, stalls
 from ..service import BadRequest, Service
 from ..summaries import merge_summaries
@@ -108,8 +108,8 @@ class Capture(Command):
                 raise ValueError(no_window(job, stall))
             defaults = _common_defaults(targets)
             steps = min(defaults.steps if request.steps is None else request.steps, defaults.max_steps)
-            plan = plan_window(targets, wall, start=request.start, start_step=request.start_step, steps=steps,
-                               delivery_s=service.delivery.estimate(live[0].key))
+            planned = plan_window(targets, wall, start=request.start, start_step=request.start_step, steps=steps,
+                                  delivery_s=service.delivery.estimate(live[0].key))
         except (RequestError, ValueError) as exc:
             raise BadRequest(str(exc)) from None
         capture_id = _adopted_id(service, msg) or new_capture_id(wall)
@@ -121,14 +121,14 @@ class Capture(Command):
             for known, window in distinct:
                 if known == d:
                     return window
-            window = resolve(request, dataclasses.replace(d, max_steps=defaults.max_steps), plan["start_step"],
+            window = resolve(request, dataclasses.replace(d, max_steps=defaults.max_steps), planned["start_step"],
                              source="daemon", capture_id=capture_id, extra={"via": "ondemand-profd"})
             distinct.append((d, window))
             return window
 
         windows = {t.rank: window_for(t.defaults or defaults) for t in targets}
         first = windows[targets[0].rank]
-        plan["note"] = "; ".join(filter(None, [first.note, plan.get("note", "")]))
+        plan = Plan.of(planned, first.note)  # the plan whole (the cap's note too) before any window leaves
         record = CaptureRecord.new(capture_id, live[0].job, request.as_dict(), plan, first.options.as_dict(),
                                    [{"rank": t.rank, "host": t.host, "pid": t.pid, "uid": t.uid} for t in targets],
                                    wall)
@@ -144,12 +144,12 @@ class Capture(Command):
         service.then(lambda: service.store.save(record))  # on disk before the CLI's reply, after the windows leave
         bodies: dict[int, bytes] = {}  # each distinct window encoded once, now that the plan's note is known
         for _, window in distinct:
-            wire = dataclasses.replace(window, note=plan["note"]) if plan.get("after") else window
+            wire = dataclasses.replace(window, note=plan.note) if plan.after else window
             bodies[id(window)] = encode("capture", window=wire.to_wire())
         for t in targets:
             service.send(t.route, bodies[id(windows[t.rank])])
         log.info("ondemand-profd: capture %s: job %s, %d rank(s), steps [%d, %d)%s", capture_id, job, len(targets),
-                 plan["start_step"], plan["end_step"], f" ({plan['note']})" if plan["note"] else "")
+                 plan.start_step, plan.end_step, f" ({plan.note})" if plan.note else "")
         return {**record.view(), "asked_by": asker}  # the CLI says so when the job is another user's
 
     # ------------------------------------------------------------------------------------------------------
@@ -168,8 +168,7 @@ class Capture(Command):
         one = OneHost(client)
         found = {one.name: record}
         finished = follow(one, found, {}, args.timeout, None if args.json else out)
-        record = found[one.name]
-        mark_misaligned(record)
+        record = found[one.name]  # its outcome settled by the daemon, on the record (misaligned too)
         paths = [p["path"] for p in record["parts"].values() if p["state"] == "done" and p.get("path")]
         self._result(record, result_text(record, finished), args, out,
                      (lambda: report_paths(paths, args, out)) if paths else None)
@@ -308,12 +307,12 @@ def owner_note(record: dict[str, Any]) -> str:
 def _plan_across_text(run: Launched) -> str:
     plan = run.plan
     n = sum(len(r) for r in run.targets.values())
-    steps = plan["current_steps"].values()
+    steps = plan.current_steps.values()
     text = (f"capture {run.capture_id}: job {run.job}, {n} rank(s) on {len(run.targets)} host(s), steps "
-            f"[{plan['start_step']}, {plan['end_step']}) (ranks were at step {min(steps)}-{max(steps)}; lead "
-            f"{plan['lead_steps']} steps; sent to every host in {run.sent_s * 1000:.0f} ms)\n")
-    if plan.get("note"):
-        text += f"  note: {plan['note']}\n"
+            f"[{plan.start_step}, {plan.end_step}) (ranks were at step {min(steps)}-{max(steps)}; lead "
+            f"{plan.lead_steps} steps; sent to every host in {run.sent_s * 1000:.0f} ms)\n")
+    if plan.note:
+        text += f"  note: {plan.note}\n"
     for name, error in run.unanswered.items():
         text += f"  host {name} did not answer the status round: {error}\n"
     if run.unanswered and run.missing:

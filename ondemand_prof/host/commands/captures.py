@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from ...core.bounds import checked_int
 from ...core.protocol import FINAL_STATES, encode
 from ...core.ranks import spans
-from ..alignment import MISALIGNED, mark_misaligned
+from ..alignment import MISALIGNED
 from ..client import EXIT_MISALIGNED, EXIT_OK, EXIT_PARTIAL, dumps
 from ..multihost import ask
 from ..planning import exit_across, failures, merge_lists, merged_record, no_capture, one_capture, unanswered
@@ -103,8 +103,7 @@ class Show(OneCapture):
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         record = service.find(msg["capture_id"])
-        shown = record.view()
-        mark_misaligned(shown)  # what is shown says so; the stored record keeps what happened
+        shown = record.view()  # its outcome (misaligned too) settled on the record, as list and the metrics have it
         baseline = service.store.baseline_of(record.data["job"])
         shown["is_job_baseline"] = baseline is record
         if record.data.get("compare_with") and record.status != "running":

@@ -12,9 +12,10 @@ default 420 s), so it never hangs: what the budget leaves no time for is a SKIP 
 The rows:
   torch and device     torch imports, the device is the one asked for (CUDA: name, capability, CUDA version)
   native save          `python -m ondemand_prof.rank.native_save build` against the installed torch; the module
-                       loads, its size check holds (frees_result), and a profile of the model on the device saved
-                       by it is byte for byte the file export_chrome_trace writes; the daemon's captures below
-                       were written by it
+                       loads and frees the saved result (frees_result, and no events left after the save: what
+                       issue 20's size check guarded, an in-place destroy since 8cf4a72); a profile of the model
+                       on the device saved by it is byte for byte the file export_chrome_trace writes; the
+                       daemon's captures below were written by it
   training loop        a small transformer (200 steps at least; --quick: 20) with prof.step(), registered with a
                        real ondemand-profd, in a 1-rank NCCL group (CPU: gloo)
   capture kernels      `ondemandctl capture --steps 2`: the trace's device kernels (CPU: the training thread's
@@ -617,7 +618,8 @@ def check_native(run: Run) -> str:
         raise Failed(f"built ({built}) but does not load: {r['why']}")
     problems = []
     if r.get("frees_result") is not True:
-        problems.append("the size check is off (frees_result False: ProfilerResult's layout differs here)")
+        problems.append("the module does not free the result (frees_result False: ProfilerResult's layout differs "
+                        "here)")
     if r.get("reference_exit") != 0:
         problems.append(f"the export_chrome_trace reference failed (exit {r.get('reference_exit')})")
     if r.get("way") != "native":
@@ -628,7 +630,8 @@ def check_native(run: Run) -> str:
         problems.append(f"{r['events_left']} events left in the result after the save")
     if run.cuda and not r.get("device_events"):
         problems.append("the profile holds no device kernels")
-    figure = (f"{built}; frees_result {r.get('frees_result')}; {r.get('bytes', 0) / 1e6:.2f} MB trace "
+    figure = (f"{built}; frees_result {r.get('frees_result')}, {r.get('events_left')} events left in the result "
+              f"after the save; {r.get('bytes', 0) / 1e6:.2f} MB trace "
               f"({r.get('device_events', 0)} device events, {r.get('cpu_ops', 0)} CPU ops), byte-identical to "
               f"export_chrome_trace: {r.get('identical')}, saved in {r.get('save_ms')} ms")
     if problems:
@@ -656,7 +659,8 @@ class Job:
         run.wait_for(lambda: (run.run_dir / "profd.sock").exists() or daemon.poll() is not None, "the daemon's socket",
                      60)
         if daemon.poll() is not None:
-            raise Failed(f"ondemand-profd exited {daemon.returncode} (logs/daemon.log)")
+            raise Failed(f"ondemand-profd exited {daemon.returncode} (logs/daemon.log: "
+                         f"{last_line((run.logs / 'daemon.log').read_text())})")
         env = run.env(ODP_GPU_CHECK_PORT=str(free_port()), TORCH_NCCL_TRACE_BUFFER_SIZE=FR_BUFFER,
                       TORCH_FR_BUFFER_SIZE=FR_BUFFER, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", **run.quick_env())
         steps = "20" if run.quick else "200"
@@ -925,24 +929,18 @@ def fr_child(written: Path, copy: Path, work: Path) -> int:
 
 
 def check_window_cost(run: Run) -> str:
+    """bench_window_cost.py on the device, ours against torch.profiler; --quick: every window in one process
+    (--same-process: one torch start instead of one a variant, on the suite's 2 cores)."""
     tmp = run.work / "bench_tmp"
     tmp.mkdir(mode=0o700)
     argv = [sys.executable, str(ROOT / "bench" / "bench_window_cost.py"), "--device", run.device, "--variants",
             "torch,ours", "--threads", "1", "--quiet-wait", "0" if run.quick else "10", "--retries", "0"]
-    argv += ["--repeat", "1", "--active", "5", "--tail", "10"] if run.quick else ["--repeat", "3"]
+    argv += ["--repeat", "1", "--active", "5", "--tail", "10", "--same-process"] if run.quick else ["--repeat", "3"]
     res = run.cmd(argv, timeout=150 if run.quick else 300, env=run.env(TMPDIR=str(tmp), **run.quick_env()))
     if res.returncode != 0:
         raise Failed(f"exit {res.returncode}: {last_line(res.stderr)}")
-    runs = re.findall(r"^run \d+ threads \d+ (torch|ours) .*?: stall (-?[\d.]+) ms, \+10 (-?[\d.]+) ms.*?capture (.*)$",
-                      res.stdout, re.M)
-    got: dict[str, list[tuple[float, float]]] = {"torch": [], "ours": []}
-    for variant, stall, total, capture in runs:
-        got[variant].append((float(stall), float(total)))
-        if variant == "ours" and "'ok'" not in capture:
-            raise Failed(f"our capture in the benchmark: {capture}")
-    if not got["torch"] or not got["ours"]:
-        raise Failed(f"no per-run lines in the benchmark's output ({last_line(res.stdout)})")
-    sizes = bench_trace_sizes(tmp)
+    got = parse_bench(res.stdout)
+    sizes = bench_trace_sizes(tmp, len(got["ours"]))
     med = {v: (statistics.median(s for s, _ in rows), statistics.median(t for _, t in rows)) for v, rows in got.items()}
     return (f"window-end stall ours {med['ours'][0]:.1f} ms vs torch {med['torch'][0]:.1f} ms "
             f"({med['ours'][0] / med['torch'][0]:.2f}x); stall + 10 steps {med['ours'][1]:.1f} vs "
@@ -951,26 +949,42 @@ def check_window_cost(run: Run) -> str:
             + ("5" if run.quick else "20") + "-step window with stacks and shapes)")
 
 
-def bench_trace_sizes(tmp: Path) -> dict[str, str]:
-    """The traces the benchmark's processes wrote under their TMPDIR: ours sit in capture folders beside a rank
-    directory with metadata.json, torch's tensorboard_trace_handler's do not. Each process writes a warm-up window
-    and the measured one: per variant, the median of each process's largest."""
+BENCH_RUN = re.compile(r"^(?:run|round) \d+ threads \d+ (torch|ours) \(.*?\): stall (-?[\d.]+) ms, \+10 (-?[\d.]+) ms"
+                       r".*?save -?\d+ ([^,]+),(?:.*?capture (.*)|.*)$", re.M)
+
+
+def parse_bench(stdout: str) -> dict[str, list[tuple[float, float]]]:
+    """Each run's window-end stall and stall + 10 steps (ms), by variant, from bench_window_cost.py's progress lines
+    (a process a run: 'run N ...', --same-process: 'round N ...'); our window must have been written, and where the
+    line says (a process a run), published ok."""
+    got: dict[str, list[tuple[float, float]]] = {"torch": [], "ours": []}
+    for m in BENCH_RUN.finditer(stdout):
+        variant, stall, total, way, capture = m.groups()
+        got[variant].append((float(stall), float(total)))
+        if variant == "ours" and (way not in ("native", "in-process", "fork") or
+                                  (capture is not None and "'ok'" not in capture)):
+            raise Failed(f"our window in the benchmark: written {way}, capture {capture}")
+    if not got["torch"] or not got["ours"]:
+        raise Failed(f"no per-run lines in the benchmark's output ({last_line(stdout)})")
+    return got
+
+
+def bench_trace_sizes(tmp: Path, runs: int) -> dict[str, str]:
+    """The traces the benchmark wrote under its TMPDIR, a directory a window: ours beside a rank directory with
+    metadata.json, torch's (tensorboard_trace_handler) alone. Warm-up windows are shorter: per variant, the median
+    of the `runs` largest."""
     ours: list[int] = []
     torch_: list[int] = []
     for d in tmp.iterdir():
         traces = [p for p in d.rglob("*.pt.trace.json*") if p.is_file()]
-        if not traces:
-            continue
-        size = max(p.stat().st_size for p in traces)
-        (ours if any(d.rglob("metadata.json")) else torch_).append(size)
-    fmt = (lambda xs: f"{statistics.median(xs) / 1e6:.2f} MB" if xs else "?")
-    return {"ours": fmt(_largest_per_process(ours)), "torch": fmt(_largest_per_process(torch_))}
+        if traces:
+            (ours if any(d.rglob("metadata.json")) else torch_).append(max(p.stat().st_size for p in traces))
 
+    def fmt(sizes: list[int]) -> str:
+        largest = sorted(sizes)[-runs:] if runs > 0 else []
+        return f"{statistics.median(largest) / 1e6:.2f} MB" if largest else "?"
 
-def _largest_per_process(sizes: list[int]) -> list[int]:
-    # two windows a process (warm-up, measured), each in a directory of its own: keep the larger half
-    sizes = sorted(sizes)
-    return sizes[len(sizes) // 2:] or sizes
+    return {"ours": fmt(ours), "torch": fmt(torch_)}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1105,7 +1119,8 @@ def run_checks(run: Run, asked: str) -> None:
     if run.device == "auto":  # the probe did not get as far as the device: name the rows for the CPU
         run.device = "cpu"
     lib = "NCCL" if run.cuda else "gloo"
-    run.row("native", "native save: built against this torch, size check, byte-identical to export_chrome_trace")
+    run.row("native", "native save: built against this torch, frees the result, byte-identical to "
+            "export_chrome_trace")
     run.row("train", f"training loop: small transformer, prof.step(), ondemand-profd, 1-rank {lib} group")
     run.row("kernels", "capture --steps 2: " + ("device kernels" if run.cuda else "CPU ops (no device)")
             + " inside the two ProfilerStep# ranges")
@@ -1155,7 +1170,10 @@ def native_ways(run: Run, job: Job) -> None:
     row.figure += f"; the daemon's captures: {native} of {len(ways)} written by it"
     if native != len(ways):
         row.result = "FAIL"
-        row.figure += f" (others: {sorted(set(str(w) for w in ways if w != 'native'))})"
+        why = [x.split(": ", 1)[-1] for x in (run.logs / "rank.log").read_text(errors="replace").splitlines()
+               if "GIL-free trace save" in x]
+        row.figure += (f" (others: {sorted(set(str(w) for w in ways if w != 'native'))}; the rank said: "
+                       f"{why[0][:200] if why else 'nothing'})")
 
 
 if __name__ == "__main__":

@@ -172,3 +172,29 @@ def test_a_cuda_table_fills_the_readme_section_and_a_cpu_table_does_not(tmp_path
     assert "| torch and device | PASS | H200 | 3 |" in section and "Not yet" not in section
     assert section.count(gc.README_BEGIN) == 1 and section.count(gc.README_END) == 1
     assert gc.fill_readme(cuda, readme) == 0 and readme.read_text() == text  # again: the same, not twice
+
+
+# bench_window_cost.py's progress lines, as it prints them (a process a run; --same-process)
+BENCH_PER_PROCESS = """native save: already built: /root/.cache/ondemand_prof/native/odp_save-94b789def4f53cf2986e.so
+run 1 threads 1 torch (load 9.8, others 1.80 cores): stall 189.8 ms, +10 800.8 ms (collect 142, cpu 27, runqueue 774, \
+asleep -8; save 47 in the step, post 0), own 38.2 ms, +10 800.8 ms, published after 0 ms, rss +6 MB, capture None
+run 1 threads 1 ours (load 9.6, others 1.81 cores): stall 68.4 ms, +10 -432.5 ms (collect 59, cpu -16, runqueue 471, \
+asleep -9; save 388 native, post 2132), own -3.9 ms, +10 432.5 ms, published after 2537 ms, rss +7 MB, capture \
+{'status': 'ok', 'steps': [35, 36, 37, 38, 39]}
+"""
+BENCH_SAME_PROCESS = """round 1 threads 1 torch (load 14.9): stall 260.8 ms, +10 212.8 ms, own 2.8 ms (collect 157, \
+cpu 3, runqueue 378, asleep -22; save 104 in the step, post 0)
+round 1 threads 1 ours (load 15.9): stall 138.9 ms, +10 346.8 ms, own 47.5 ms (collect 130, cpu 16, runqueue 301, \
+asleep 5; save 295 native, post 2473)
+"""
+
+
+def test_the_benchmarks_runs_are_read_in_either_form_and_a_lost_window_fails() -> None:
+    assert gc.parse_bench(BENCH_PER_PROCESS) == {"torch": [(189.8, 800.8)], "ours": [(68.4, -432.5)]}
+    assert gc.parse_bench(BENCH_SAME_PROCESS) == {"torch": [(260.8, 212.8)], "ours": [(138.9, 346.8)]}
+    with pytest.raises(gc.Failed, match="capture {'status': 'failed'"):
+        gc.parse_bench(BENCH_PER_PROCESS.replace("'status': 'ok'", "'status': 'failed'"))
+    with pytest.raises(gc.Failed, match="written None"):
+        gc.parse_bench(BENCH_SAME_PROCESS.replace("save 295 native", "save 0 None"))
+    with pytest.raises(gc.Failed, match="no per-run lines"):
+        gc.parse_bench("native save: built\n")

@@ -384,3 +384,34 @@ def _ctl_as(user: dict[str, Any], run: Path, *args: str) -> subprocess.Completed
     proc = _as_user(user, [str(ROOT / "bin" / "ondemandctl"), args[0], "--runtime-dir", str(run), *args[1:]])
     out, err = proc.communicate(timeout=180)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@needs_namespaces
+def test_a_daemon_that_cannot_see_the_pods_pids(host: dict[str, Any], pods: list[Pod]) -> None:
+    """The daemon in a pid namespace of its own (a DaemonSet without hostPID): the kernel gives it pid 0 for a
+    pod's rank. Before: refused as "the process that opened this connection (pid 0) has exited", with a fix
+    about job ids. Now it registers by its uid and its word, status says what it cannot do and what to set,
+    and capture and in-process stacks work."""
+    run, state = short_dir("odpcn"), short_dir("odpcns")
+    daemon = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", str(ROOT / "bin" / "ondemand-profd"),
+                               "--runtime-dir", str(run), "--state-dir", str(state)], env=base_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: (run / "profd.sock").exists(), 60, "the daemon in its own pid namespace")
+        pod = _pod(host, pods, "pod-n", toy(), run_dir=run)
+        job, (row,) = wait_job(run, "pid1@pod-n.")
+        assert row["pid_seen"] is False and row["pid"] == 1, row
+        text = ctl(run, "status").stdout
+        assert "in a pid namespace this daemon does not see" in text and "hostPID: true" in text, text
+        assert "REFUSED" not in pod.said() and "registered with ondemand-profd" in pod.said()
+        res = ctl(run, "capture", "--job", job, "--steps", "2", "--wait", "--timeout", "120")
+        assert res.returncode == 0 and "done: 1 of 1 rank(s) wrote a trace" in res.stdout, res.stdout + res.stderr
+        assert "(in its container's own filesystem" in res.stdout, res.stdout
+        assert list((pod.data / "profile").glob("*/*.pt.trace.json"))
+        res = ctl(run, "stacks", "--job", job, "--timeout", "5")
+        assert res.returncode == 0 and "1 answered in-process" in res.stdout, res.stdout + res.stderr
+    finally:
+        os.killpg(daemon.pid, signal.SIGKILL)
+        daemon.wait(timeout=30)
+        for d in (run, state):
+            shutil.rmtree(d, ignore_errors=True)

@@ -146,7 +146,9 @@ def _pidfd_view(peer: Peer, pidfd: int) -> Peer:
         nspids = tuple(int(x) for x in lines.get("NSpid", "").split())
     except (OSError, KeyError, ValueError):
         return peer
-    if pid <= 0:
+    if pid == 0:  # alive, in a pid namespace this daemon does not see (a daemon in a pod without hostPID)
+        return peer
+    if pid < 0:  # -1: it exited
         return peer._replace(alive=False)
     return peer._replace(alive=pid == peer.pid, nspids=nspids or (pid,))
 

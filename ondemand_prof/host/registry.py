@@ -149,6 +149,7 @@ class RankInfo:
     # mount namespace: /proc/PID/root); None: the daemon's own
     host_trigger_dir: str | None = None  # with fs_root: its trigger directory as this host has it ("": nowhere)
     host_save_root: str | None = None  # with fs_root: its save root as this host has it ("": nowhere)
+    pid_seen: bool = True  # False: its process is in a pid namespace the daemon does not see (pid: the rank's word)
     observed_step_time: float | None = None  # from the steps and times of the last two heartbeats
     defaults: WindowDefaults | None = None  # what the rank's configuration fills into a request
     windows: list[dict[str, Any]] | None = None  # running and queued windows, from the last heartbeat
@@ -193,6 +194,7 @@ class RankInfo:
         in_step = None if in_step is None else round(in_step, 3)
         return {"job": self.job, "rank": self.rank, "world_size": self.world_size, "host": self.host,
                 "pid": self.pid, **({"ns_pid": self.ns_pid} if self.ns_pid is not None else {}),
+                **({} if self.pid_seen else {"pid_seen": False}),
                 "uid": self.uid, "owner": owner_name(self.uid),
                 "step": self.step, "step_estimate": self.estimated_step(wall),
                 "in_step_s": in_step, "stalled_s": None if stalled is None else round(stalled, 1),

@@ -119,9 +119,13 @@ class Service:
             peer = with_nspids(peer)
             check_registration(peer, msg, self.registry)
         msg, ns_pid = with_kernel_pid(peer, msg)
+        # a connector in a pid namespace this daemon does not see (the kernel gives pid 0: a daemon in a pod of
+        # its own without hostPID): its pid is the rank's word, a number of another namespace, never looked up
+        unseen = peer is not None and peer.pid == 0
         try:
             # the job is (the kernel's uid, the job id): another user's job of the same id is another job
-            info = self.registry.register(route, msg, time.monotonic(), time.time(), self.pid_check,
+            info = self.registry.register(route, msg, time.monotonic(), time.time(),
+                                          (lambda pid, thorough: False) if unseen else self.pid_check,
                                           uid=peer.uid if peer is not None else None)
         except RankConflict as exc:
             if exc.new:  # once per claimant, not at every retry
@@ -130,6 +134,7 @@ class Service:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         info.ns_pid = ns_pid
+        info.pid_seen = not unseen
         info.kernel_pid = peer is not None and info.pid == peer.pid  # the connector: a process of this host
         if info.kernel_pid and not own_mount_namespace(info.pid):  # a container's files: reached through its root
             info.fs_root = root_of(info.pid)
@@ -214,6 +219,8 @@ class Service:
         root = info.save_root
         if info.fs_root is not None and event == "done":
             data, root = self._pod_paths(info, data)
+        elif not info.pid_seen and event == "done":  # its files are where this daemon cannot look (no pid)
+            data = {**data, "pod_only": True}
         for key in ("path", "trace"):
             if data.get(key) is None:
                 problem = None
@@ -392,7 +399,7 @@ def check_registration(peer: Any, msg: dict[str, Any], registry: Registry) -> No
     if peer.alive is False:
         raise BadRequest(f"register: the process that opened this connection (pid {peer.pid}) has exited; a "
                          "connection passed on to another process does not make it a rank")
-    if peer.uid == 0:
+    if peer.uid == 0 or peer.pid == 0:  # (pid 0: not in this daemon's pid namespace, nothing to check it by)
         return
     pid = msg["pid"]
     if pid != peer.pid and pid not in peer.nspids[1:]:
@@ -450,19 +457,22 @@ def with_kernel_pid(peer: Any, msg: dict[str, Any]) -> tuple[dict[str, Any], int
     pid 1; None otherwise): `pid` becomes the process in the daemon's pid namespace, what liveness, conflicts and
     signals act on. A root rank that names another process keeps that pid (root may register anything)."""
     claimed = msg["pid"]
-    if peer is None or claimed == peer.pid or (peer.uid == 0 and claimed not in peer.nspids[1:]):
-        return msg, None
+    if peer is None or peer.pid == 0 or claimed == peer.pid or (peer.uid == 0 and claimed not in peer.nspids[1:]):
+        return msg, None  # (pid 0: the connector is in a pid namespace this daemon does not see)
     return {**msg, "pid": peer.pid}, claimed
 
 
 def pod_output_problem(info: RankInfo, path: Any) -> str | None:
     """output_path_problem for a path only the rank's container sees: a plain absolute path under the save root
-    it registered, that exists there and is the rank's uid's (looked at through /proc/PID/root, never read)."""
+    it registered, that exists there and is the rank's uid's (looked at through /proc/PID/root, never read; where
+    the daemon cannot see the rank's process at all, the path alone is checked)."""
     if not isinstance(path, str) or not path.startswith("/") or len(path) > 4096 or "\0" in path or \
             holds_lone_surrogate(path) or os.path.normpath(path) != path:
         return "not a plain absolute path"
     if not info.save_root or not path.startswith(info.save_root.rstrip("/") + "/"):
         return f"{path} is not under the rank's save root {info.save_root}"
+    if info.fs_root is None:  # a rank in a pid namespace this daemon does not see: its files cannot be looked at
+        return None
     try:
         st = os.stat(f"{info.fs_root}{path}", follow_symlinks=False)
     except OSError as exc:

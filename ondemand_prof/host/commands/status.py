@@ -96,12 +96,19 @@ def _job_text(job: str, ranks: list[dict[str, Any]], data: dict[str, Any], silen
         text += f"  {label}: {', '.join(places)}\n"
     # PID: the process as this host sees it (what kill, py-spy and the native dump act on); POD PID: the rank's
     # own view, shown where it lives in a pid namespace of its own (a container)
-    pod = any(r.get("ns_pid") is not None for r in ranks)
-    rows = [[str(r["rank"]), r["host"], str(r["pid"]), *([str(r.get("ns_pid") or "-")] if pod else []),
+    unseen = [r["rank"] for r in ranks if r.get("pid_seen") is False]
+    pod = unseen or any(r.get("ns_pid") is not None for r in ranks)
+    rows = [[str(r["rank"]), r["host"], "?" if r.get("pid_seen") is False else str(r["pid"]),
+             *([str(r["pid"] if r.get("pid_seen") is False else r.get("ns_pid") or "-")] if pod else []),
              str(r["step"]), ms(r["step_time_s"]), _state(r), f"{r['last_seen_s']:.1f} s ago", _vs_median(r)]
             for r in ranks]
     text += table(rows, ["RANK", "HOST", "PID", *(["POD PID"] if pod else []), "STEP", "STEP TIME", "STATE", "HEARD",
                          "VS MEDIAN"])
+    if unseen:
+        text += (f"rank(s) {spans(unseen)}: their processes are in a pid namespace this daemon does not see (PID ?, "
+                 "POD PID their own word): no native dump, no exit noticed before their heartbeats stop; run "
+                 "ondemand-profd in the host's pid namespace for those (Kubernetes: hostPID: true, "
+                 "docs/containers.md)\n")
     stall = (data.get("stalled") or {}).get(job)
     if stall:
         text += stall_text(job, stall) + "\n"

@@ -415,3 +415,36 @@ def test_a_daemon_that_cannot_see_the_pods_pids(host: dict[str, Any], pods: list
         daemon.wait(timeout=30)
         for d in (run, state):
             shutil.rmtree(d, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The Kubernetes deployment (deploy/kubernetes/), checked against Kubernetes' own schemas
+
+
+def test_the_kubernetes_manifests_are_valid() -> None:
+    """Every resource in deploy/kubernetes/ passes kubernetes-validate (the API's OpenAPI schemas, bundled:
+    no cluster), strictly (an unknown field is an error); the DaemonSet and the training pod share the runtime
+    directory, and the validator does catch a wrong field."""
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the test extra")
+    import yaml
+
+    docs = {path.name: [d for d in yaml.safe_load_all(path.read_text()) if d]
+            for path in sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))}
+    assert set(docs) == {"ondemand-profd.yaml", "training-pod.yaml"}, docs
+    version = kv.latest_version()
+    for name, resources in docs.items():
+        for resource in resources:
+            kv.validate(resource, version, strict=True)  # raises ValidationError, naming the field
+    daemonset = next(d for d in docs["ondemand-profd.yaml"] if d["kind"] == "DaemonSet")
+    spec = daemonset["spec"]["template"]["spec"]
+    pod = docs["training-pod.yaml"][0]["spec"]
+    runtime = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}["runtime"]
+    assert runtime in [v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["ONDEMAND_PROF_RUNTIME_DIR"] == runtime
+    command = spec["containers"][0]["command"]
+    assert command[command.index("--runtime-dir") + 1] == runtime and spec["hostPID"] is True
+    broken = json.loads(json.dumps(daemonset))
+    broken["spec"]["template"]["spec"]["hostPid"] = True  # a misspelt field
+    with pytest.raises(kv.ValidationError):
+        kv.validate(broken, version, strict=True)

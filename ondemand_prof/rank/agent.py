@@ -229,7 +229,8 @@ class Agent:
                                                  link.url if link is not None else None, moved=self._moved,
                                                  default_ranks=self.config.ondemand_ranks,
                                                  refused=link.refused if link is not None else None,
-                                                 untrusted=link.untrusted if link is not None else None))
+                                                 untrusted=link.untrusted if link is not None else None,
+                                                 notes=[n for ext in self.extensions if (n := ext.startup_note())]))
 
     def _link_daemon(self) -> None:
         try:

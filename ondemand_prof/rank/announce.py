@@ -56,11 +56,12 @@ def refusal_fix(reason: str) -> str:
 
 def startup_line(ident: Identity, trigger_path: Path, save_root: Path, daemon: str | None,
                  daemon_url: str | None, moved: bool = False, default_ranks: Sequence[int] = (ALL,),
-                 refused: str | None = None, untrusted: str | None = None) -> str:
+                 refused: str | None = None, untrusted: str | None = None, notes: Sequence[str] = ()) -> str:
     """rank, job, how to trigger (daemon or file: a command that captures this rank), where traces go; one
     line, commands between backquotes. daemon: the daemon's address when it registered this rank; daemon_url:
     where it was looked for (None: the daemon link is off); refused: why the daemon there refused this rank;
-    untrusted: why this rank does not register with the daemon's socket there."""
+    untrusted: why this rank does not register with the daemon's socket there; notes: what the agent's
+    extensions add (automatic captures and their baseline)."""
     who = f"rank {ident.rank} of {ident.world_size}, job {ident.job_id}"
     touch, which = trigger_command(ident.rank, trigger_path, default_ranks)
     if daemon:
@@ -75,7 +76,8 @@ def startup_line(ident: Identity, trigger_path: Path, save_root: Path, daemon: s
         how = f"capture with `{touch}` ({which}; no ondemand-profd answered at {daemon_url}: start one for ondemandctl)"
     else:
         how = f"capture with `{touch}` ({which})"
-    return f"ondemand_prof: {'now ' if moved else ''}{who}: {how}; traces go to {save_root.absolute()}"
+    extra = "".join(f"; {note}" for note in notes)
+    return f"ondemand_prof: {'now ' if moved else ''}{who}: {how}; traces go to {save_root.absolute()}{extra}"
 
 
 def written_line(ident: Identity | Any, result: dict[str, Any]) -> str:

@@ -150,6 +150,10 @@ class AutoCapture(Extension):
                  "median (cooldown %g s, at most %d per hour), compared with a baseline %s", self.steps, self.ratio,
                  self.cooldown_s, self.per_hour, self.baseline_text())
 
+    def startup_note(self) -> str:
+        return (f"automatic captures when {self.steps} steps in a row are {self.ratio:g}x the median, compared with "
+                f"a baseline {self.baseline_text()}")
+
     def baseline_text(self) -> str:
         """When the baseline is taken, as the start-up line says it."""
         if self.baseline_at == -1:

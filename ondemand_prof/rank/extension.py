@@ -22,6 +22,9 @@ class AgentExtension(Protocol):
     def reregister(self) -> None:
         """The rank's job, rank or trigger directory changed: say who we are again."""
 
+    def startup_note(self) -> str | None:
+        """What the rank's start-up line says of this extension, if anything."""
+
 
 class Extension:
     """The defaults of AgentExtension: nothing to do, no daemon."""
@@ -39,3 +42,6 @@ class Extension:
 
     def reregister(self) -> None:
         pass
+
+    def startup_note(self) -> str | None:
+        return None

@@ -101,12 +101,15 @@ def _without_importing_inductor() -> Iterator[None]:
 # gloo race"; bench/bench_gloo_race.py reproduces it with plain torch.profiler). Before stopping, a rank that uses
 # gloo waits until every gloo worker thread (torch names them pt_gloo_runloop) is back waiting for its next work
 # item: blocked in a futex wait with no deadline (the work queue's condition variable), which a worker enters only
-# once the work before, its end callbacks included, is over. A worker running, blocked on a lock (a futex wait
-# without a bitset), or in a collective (gloo's waits carry the process group's timeout) is not settled. At most
-# GLOO_SETTLE_S: a collective left running across the window's end (issued async, waited for later) is still
-# exposed to the race; the capture's metadata says so (gloo_settled: false). Where no worker thread carries the
-# name (an older torch), the wait falls back to "no other thread of the process is running".
+# once the work before, its end callbacks included, is over. A worker running or runnable, or blocked on a lock
+# (a futex wait without a bitset), is finishing a work item: waited for up to GLOO_BUSY_S (it needs only a turn on
+# a CPU; under load that took over 200 ms). A worker in a collective (gloo's waits carry the group's timeout) is
+# waited for up to GLOO_SETTLE_S: a collective left running across the window's end (issued async, waited for
+# later) is still exposed to the race, and the capture's metadata says so (gloo_settled: false). Where no worker
+# thread carries the name (an older torch, an architecture not listed), the wait falls back to "no other thread of
+# the process is running", for GLOO_SETTLE_S.
 GLOO_SETTLE_S = 0.2
+GLOO_BUSY_S = 2.0  # a worker finishing a work item (running, runnable, on a lock) is waited for longer
 GLOO_WORKER = "pt_gloo_runloop"
 # the futex system call's number, as /proc/<tid>/syscall shows it (elsewhere: the fallback below)
 _FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221, "s390x": 238}.get(platform.machine())
@@ -154,24 +157,29 @@ def gloo_workers() -> list[str]:
     return found
 
 
-def gloo_worker_idle(tid: str) -> bool:
-    """Whether gloo worker `tid` waits for its next work item: in a futex wait on a bitset (a condition variable)
-    with no deadline (/proc/self/task/TID/syscall: number, uaddr, op, val, timeout, ...). A thread that ended
-    counts as idle."""
+def gloo_worker_state(tid: str) -> str:
+    """What gloo worker `tid` does, from /proc/self/task/TID/syscall (number, uaddr, op, val, timeout, ...):
+    "idle" (a futex wait on a bitset, a condition variable, with no deadline: its work queue's; or the thread
+    ended), "collective" (a wait with a deadline, or another system call: gloo waits for its peers with the group's
+    timeout) or "busy" (running or runnable, or blocked on a lock: finishing a work item, end callbacks included)."""
     try:
         with open(f"/proc/self/task/{tid}/syscall", "rb") as fh:
             fields = fh.read().split()
     except FileNotFoundError:
-        return True
+        return "idle"
     if len(fields) < 5 or fields[0] != str(_FUTEX).encode():
-        return False  # running, or in another system call
-    return int(fields[2], 16) & 0x7F == _FUTEX_WAIT_BITSET and int(fields[4], 16) == 0
+        return "busy" if not fields or fields[0] in (b"running", b"-1") else "collective"
+    op, timeout = int(fields[2], 16) & 0x7F, int(fields[4], 16)
+    if op != _FUTEX_WAIT_BITSET:
+        return "busy"  # a mutex (FUTEX_WAIT, or a PI lock)
+    return "idle" if timeout == 0 else "collective"
 
 
-def settle_gloo_threads(max_s: float = GLOO_SETTLE_S) -> tuple[float, bool]:
+def settle_gloo_threads(max_s: float = GLOO_SETTLE_S, max_busy_s: float = GLOO_BUSY_S) -> tuple[float, bool]:
     """On the training thread, before the profiler stops: with gloo in use, wait (sleeping 1 ms at a time) until
-    every gloo worker waits for its next work item (module comment above), for at most `max_s`. Returns (seconds
-    waited, settled); never raises."""
+    every gloo worker waits for its next work item (module comment above): at most `max_s` while workers are only
+    in collectives, at most `max_busy_s` while one is finishing a work item (it needs only a turn on a CPU).
+    Returns (seconds waited, settled); never raises."""
     if not _uses_gloo():
         return 0.0, True
     started = time.monotonic()
@@ -179,9 +187,13 @@ def settle_gloo_threads(max_s: float = GLOO_SETTLE_S) -> tuple[float, bool]:
     try:
         workers = gloo_workers() if _FUTEX is not None else []
         me = str(threading.get_native_id())
-        while time.monotonic() - started < max_s:
-            if all(gloo_worker_idle(t) for t in workers) if workers else not _others_running(me):
-                settled = True
+        while True:
+            if workers:
+                states = {gloo_worker_state(t) for t in workers}
+                settled, limit = states == {"idle"}, max_busy_s if "busy" in states else max_s
+            else:
+                settled, limit = not _others_running(me), max_s
+            if settled or time.monotonic() - started >= limit:
                 break
             time.sleep(0.001)
     except OSError:  # no /proc: a plain pause instead

@@ -165,9 +165,9 @@ def tiny_lm(size: str, device: Any) -> tuple[Any, Callable[[], tuple[Any, Any]]]
 
 def native_child(device_name: str, work: Path) -> int:
     """Build the module (or find it built) and load it, profile the model on the device, and save the profile
-    twice: the reference with
-    export_chrome_trace in a forked child (kineto saves a result once per process; tests/test_trace_save.py does the
-    same), then with trace_save.save_trace, which must take the native way. Prints one RESULT line."""
+    twice: the reference with export_chrome_trace in a forked child (kineto saves a result once per process;
+    tests/test_trace_save.py does the same), then with trace_save.save_trace, which must take the native way.
+    Prints one RESULT line."""
     import torch
     from torch.autograd.profiler import record_function
 
@@ -618,8 +618,7 @@ def check_native(run: Run) -> str:
         raise Failed(f"built ({built}) but does not load: {r['why']}")
     problems = []
     if r.get("frees_result") is not True:
-        problems.append("the module does not free the result (frees_result False: ProfilerResult's layout differs "
-                        "here)")
+        problems.append(f"the module does not say it frees the result (frees_result {r.get('frees_result')})")
     if r.get("reference_exit") != 0:
         problems.append(f"the export_chrome_trace reference failed (exit {r.get('reference_exit')})")
     if r.get("way") != "native":
@@ -666,11 +665,11 @@ class Job:
         steps = "20" if run.quick else "200"
         size = "cuda" if run.cuda else "quick" if run.quick else "cpu"
         sleep = ["--step-sleep", "0.02"] if run.quick else []  # 2 loaded cores: the rank need not take one whole
-        self.rank = run.spawn("rank", [sys.executable, str(HERE), "--train", "--device", run.device, "--steps", steps,
-                                       *sleep,
-                                       "--size", size, "--dist", "nccl" if run.cuda else "gloo", "--stop-file",
-                                       str(self.stop), "--status-file", str(self.status), "--profile-save-path",
-                                       str(self.save), "--profile-job-id", JOB, "--profile-min-free-mb", "0"], env)
+        argv = [sys.executable, str(HERE), "--train", "--device", run.device, "--steps", steps, *sleep, "--size", size,
+                "--dist", "nccl" if run.cuda else "gloo", "--stop-file", str(self.stop), "--status-file",
+                str(self.status), "--profile-save-path", str(self.save), "--profile-job-id", JOB,
+                "--profile-min-free-mb", "0"]
+        self.rank = run.spawn("rank", argv, env)
 
         def registered() -> Any:
             if self.rank is not None and self.rank.poll() is not None:
@@ -683,8 +682,8 @@ class Job:
             return ranks if ranks and ranks[0].get("step_time_s") else None
 
         # its first steps in the status file (a read), then the daemon's view (a CLI process a poll)
-        run.wait_for(lambda: registered_early(self) or len(status_lines(self.status)) >= 3, "the rank's first steps",
-                     240, pause=0.2)
+        run.wait_for(lambda: fail_if_rank_exited(self) or len(status_lines(self.status)) >= 3,
+                     "the rank's first steps", 240, pause=0.2)
         ranks = run.wait_for(registered, "the rank to register and step", 120, pause=0.5)
         return f"rank registered, at step {ranks[0]['step']}, {ranks[0]['step_time_s'] * 1e3:.1f} ms a step"
 
@@ -723,7 +722,7 @@ class Job:
                 f"-> {statistics.mean(losses[-10:]):.3f} (last 10); exit 0 after the stop file")
 
 
-def registered_early(job: Job) -> bool:
+def fail_if_rank_exited(job: Job) -> bool:
     if job.rank is not None and job.rank.poll() is not None:
         raise Failed(f"the rank exited {job.rank.returncode} before its first steps (logs/rank.log: "
                      f"{last_line((job.run.logs / 'rank.log').read_text())})")

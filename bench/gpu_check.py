@@ -348,16 +348,6 @@ def describe_facts(facts: dict[str, int], activities: list[str]) -> str:
             f"annotations {facts['annotations']}")
 
 
-def fr_analyzer_copy(dumps: list[Path], into: Path) -> Path:
-    """The dumps renamed as torch's analyzer wants them (one name per rank, ending in the rank:
-    <prefix><rank>); ours are {host}_{pid}_rank{R}.fr_trace.pickle."""
-    into.mkdir(parents=True, exist_ok=True)
-    for f in dumps:
-        rank = re.search(r"_rank(\d+)\.fr_trace\.pickle$", f.name)
-        shutil.copyfile(f, into / f"fr_trace_rank_{rank.group(1) if rank else 0}")
-    return into
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The run: rows, commands with timeouts and logs, the budget
 
@@ -436,7 +426,7 @@ class Run:
     def time_left(self, cap: float) -> float:
         left = min(cap, self.check_deadline - time.monotonic())
         if left <= 1:
-            raise OutOfTime(f"the check's time ran out")
+            raise OutOfTime("the check's time ran out")
         return left
 
     def note(self, text: str) -> None:
@@ -852,7 +842,7 @@ def check_flight_recorder(run: Run, job: Job) -> str:
     import pickle
 
     rc, data = run.ctl_json("flight-recorder", "--job", JOB, "--timeout", "60", timeout=90)
-    files = sorted(job.save.glob("flight-recorder-*/*.fr_trace.pickle"))
+    files = sorted(job.save.glob("flight-recorder-*/fr_trace_rank_*"))
     if len(files) != 1:
         raise Failed(f"{len(files)} dump(s) written (exit {rc})")
     dump = pickle.loads(files[0].read_bytes())
@@ -861,16 +851,16 @@ def check_flight_recorder(run: Run, job: Job) -> str:
     if f"{lib}:all_reduce" not in names:
         raise Failed(f"no {lib}:all_reduce among the dump's {len(dump.get('entries', []))} entries ({names[:5]})")
     groups = data.get("summary", {}).get("process_groups", [])
-    # torch's analyzer, on the folder as we write it, then on a copy named as it wants (<prefix><rank>)
-    copy = fr_analyzer_copy(files, run.work / "fr_for_analyzer")
-    res = run.cmd([sys.executable, str(HERE), "--fr-child", str(files[0].parent), str(copy), str(run.work)],
-                  timeout=180)
+    # torch's analyzer on the folder as we write it (fr_trace_rank_{R}: its prefix, then the rank)
+    folder = files[0].parent
+    res = run.cmd([sys.executable, str(HERE), "--fr-child", str(folder), str(folder), str(run.work)], timeout=180)
     result = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
     if not result:
         raise Failed(f"the analyzer child gave no result (exit {res.returncode}): {last_line(res.stderr)}")
     fr = json.loads(result[-1][len("RESULT "):])
-    written = ("the folder as written reads too" if fr["as_written"]["ok"] else
-               f"the folder as written is refused ({fr['as_written']['error'][:70]})")
+    if not fr["as_written"]["ok"]:
+        raise Failed(f"torch's analyzer refuses the folder as written: {fr['as_written']['error'][:90]}")
+    written = "the folder read as written"
     figure = (f"{len(dump['entries'])} entries (version {dump.get('version')}; "
               f"{', '.join(n for n in names if n)[:60]}), "
               f"{len(groups)} process group(s) summarised; torch's analyzer: ")
@@ -880,7 +870,7 @@ def check_flight_recorder(run: Run, job: Job) -> str:
     if run.cuda:
         if not fr["full"]["ok"]:
             raise Failed(figure + f", fr_trace fails: {fr['full']['error']}; {written}")
-        return figure + f", fr_trace builds its database ({fr['full']['value']} bytes) from the renamed copy; {written}"
+        return figure + f", fr_trace builds its database ({fr['full']['value']} bytes); {written}"
     figure += ", fr_trace's matching " + ("works too" if fr["full"]["ok"] else
                                           f"does not take gloo's dump ({fr['full']['error'][:40]}: gloo's pg_config "
                                           "names the group '')")

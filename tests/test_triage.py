@@ -138,10 +138,16 @@ def test_memory_and_flight_recorder_on_cpu_say_so(env: dict[str, Any]) -> None:
     # gloo on this torch keeps a flight recorder: a real dump per rank, and both ranks entered the same collectives
     res = ctl(env["run"], "flight-recorder", "--timeout", "60")  # (the default 5 s is short on a loaded machine)
     assert res.returncode == 0, res.stdout + res.stderr
-    # named {host}_{pid}_rank{R}: ordered by rank here, not by name (a pid that wrapped would sort first)
-    files = sorted(env["save"].glob("flight-recorder-*/*.fr_trace.pickle"), key=lambda f: f.name.rsplit("_rank", 1)[1])
-    assert [f.name.rsplit("_rank", 1)[1] for f in files] == ["0.fr_trace.pickle", "1.fr_trace.pickle"], files
+    files = sorted(env["save"].glob("flight-recorder-*/fr_trace_rank_*"))
+    assert [f.name for f in files] == ["fr_trace_rank_0", "fr_trace_rank_1"], files
     dump = pickle.loads(files[0].read_bytes())
+    # torch's own analyzer reads the folder as written (it infers the prefix, then the rank, from the names)
+    import argparse
+
+    from torch.distributed.flight_recorder.components.loader import read_dir
+
+    details, _ = read_dir(argparse.Namespace(trace_dir=str(files[0].parent), prefix=None))
+    assert sorted(d["rank"] for d in details.values()) == [0, 1]
     assert any(e["profiling_name"] == "gloo:all_reduce" for e in dump["entries"])
     assert "process group 0 (default_pg), rank(s) 0-1" in res.stdout, res.stdout
     for p in procs:

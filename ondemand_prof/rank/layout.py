@@ -82,6 +82,11 @@ class CaptureLayout:
         {save}/{capture}/{host}_{pid}_rank{R}.{kind}"""
         return self.save_root / safe_name(capture_id) / safe_name(f"{self.host}_{self.pid}_rank{rank}.{kind}")
 
+    def flight_recorder_path(self, capture_id: str, rank: int) -> Path:
+        """A rank's flight-recorder dump: {save}/{capture}/fr_trace_rank_{R}, the names torch's analyzer
+        (torchfrtrace, torch.distributed.flight_recorder) reads a folder of: a common prefix, then the rank."""
+        return self.save_root / safe_name(capture_id) / f"fr_trace_rank_{rank}"
+
     def remove_stale_staging(self) -> list[Path]:
         """Staging dirs left by crashed processes of this host (their pid is gone) are removed at start-up."""
         removed: list[Path] = []

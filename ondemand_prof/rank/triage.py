@@ -326,7 +326,7 @@ class Triage(Extension):
         if raw is None:
             return {"ok": False, "unavailable": True, "error": why}
         dump = pickle.loads(raw)  # noqa: S301 - bytes our own process's torch produced just now
-        path = self._path(capture_id, "fr_trace.pickle")
+        path = self.prof.layout.flight_recorder_path(capture_id, self.prof.identity().rank)
         write_private(path, raw)
         return {"ok": True, "path": str(path), "bytes": len(raw), **flight_recorder_digest(dump)}
 

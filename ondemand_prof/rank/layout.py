@@ -9,7 +9,8 @@
         {host}_{pid}_{YYYYmmddHHMMSSmmm}_ascend_pt/        torch_npu: its own directory, as torch_npu names it
         .{rank directory}.partial/                         staging, renamed when complete
         {host}_{pid}_rank{R}.memory.pickle                 triage files (ondemandctl memory, flight-recorder):
-        {host}_{pid}_rank{R}.fr_trace.pickle               {capture} is then the triage request's id
+        fr_trace_rank_{R}                                  {capture} is then the triage request's id (the
+                                                           flight recorder's as torch's analyzer reads them)
 
 {capture} is the capture id (ondemandctl's, `file-<version>` for a trigger file, `static-<job>-<start>-<end>`
 for the configured window). HTA reads every *.json directly in a folder as a rank's trace, which is why the

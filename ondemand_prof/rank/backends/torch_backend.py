@@ -7,7 +7,7 @@ trace export runs on our background worker rather than inside on_trace_ready on 
 Level mapping (README "Levels"):
     level_none  CPU activity; the exported trace keeps only annotations (ProfilerStep#N, record_function ranges)
     level0      CPU operators + device kernels (CUDA when available)
-    level1      level0 + FLOP counts and input shapes (collective sizes)
+    level1      level0 + input shapes (collective sizes); with_flops (torch 2.13 exports no counts in the trace)
     level2      level1 + memory events
 User flags (with_stack, with_memory, record_shapes) add to whatever the level turns on.
 """

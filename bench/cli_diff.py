@@ -22,7 +22,6 @@ import io
 import itertools
 import json
 import os
-import re
 import shutil
 import socket
 import sys
@@ -105,7 +104,8 @@ class Rank:
             trace = folder / f"rank{self.rank}.pt.trace.json.gz"
             trace.write_bytes(b"x")
             events += [("scheduled", {**win, "current_step": self.step}),
-                       ("recording", {**win, "late_by": shift, **({"note": "it got the window late"} if shift else {})}),
+                       ("recording", {**win, "late_by": shift,
+                                      **({"note": "it got the window late"} if shift else {})}),
                        ("writing", win),
                        ("done", {**win, "path": str(folder), "trace": str(trace),
                                  "steps": list(range(start + shift, end + shift))})]
@@ -271,8 +271,22 @@ def set_modes(modes: dict[tuple[str, int], str]) -> None:
             rank.beat()
 
 
+RUNS = itertools.count()
+IDS = itertools.count(1)
+
+
 def run(argv: list[str]) -> str:
+    """One invocation, from a clock, steps and ids of its own: what one prints does not shift what the next do."""
     from ondemand_prof.host import ctl, fanout
+
+    n = next(RUNS)
+    CLOCK.now = T0 + 100.0 * n
+    global IDS
+    IDS = itertools.count(1 + 256 * n)
+    for host in HOSTS.values():
+        for rank in host.ranks.values():
+            rank.step = 100 + 1000 * n
+            rank.beat()
 
     ctl.Client = lambda runtime_dir, timeout=5.0: Client(HOSTS["h1"], timeout)  # type: ignore[assignment]
     fanout.Fanout = Fanout  # type: ignore[assignment,misc]
@@ -338,10 +352,10 @@ def main() -> None:
     time.tzset()
     import secrets
 
-    ids = itertools.count(1)
-    secrets.token_hex = lambda n=None: f"{next(ids):0{2 * (n or 32)}x}"  # type: ignore[assignment]
+    secrets.token_hex = lambda n=None: f"{next(IDS):0{2 * (n or 32)}x}"  # type: ignore[assignment]
     time.time, time.monotonic, time.sleep = CLOCK.time, CLOCK.monotonic, CLOCK.sleep  # type: ignore[assignment]
     socket.gethostname = lambda: "node-h1"  # type: ignore[assignment]
+    os.getpid = lambda: 4242  # the daemon's pid, as status prints it
     import logging
 
     logging.disable(logging.CRITICAL)
@@ -369,7 +383,6 @@ def main() -> None:
         texts.append(run(["--hosts", "h1,h2", "show", cid, "--json"]))
     text = "\n".join(texts)
     text = text.replace(str(WORK), "<WORK>")
-    text = re.sub(rf"\b{os.getpid()}\b", "<PID>", text)
     sys.stdout.write(text)
     sys.stderr.write(f"{len(texts)} invocations, {text.count(chr(10))} lines\n")
 

@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import pytest
 import zmq
 
-from conftest import end_test_env, ROOT, assert_ok, captures, ctl, ctl_json, live_ranks, short_dir, start_daemon, start_ranks, \
-    trace_steps, wait_all, wait_for
+from conftest import end_test_env, ROOT, assert_ok, base_env, captures, ctl, ctl_json, live_ranks, short_dir, \
+    start_daemon, start_ranks, trace_steps, wait_all, wait_for
 
 TRAIN = ["--step-sleep", "0.02", "--profile-min-free-mb", "0", "--profile-ranks", "-1"]
 
@@ -384,3 +384,40 @@ def test_cancel_progress_and_usage_errors(env: dict[str, Any]) -> None:
     assert html.returncode == 2 and "--html needs --report" in html.stderr
     for p in procs:
         p.terminate()
+
+
+def test_a_capture_racing_a_touched_window_the_daemon_has_not_heard_of_is_planned_after_it(env: dict[str, Any]) -> None:
+    """A trigger file's 150-step window and `capture --ranks 0 --steps 2 --wait` reach the rank together, before
+    any heartbeat told the daemon of the file's window (the rank is stopped, SIGSTOP, while the trigger is written
+    and the capture planned; both wait for it). The rank refuses the daemon's window as busy, naming the file's;
+    the daemon plans the capture again once, after it, and the capture is done. It was `failed` (`rejected:
+    busy: window [..) (file, ...) holds the profiler`)."""
+    from test_triggers import rank_status
+
+    daemon(env)
+    trig, steps = env["save"].parent / "trigger", env["save"].parent / "steps.jsonl"
+    (proc,) = ranks(env, 1, 1_000_000, "--step-sleep", "0.05", "--profile-trigger-dir", str(trig),
+                    "--status-file", str(steps))
+    wait_stepping(env, 1)
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        (trig / "capture").write_text('{"steps": 150}')
+        wait = subprocess.Popen([str(ROOT / "bin" / "ondemandctl"), "capture", "--ranks", "0", "--steps", "2",
+                                 "--wait", "--timeout", "120"], stdout=subprocess.PIPE, text=True,
+                                env=base_env(ONDEMAND_PROF_RUNTIME_DIR=str(env["run"])))
+        env["procs"].append(wait)
+        planned = wait.stdout.readline()  # type: ignore[union-attr] - the daemon sent the window: planned
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    out, _ = wait.communicate(timeout=150)
+    out = planned + out
+    file_window = wait_for(lambda: (s := rank_status(trig, 0)) and s["latest"].get("window"), 30, "the file window")
+    assert wait.returncode == 0, out
+    assert "done: 1 of 1 rank(s) wrote a trace" in out, out
+    assert f"  replanned: steps [" in out, out
+    (listed,) = ctl_json(env["run"], "list")["captures"]
+    assert listed["status"] == "done" and listed["window"][0] >= file_window[1], (listed, file_window)
+    shown = ctl(env["run"], "show", listed["capture_id"])
+    assert f"replanned after window [{file_window[0]}, {file_window[1]}) (file, " in shown.stdout, shown.stdout
+    caps = {c["trigger"]["source"]: c for c in captures(env["save"])}
+    assert trace_steps(caps["daemon"]) == list(range(*listed["window"]))

@@ -233,6 +233,65 @@ def test_service_handlers_without_sockets(tmp_path) -> None:
         assert err["type"] == "error" and text in err["error"], err
 
 
+def test_a_capture_refused_for_a_window_the_daemon_did_not_know_is_planned_again_once(tmp_path: Path) -> None:
+    """Rank 0 refuses the daemon's window as busy with a trigger file's window the daemon had not heard of: the
+    refusal is held until rank 1 has answered, then the capture is planned after the file's window and both
+    ranks get the new one; rank 1's late refusal of the old window is dropped. Planned again once: a refusal of
+    the new window stands. An absolute --start-step is never moved."""
+    from ondemand_prof.core.options import ProfileConfig
+    from ondemand_prof.core.requests import WindowDefaults, window_from_wire
+    from ondemand_prof.host.commands import DAEMON_COMMANDS
+    from ondemand_prof.host.records import RecordStore
+    from ondemand_prof.host.service import Service
+
+    svc = Service(RecordStore(tmp_path), DAEMON_COMMANDS, host="h", runtime_dir=tmp_path, state_dir=tmp_path,
+                  pid_check=lambda pid, thorough: True)
+    defaults = WindowDefaults.from_config(ProfileConfig()).to_wire()
+    for r in (0, 1):
+        svc.handle(b"r%d" % r, {"type": "register", "job": "j", "rank": r, "world_size": 2, "host": "h",
+                                "pid": 10 + r, "step": 100, "began": time.time(), "step_time": 0.1,
+                                "defaults": defaults})
+    record = json.loads(svc.handle(b"cli", {"type": "capture", "id": 1, "request": {"steps": 2}}))["data"]
+    cid, (start, end) = record["capture_id"], record["window"]
+    sent = [window_from_wire(json.loads(b)["window"]) for _, b in svc.outbox]
+    assert {(w.start, w.end) for w in sent} == {(start, end)}
+    svc.outbox.clear()
+
+    def event(r: int, state: str, window: list[int], **info: Any) -> None:
+        svc.handle(b"r%d" % r, {"type": "event", "capture_id": cid, "event": state,
+                                "info": {"window": window, **info}})
+
+    busy = f"busy: window [{start - 1}, {start + 149}) (file, file-1) holds the profiler"
+    for r in (0, 1):
+        event(r, "received", [start, end])
+    event(0, "rejected", [start, end], error=busy)
+    held = svc.store.records[cid]
+    assert held.part(0)["state"] == "received" and held.status == "running" and not svc.outbox  # rank 1 to answer
+    event(1, "scheduled", [start, end])
+    replanned = svc.store.records[cid].data
+    assert replanned["window"] == [start + 149, start + 151], replanned["window"]
+    assert replanned["plan"]["replanned"] == {"from": [start, end], "why": (
+        f"replanned after window [{start - 1}, {start + 149}) (file, file-1), which held rank(s) 0 and the daemon "
+        f"had not heard of (from step {start} to {start + 149})")}
+    again = {route: window_from_wire(json.loads(b)["window"]) for route, b in svc.outbox}
+    assert {r: (w.start, w.end, w.capture_id) for r, w in again.items()} == {
+        b"r0": (start + 149, start + 151, cid), b"r1": (start + 149, start + 151, cid)}
+    assert again[b"r0"].note.startswith("replanned after window")
+    event(1, "rejected", [start, end], error=busy)  # about the old window: dropped
+    assert held.part(1)["state"] == "scheduled"
+    new = replanned["window"]
+    event(0, "scheduled", new)
+    event(1, "rejected", new, error=f"busy: window [{new[0]}, {new[0] + 50}) (signal, s-1) holds the profiler")
+    assert held.part(1)["state"] == "rejected" and held.part(0)["state"] == "scheduled"  # once only
+
+    absolute = json.loads(svc.handle(b"cli", {"type": "capture", "id": 2, "request": {"steps": 2, "ranks": [0],
+                                                                                     "start_step": 1000}}))["data"]
+    cid = absolute["capture_id"]
+    event(0, "received", [1000, 1002])
+    event(0, "rejected", [1000, 1002], error="busy: window [990, 1100) (file, file-2) holds the profiler")
+    assert svc.store.records[cid].status == "failed"
+
+
 def test_a_rank_reports_several_events_in_one_message(tmp_path: Path) -> None:
     """The daemon says at registration how many events a message may carry; a batch is applied in order, and a
     batch with one bad item (or too many) is refused whole, with the reason."""

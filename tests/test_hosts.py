@@ -665,8 +665,8 @@ def test_a_silent_host_is_unreachable_not_failed_and_show_tells_the_truth_later(
     record = json.loads(out)
     states = {int(k): p["state"] for k, p in record["parts"].items()}
     # (its last known state: what the CLI last heard, which on a loaded machine may be from before "scheduled")
-    assert states[3] == "unreachable" and record["parts"]["3"]["last_state"] in ("sent", "received", "scheduled", "recording",
-                                                                               "writing")
+    assert states[3] == "unreachable" and record["parts"]["3"]["last_state"] in (
+        "sent", "received", "scheduled", "recording", "writing")
     # the others finish (exit 3: partial), or on a loaded machine may still be writing at --timeout (exit 5)
     assert all(states[r] in ("scheduled", "recording", "writing", "done") for r in range(3)), states
     assert proc.returncode == (3 if all(states[r] == "done" for r in range(3)) else 5), out + err

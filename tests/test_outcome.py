@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from conftest import ROOT, base_env, ctl, ctl_json, free_port, start_ranks, status_lines, wait_for
-from test_daemon import daemon, env, wait_stepping  # noqa: F401 - env is a fixture: a runtime dir, a state dir, the processes
+from test_daemon import daemon, env, wait_stepping  # noqa: F401 - env is a fixture (a runtime dir, a state dir)
 
 pytest.importorskip("prometheus_client")
 from test_metrics import metrics_url, scrape  # noqa: E402

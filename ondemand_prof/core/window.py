@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, TypeGuard
 
@@ -55,6 +56,27 @@ class Window:
         return {"capture_id": self.capture_id, "start_step": self.start, "end_step": self.end,
                 "options": asdict(self.options), "source": self.source, "note": self.note,
                 "requested": dict(self.requested)}
+
+
+def busy_reason(blocking: Window) -> str:
+    """Why a rank refuses a window: `blocking` holds the profiler then. The one text of it, which the daemon reads
+    back (busy_window) to plan the capture again after a window it had not heard of."""
+    return f"busy: window {blocking.describe()} ({blocking.source}, {blocking.capture_id}) holds the profiler"
+
+
+_BUSY = re.compile(r"busy: window \[(\d+), (\d+|close)\) \(([^,()]{0,32}), ([^,()]{0,128})\) holds the profiler")
+
+
+def busy_window(reason: Any) -> dict[str, Any] | None:
+    """The window a busy refusal (busy_reason) names, as heartbeats list windows ({capture_id, start, end, source};
+    end None: until close), or None when `reason` is no such refusal."""
+    m = _BUSY.fullmatch(reason) if isinstance(reason, str) else None
+    if m is None:
+        return None
+    start, end = int(m.group(1)), None if m.group(2) == "close" else int(m.group(2))
+    if not _step(start) or (end is not None and (not _step(end) or end <= start)):
+        return None
+    return {"capture_id": m.group(4), "start": start, "end": end, "source": m.group(3), "state": "busy"}
 
 
 def _step(value: Any) -> TypeGuard[int]:

@@ -16,7 +16,7 @@ import math
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from ..core.files import iso_epoch, iso_time, write_json_atomic
 from ..core.ids import valid_id
@@ -25,6 +25,7 @@ from ..core.safedir import ensure_private_dir
 from ..core.protocol import FINAL_STATES, PID_MAX
 from ..core.ranks import MAX_RANK
 from ..core.bounds import MAX_STEP, bounded_int
+from ..core.window import busy_window
 from .alignment import MISALIGNED, mark_misaligned, recorded
 
 log = logging.getLogger("ondemand_prof.host.profd")
@@ -117,6 +118,12 @@ def new_capture_id(wall: float) -> str:
     return f"{stamp}-{secrets.token_hex(3)}"
 
 
+# planning a capture again (host/commands/capture.py): the record, its ranks' busy refusals (rank -> the event's
+# info), the wall clock; True when the capture was planned again and its windows sent
+Replan = Callable[["CaptureRecord", dict[int, dict[str, Any]], float], bool]
+UNANSWERED = ("sent", "received")  # a part whose rank has not yet said whether it takes its window
+
+
 class CaptureRecord:
     """One capture: the request, the window, and a part per target rank."""
 
@@ -131,6 +138,13 @@ class CaptureRecord:
         # counted once here and kept up to date, so an event costs O(1) however many ranks a capture has
         self.open_parts = sum(p["state"] not in FINAL_STATES for p in data["parts"].values())
         self.created = iso_epoch(data["created_at"])  # (its text misorders across a DST fold)
+        # A capture the daemon may plan again once (Capture.execute gives it `replan`): a rank's refusal as busy
+        # with a window the daemon had not heard of (a trigger file's, begun before its heartbeat said so) is
+        # held until every rank has answered the window, then the capture is planned after the windows named,
+        # and the refusals are applied only when it cannot be. Answers to a window planned again are dropped.
+        self.replan: Replan | None = None
+        self._busy: dict[int, dict[str, Any]] = {}
+        self._superseded: list[list[int]] = []
 
     @classmethod
     def new(cls, capture_id: str, job: str, request: dict[str, Any], plan: Plan | Mapping[str, Any],
@@ -170,6 +184,18 @@ class CaptureRecord:
             return False
         if part["state"] in FINAL_STATES or PART_STATES.index(state) <= PART_STATES.index(part["state"]):
             return False  # late, repeated or out of order: a part only moves forward
+        if isinstance(info, dict) and info.get("window") in self._superseded:
+            return False  # about a window this capture was planned again from
+        if state == "rejected" and self.replan is not None and isinstance(info, dict) and \
+                busy_window(info.get("error")) is not None:
+            self._busy[rank] = dict(info)
+            return self._answered(wall)
+        moved = self._move(rank, part, state, info, wall)
+        if self._busy:
+            self._answered(wall)
+        return moved
+
+    def _move(self, rank: int, part: dict[str, Any], state: str, info: Any, wall: float) -> bool:
         if state in FINAL_STATES:
             self.open_parts -= 1
         part["state"] = state
@@ -184,6 +210,32 @@ class CaptureRecord:
             self._settle()
         self.part_changed(rank)
         return True
+
+    def _answered(self, wall: float) -> bool:
+        """Busy refusals are held: once every other rank has answered the window, the capture is planned again
+        (once), or else the refusals are applied. True when the record changed."""
+        if any(p["state"] in UNANSWERED for k, p in self.data["parts"].items() if int(k) not in self._busy):
+            return False
+        busy, self._busy = self._busy, {}
+        replan, self.replan = self.replan, None
+        if replan is not None and replan(self, busy, wall):
+            return True
+        for rank, info in busy.items():
+            part = self.part(rank)
+            if part is not None and part["state"] not in FINAL_STATES:
+                self._move(rank, part, "rejected", info, wall)
+        return True
+
+    def planned_again(self, plan: Plan, why: str) -> None:
+        """The capture planned again (its windows are being sent): the record's window, plan and every part's
+        window are the new ones, `plan.replanned` says from where and why; answers to the old window are dropped."""
+        old = list(self.data["window"])
+        self._superseded.append(old)
+        self.data["window"] = [plan.start_step, plan.end_step]
+        self.data["plan"] = {**plan.as_dict(), "replanned": {"from": old, "why": why}}
+        for key, part in self.data["parts"].items():
+            part["window"] = list(self.data["window"])
+            self.part_changed(int(key))
 
     def part_changed(self, rank: int) -> None:
         """A part of this record changed (in place): a new version, and the part is in the next changes-only view."""

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from ..core.window import Phase, Window, plan_begin, recorded_steps
+from ..core.window import Phase, Window, busy_reason, plan_begin, recorded_steps
 from .backends.base import Session
 
 log = logging.getLogger("ondemand_prof")
@@ -78,10 +78,15 @@ class Scheduler:
         skipped when its time comes."""
         if self.disabled or self.closed:
             return False, "profiler disabled" if self.disabled else "profiler closed"
+        if window.source == "daemon" and window.capture_id:
+            if self.active is not None and self.active.window.capture_id == window.capture_id:
+                return False, f"capture {window.capture_id} is already recording here"
+            # the daemon planned this capture again (after a window it had not heard of): the new plan replaces
+            # the one queued
+            self.queue = [q for q in self.queue if q.window.capture_id != window.capture_id]
         blocking = self.blocking(window)
         if blocking is not None:
-            return False, f"busy: window {blocking.describe()} ({blocking.source}, {blocking.capture_id}) " \
-                          f"holds the profiler"
+            return False, busy_reason(blocking)
         self.queue.append(Queued(window, listener, arrived_at=step))
         self.queue.sort(key=lambda q: q.window.start)
         return True, "scheduled"

@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING, Any, Callable, TextIO
 from ...core.options import add_window_flags, window_overrides
 from ...core.protocol import encode
 from ...core.ranks import RankSpecError, parse_ranks, spans
-from ...core.requests import RequestError, WindowDefaults, parse_request, resolve
+from ...core.requests import CaptureRequest, RequestError, WindowDefaults, parse_request, resolve
+from ...core.window import Window, busy_window
 from ..alignment import late_refusal, refuse_parts
 from ..client import EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, OneHost, dumps
 from ..multihost import give_up, launch
 from ..planning import capture_record, common_cap, no_window
 from ..records import CaptureRecord, Plan, new_capture_id
 from ..registry import plan_window, select_ranks, stalls
-from ..service import BadRequest, Service
+from ..service import BadRequest, Service, of_job
 from ..summaries import merge_summaries
 from .base import Command, add_job_flag, opt_str, window_text
 from .follow import exit_for, follow, result_text, running
@@ -113,21 +114,8 @@ class Capture(Command):
         except (RequestError, ValueError) as exc:
             raise BadRequest(str(exc)) from None
         capture_id = _adopted_id(service, msg) or new_capture_id(wall)
-        # ranks of one job nearly always share their defaults: resolve and encode once per distinct defaults
-        # (per rank, that was most of the time from request to the last rank's window at 64 ranks)
-        distinct: list[tuple[WindowDefaults, Any]] = []
-
-        def window_for(d: WindowDefaults) -> Any:
-            for known, window in distinct:
-                if known == d:
-                    return window
-            window = resolve(request, dataclasses.replace(d, max_steps=defaults.max_steps), planned["start_step"],
-                             source="daemon", capture_id=capture_id, extra={"via": "ondemand-profd"})
-            distinct.append((d, window))
-            return window
-
-        windows = {t.rank: window_for(t.defaults or defaults) for t in targets}
-        first = windows[targets[0].rank]
+        windows = Windows(request, defaults, planned["start_step"], capture_id, targets)
+        first = windows.first
         plan = Plan.of(planned, first.note)  # the plan whole (the cap's note too) before any window leaves
         record = CaptureRecord.new(capture_id, live[0].job, request.as_dict(), plan, first.options.as_dict(),
                                    [{"rank": t.rank, "host": t.host, "pid": t.pid, "uid": t.uid} for t in targets],
@@ -141,13 +129,11 @@ class Capture(Command):
         service.store.add(record, save=False)
         if msg.get("baseline") is True:  # the job's baseline once it records something (records.py baseline_of)
             record.data["baseline"] = True
+        if request.start_step is None and msg.get("across_hosts") is not True:  # (across hosts: the same steps
+            # everywhere or none; an absolute start is what was asked)
+            record.replan = Replanner(service, request, defaults, steps, live[0].key)
         service.then(lambda: service.store.save(record))  # on disk before the CLI's reply, after the windows leave
-        bodies: dict[int, bytes] = {}  # each distinct window encoded once, now that the plan's note is known
-        for _, window in distinct:
-            wire = dataclasses.replace(window, note=plan.note) if plan.after else window
-            bodies[id(window)] = encode("capture", window=wire.to_wire())
-        for t in targets:
-            service.send(t.route, bodies[id(windows[t.rank])])
+        windows.send(service, targets, plan.note if plan.after else None)
         log.info("ondemand-profd: capture %s: job %s, %d rank(s), steps [%d, %d)%s", capture_id, job, len(targets),
                  plan.start_step, plan.end_step, f" ({plan.note})" if plan.note else "")
         return {**record.view(), "asked_by": asker}  # the CLI says so when the job is another user's
@@ -224,6 +210,85 @@ def waits(args: argparse.Namespace) -> bool:
 
 # ----------------------------------------------------------------------------------------------------------
 # The daemon's planning helpers
+
+class Windows:
+    """The window of each target rank, resolved from the request with its defaults: ranks of one job nearly
+    always share theirs, so each distinct defaults is resolved and encoded once (per rank, that was most of the
+    time from request to the last rank's window at 64 ranks)."""
+
+    def __init__(self, request: CaptureRequest, defaults: WindowDefaults, start: int, capture_id: str,
+                 targets: list[Any]) -> None:
+        self.distinct: list[tuple[WindowDefaults, Window]] = []
+        self.of = {t.rank: self._window(request, t.defaults or defaults, defaults.max_steps, start, capture_id)
+                   for t in targets}
+        self.first = self.of[targets[0].rank]
+
+    def _window(self, request: CaptureRequest, d: WindowDefaults, max_steps: int, start: int,
+                capture_id: str) -> Window:
+        for known, window in self.distinct:
+            if known == d:
+                return window
+        window = resolve(request, dataclasses.replace(d, max_steps=max_steps), start, source="daemon",
+                         capture_id=capture_id, extra={"via": "ondemand-profd"})
+        self.distinct.append((d, window))
+        return window
+
+    def send(self, service: Service, targets: list[Any], note: str | None) -> None:
+        """To every target; `note` (what the plan changed) on the wire when given."""
+        bodies: dict[int, bytes] = {}  # each distinct window encoded once
+        for _, window in self.distinct:
+            wire = dataclasses.replace(window, note=note) if note is not None else window
+            bodies[id(window)] = encode("capture", window=wire.to_wire())
+        for t in targets:
+            service.send(t.route, bodies[id(self.of[t.rank])])
+
+
+class Replanner:
+    """A capture planned again, once, after windows its ranks refused it for and the daemon had not heard of: a
+    trigger file's window (or a signal's, an automatic one) begun before the rank's next heartbeat said so. The
+    record (records.py CaptureRecord.replan) holds the ranks' busy refusals until every rank has answered; then
+    the capture is planned with what the daemon knows now plus the windows refused for, and the same window goes
+    to every target (a rank drops the window it had queued for this capture: rank/scheduler.py)."""
+
+    def __init__(self, service: Service, request: CaptureRequest, defaults: WindowDefaults, steps: int,
+                 job_key: Any) -> None:
+        self.service, self.request, self.defaults, self.steps, self.job_key = \
+            service, request, defaults, steps, job_key
+
+    def __call__(self, record: CaptureRecord, busy: dict[int, dict[str, Any]], wall: float) -> bool:
+        parts = record.data["parts"]
+        if record.data.get("cancel_requested") or any(
+                p["state"] != "scheduled" for k, p in parts.items() if int(k) not in busy):
+            return False  # a rank began the window or ended: the steps could no longer be the same everywhere
+        live = {(r.rank, r.pid): r for r in self.service.registry.by_route.values() if of_job(record, r)}
+        targets = [live.get((p["rank"], p["pid"])) for p in parts.values()]
+        if any(t is None for t in targets):
+            return False
+        blocking = {rank: busy_window(info.get("error")) for rank, info in busy.items()}
+        cid = record.capture_id
+        known = [dataclasses.replace(t, windows=[w for w in t.windows or [] if w["capture_id"] != cid] + [
+            w for w in [blocking.get(t.rank)] if w is not None and w["capture_id"] not in
+            {x["capture_id"] for x in t.windows or []}]) for t in targets if t is not None]
+        try:
+            planned = plan_window(known, wall, start=self.request.start, start_step=None, steps=self.steps,
+                                  delivery_s=self.service.delivery.estimate(self.job_key))
+        except ValueError:  # an open-ended window in the way: the refusal stands
+            return False
+        old = record.data["window"]
+        if planned["start_step"] <= old[0]:
+            return False  # nothing to move it after (the window refused for has ended)
+        named = sorted({(w["start"], w["end"], w["source"], w["capture_id"]) for w in blocking.values() if w})
+        why = (f"replanned after window{'s' if len(named) > 1 else ''} " +
+               ", ".join(f"[{a}, {'close' if b is None else b}) ({src}, {c})" for a, b, src, c in named) +
+               f", which held rank(s) {spans(sorted(busy))} and the daemon had not heard of (from step {old[0]} to "
+               f"{planned['start_step']})")
+        windows = Windows(self.request, self.defaults, planned["start_step"], cid, known)
+        plan = dataclasses.replace(Plan.of(planned), note="; ".join(filter(None, [windows.first.note, why])))
+        record.planned_again(plan, why)
+        windows.send(self.service, known, plan.note)
+        log.info("ondemand-profd: capture %s: %s", cid, why)
+        return True
+
 
 def _targets(service: Service, job: str, ranks: tuple[int, ...] | None, world: int) -> list[Any]:
     """The ranks a request names, or, naming none, those a touched trigger file would capture (each rank's

@@ -147,10 +147,15 @@ class Progress:
         self.one_host = one_host
         self.printed: dict[str, int] = {}  # history entries shown per rank
         self.shown_step: dict[str, str] = {}
+        self.replanned: dict[str, Any] = {}
 
     def show(self, found: dict[str, dict[str, Any]]) -> None:
         for name, record in found.items():
             daemon = None if self.one_host else name
+            again = (record.get("plan") or {}).get("replanned")
+            if isinstance(again, dict) and again != self.replanned.get(name):  # the daemon planned it again
+                self.replanned[name] = again
+                self.out.write(f"  replanned: steps {window_text(record.get('window'))}: {again.get('why')}\n")
             for key, part in sorted(record["parts"].items(), key=lambda kv: int(kv[0])):
                 history = part.get("history") or [{"state": part["state"]}]
                 for entry in history[self.printed.get(key, 0):]:

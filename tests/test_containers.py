@@ -66,6 +66,7 @@ def test_default_job_ids_name_where_the_job_is(monkeypatch: pytest.MonkeyPatch) 
     assert default_job_id({"MASTER_PORT": "29500"}) == f"pid{os.getpid()}@{here}"  # accelerate's one process
     assert default_job_id({"MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "1"}) == f"pid{os.getpid()}@{here}"
     dist = {"MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "2"}
+    assert default_job_id({"MASTER_PORT": "29500", "WORLD_SIZE": "2"}) == f"port29500@{here}"  # Lightning's rank 0
     assert default_job_id({**dist, "MASTER_ADDR": "127.0.0.1"}) == f"port29500@{here}"
     assert default_job_id({**dist, "MASTER_ADDR": "trainer-master-0"}) == "port29500@trainer-master-0"
     agent = {"TORCHELASTIC_RUN_ID": "none", "MASTER_PORT": "29400", "RANK": "0", "WORLD_SIZE": "1"}
@@ -235,7 +236,8 @@ def test_two_pods_whose_ranks_are_both_pid_1_are_two_jobs(host: dict[str, Any], 
     `pid1`, and the daemon took each one's registration for the other's (81 registrations in 45 s), or refused
     one as a second pid 1. Now: two jobs named by their pods, each at its host pid, each captured on its own."""
     a = _pod(host, pods, "pod-a", toy(), env={"MASTER_PORT": "29500"})
-    b = _pod(host, pods, "pod-b", toy(), env={"MASTER_PORT": "29500"})
+    # pod-b's trigger directory is on its volume: the host reaches it where the host has it
+    b = _pod(host, pods, "pod-b", toy("--profile-trigger-dir", "/srv/data/trig"), env={"MASTER_PORT": "29500"})
     (job_a, (ra,)), (job_b, (rb,)) = wait_job(host["run"], "pid1@pod-a."), wait_job(host["run"], "pid1@pod-b.")
     assert (ra["pid"], ra["ns_pid"], ra["host"]) == (a.pid(), 1, "pod-a"), ra
     assert (rb["pid"], rb["ns_pid"], rb["host"]) == (b.pid(), 1, "pod-b"), rb
@@ -256,6 +258,12 @@ def test_two_pods_whose_ranks_are_both_pid_1_are_two_jobs(host: dict[str, Any], 
         assert str(pod.data / "profile") in res.stdout and "(in its container: /srv/data/profile/" in res.stdout
         assert list((pod.data / "profile").glob("*/*.pt.trace.json")), res.stdout
         assert "registered with ondemand-profd" in pod.said() and "REFUSED" not in pod.said()
+    # the trigger file through the shared directory, from the host (ondemandctl trigger finds it from status)
+    assert f"trigger dir: /srv/data/trig (in its container; on this host {b.data / 'trig'})" in text, text
+    before = set((b.data / "profile").glob("*/*.pt.trace.json"))
+    res = ctl(host["run"], "trigger", "--job", job_b, "--steps", "2", "--wait", "--timeout", "120")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(set((b.data / "profile").glob("*/*.pt.trace.json")) - before) == 1, res.stdout
 
 
 @needs_namespaces
@@ -274,6 +282,13 @@ def test_a_torchrun_job_in_a_pod(host: dict[str, Any], pods: list[Pod]) -> None:
     res = ctl(host["run"], "capture", "--job", job, "--ranks", "-1", "--steps", "2", "--wait", "--timeout", "150")
     assert res.returncode == 0 and "done: 2 of 2 rank(s) wrote a trace" in res.stdout, res.stdout + res.stderr
     assert len(list((pod.data / "profile").glob("*/*.pt.trace.json"))) == 2
+    # the flight recorder and memory reach inside the pod too; the dumps are named where the host has them
+    res = ctl(host["run"], "flight-recorder", "--job", job, "--timeout", "60", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    paths = [r["path"] for r in json.loads(res.stdout)["ranks"].values()]
+    assert len(paths) == 2 and all(p.startswith(str(pod.data / "profile")) and os.path.exists(p) for p in paths), paths
+    res = ctl(host["run"], "memory", "--job", job, "--ranks", "0", "--steps", "1", "--timeout", "60")
+    assert "rank(s) 0: not available on this backend (CPU)" in res.stdout, res.stdout + res.stderr
 
 
 @needs_namespaces

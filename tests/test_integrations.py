@@ -95,7 +95,10 @@ def test_profiler_made_before_the_process_group_settles_into_one_job(env: dict[s
     job, ranks = wait_registered(env, 2)
     assert not job.startswith("pid") or len({r["pid"] for r in ranks}) == 2
     trigger_dirs = {r["trigger_dir"] for r in ranks}
-    assert len(trigger_dirs) == 1 and trigger_dirs.pop().endswith(job)
+    from ondemand_prof.rank.triggers import job_dir_name
+
+    # the job id as one path component (an id like pid4242@node has its "@" made "_")
+    assert len(trigger_dirs) == 1 and trigger_dirs.pop().endswith(job_dir_name(job))
     cap = capture_rank(env, job, 1)
     assert cap["job_id"] == job and cap["world_size"] == 2
     status = ctl(env["run"], "status")
@@ -345,7 +348,9 @@ def test_start_up_and_written_lines_on_stderr_unless_quiet(tmp_path: Path, quiet
     if quiet:
         assert ours == []
         return
-    trigger = Path(tempfile.gettempdir()) / f"ondemand_prof-{os.getuid()}" / cap["job_id"] / "capture"
+    from ondemand_prof.rank.triggers import job_dir_name
+
+    trigger = Path(tempfile.gettempdir()) / f"ondemand_prof-{os.getuid()}" / job_dir_name(cap["job_id"]) / "capture"
     assert ours == [
         f"ondemand_prof: rank 0 of 1, job {cap['job_id']}: capture with `touch {trigger}` (all ranks of the job "
         f"that watch it; no ondemand-profd answered at ipc://{NO_DAEMON_DIR}/profd.sock: start one for "

@@ -574,7 +574,7 @@ def default_job_id(environ: Mapping[str, str] | None = None) -> str:
 
     From the launcher: ONDEMAND_PROF_JOB_ID, a SLURM job (and step: two `srun`s of one allocation are two
     jobs), torchrun's run id (also what `accelerate launch` runs under). Then MASTER_PORT, where a distributed
-    launch set it (RANK and a WORLD_SIZE over 1, or torchrun's agent): `port29500@ADDR` with a master address
+    launch set it (a WORLD_SIZE over 1, or torchrun's agent): `port29500@ADDR` with a master address
     other ranks reach (Kubernetes' PyTorchJob: the master's service name, the same in every pod of the job), or
     `port29500@HERE` with a loopback one (the port names a job only in its own network namespace: every pod
     has a 29500). Else a pid, named where it lives: the launcher's when RANK says we are one of its workers, our
@@ -599,14 +599,15 @@ def default_job_id(environ: Mapping[str, str] | None = None) -> str:
     except ValueError:
         world = 0
     # torchrun's workers (its agent holds the store on MASTER_PORT, whatever the world size), or ranks of a launch
-    # that says so: MASTER_PORT alone (accelerate's single process, a script that sets it) names nothing
-    distributed = bool(run_id) or (bool(environ.get("RANK")) and world > 1)
+    # of more than one (Lightning's launcher sets WORLD_SIZE before RANK): MASTER_PORT alone (accelerate's single
+    # process, a script that sets it) names nothing
+    distributed = bool(run_id) or world > 1
     port = environ.get("MASTER_PORT")
     if port and distributed:
         addr = environ.get("MASTER_ADDR", "")
         where = safe_id(addr)[:64] if addr and not _loopback(addr) else local_scope()
         return safe_id(f"port{port}@{where}")
-    pid = os.getppid() if distributed else os.getpid()
+    pid = os.getppid() if distributed and environ.get("RANK") else os.getpid()
     return safe_id(f"pid{pid}@{local_scope()}")
 
 

@@ -312,7 +312,7 @@ class TriageBook:
         target = p.targets.get(route) if p else None
         if p is None or target is None or target.rank in p.results:
             return None  # late (answered at its deadline), not ours, or said twice
-        result = clean_result(p.action, msg["result"])
+        result = in_host_terms(clean_result(p.action, msg["result"]), target)
         p.results[target.rank] = p.folder.add(target.rank, result) if p.folder is not None else result
         if p.complete:
             self._answer(p)
@@ -501,6 +501,21 @@ def _why_no_native(t: Target) -> str:
     if not t.local:
         return " (the rank is not in this daemon's pid namespace: no signal can reach it)"
     return ""
+
+
+def in_host_terms(result: dict[str, Any], target: Target) -> dict[str, Any]:
+    """A rank in a container names the file it wrote (a memory snapshot, a flight-recorder dump) as its own
+    mount namespace has it: the path this host has it at, where a mount of this host holds the same file (the
+    rank's own name kept as pod_path), else the path marked as the container's only."""
+    path = result.get("path")
+    if target.root == "/" or not isinstance(path, str) or not result.get("ok"):
+        return result
+    from .podpath import host_path
+
+    seen = host_path(target.pid, path)
+    if seen is None:
+        return {**result, "path": f"{path} (in its container only)", "pod_only": True}
+    return {**result, "path": seen, **({"pod_path": path} if seen != path else {})}
 
 
 def read_native(path: str, offset: int, uid: int | None, root: str = "/") -> dict[str, Any]:

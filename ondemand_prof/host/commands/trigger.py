@@ -194,7 +194,7 @@ class Trigger(Command):
                            "the daemon has no job of yours (--job JOB uses the default path, --dir DIR any)"),
                            EXIT_USAGE)
         ranks = jobs[names[0]]
-        dirs = sorted({str(r["trigger_dir"]) for r in ranks})
+        dirs = sorted({_host_dir(r) for r in ranks})
         if len(dirs) > 1:
             raise CtlError(f"the ranks of job {names[0]} watch {len(dirs)} trigger directories ({', '.join(dirs)}): "
                            "--dir DIR", EXIT_USAGE)
@@ -205,7 +205,7 @@ class Trigger(Command):
         if status is None:
             return set()
         return {int(r["rank"]) for ranks in self._mine(status).values() for r in ranks
-                if os.path.abspath(str(r["trigger_dir"])) == str(directory) and isinstance(r.get("rank"), int)}
+                if os.path.abspath(_host_dir(r)) == str(directory) and isinstance(r.get("rank"), int)}
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -338,3 +338,13 @@ def result_text(answers: dict[int, dict[str, Any]], finished: bool, directory: P
         lines.append(f"  rank {rank:<4} {a.get('state', '?')}{_detail(a)}\n")
     return "".join(lines)
 
+
+def _host_dir(rank: dict[str, Any]) -> str:
+    """A rank's trigger directory as this host has it: a rank in a container names its own, which the daemon
+    found again on this host (status's trigger_dir_on_host), or which only the container sees (an error that
+    says how to reach it)."""
+    if not rank.get("in_container") or rank.get("trigger_dir_on_host"):
+        return str(rank.get("trigger_dir_on_host") or rank["trigger_dir"])
+    raise CtlError(f"rank {rank.get('rank')}'s trigger directory {rank['trigger_dir']} is in its container's own "
+                   f"filesystem, not on this host: --dir {rank.get('container_root')}{rank['trigger_dir']} (as root, "
+                   "while it runs), or touch it from inside the container (docs/containers.md)", EXIT_USAGE)

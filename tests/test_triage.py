@@ -262,7 +262,7 @@ def test_a_slowdown_opens_one_automatic_window_then_the_cooldown_holds(tmp_path:
     save = tmp_path / "p"
     # 6x slower from step 60, judged at 3x: loaded-host noise stays far below either
     (rc, out, err), = run_ranks(["--steps", "100", "--step-sleep", "0.05", "--slow-from", "60", "--slow-factor", "6",
-                                 "--profile-auto", "3", "--profile-auto-steps", "5",
+                                 "--profile-auto", "3", "--profile-auto-steps", "5", "--profile-baseline-at", "-1",
                                  "--profile-auto-cooldown", "3600", "--profile-save-path", str(save), "--profile-trigger-dir", str(tmp_path / "t"),
                                  *TRAIN], timeout=240)
     assert rc == 0, err[-3000:]
@@ -296,7 +296,7 @@ def test_the_daemon_adds_a_reference_rank_and_status_marks_the_straggler(env: di
     # two independent ranks of one job (no process group, so one can be slow alone); rank 1 slows down 6x
     procs = start_ranks(["--no-dist", "--steps", "100000", "--step-sleep", "0.05", "--slow-from", "80", "--slow-factor",
                          "6", "--slow-rank", "1", "--profile-auto", "3", "--profile-auto-steps", "5",
-                         "--profile-auto-cooldown", "3600", "--profile-job-id", "auto",
+                         "--profile-auto-cooldown", "3600", "--profile-job-id", "auto", "--profile-baseline-at", "-1",
                          "--profile-save-path", str(env["save"]), *TRAIN], world=2,
                         env={"ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])})
     env["procs"].extend(procs)

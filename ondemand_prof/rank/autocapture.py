@@ -61,9 +61,7 @@ class SlowStepMonitor:
         self.median: float | None = None
         self.threshold = float("inf")  # no judgement until a median exists
         self.on_median: Callable[[int, list[float]], None] | None = None  # (steps seen, sorted durations)
-        # True while a window of ours is still being written: its helpers share the cores, and a step they slow
-        # is not the job slowing down (a baseline's own export opened automatic captures of itself)
-        self.busy: Callable[[], bool] = lambda: False
+
 
     def _update_median(self, n: int) -> None:
         ordered = sorted(self.durations[:n] if n < HISTORY else self.durations)
@@ -83,9 +81,6 @@ class SlowStepMonitor:
 
         def rare(dt: float) -> None:
             nonlocal n, threshold, slow
-            if dt > threshold and me.busy():
-                slow = []
-                return  # neither judged nor kept in the median: our own export's cost
             if dt > threshold:
                 slow.append(dt)
                 if len(slow) >= me.steps:
@@ -136,9 +131,10 @@ class AutoCapture(Extension):
         self._baseline_due: tuple[int, float] | None = None  # (step, median) once it is time (training thread)
         if self.baseline_at != -1:
             self.monitor.on_median = self._baseline_check
-        exporter = getattr(prof, "_exporter", None)  # the hook's: windows still being written
-        if exporter is not None:
-            self.monitor.busy = lambda: exporter.pending() > 0
+        # True while a window of ours is still being written: its helpers share the cores, and steps they slow
+        # are not the job slowing down (a baseline's own export opened an automatic capture of itself)
+        exporter = getattr(prof, "_exporter", None)  # the hook's
+        self.busy: Callable[[], bool] = (lambda: exporter.pending() > 0) if exporter is not None else (lambda: False)
 
     def idle_step(self, counter: Any) -> Callable[..., Any]:
         return self.monitor.step_fn(counter)
@@ -205,7 +201,8 @@ class AutoCapture(Extension):
         reason = {"why": f"{len(slow)} consecutive steps over {self.ratio:g}x the rolling median step time",
                   "ratio": self.ratio, "median_step_s": round(median, 6),
                   "slow_steps_s": [round(s, 6) for s in slow], "detected_at_step": step}
-        held = self.allowed(now)
+        held = self.allowed(now) or ("a window of ours is still being written (its save shares the cores)"
+                                     if self.busy() else "")
         if held:
             self.held += 1
             log.info("ondemand_prof: steps are %.1fx slower than the median (%.1f ms) at step %d; no automatic "

@@ -1,7 +1,14 @@
 """The package's layers, read from its source (the AST of every module, nothing imported): `core` imports
 nothing of ours; `rank` (inside training processes) and `host` (the daemon and ondemandctl) never import each
 other, nor name each other's modules in a string (`python -m ...`, importlib); neither imports the package
-root, whose __init__ imports the rank's hook (a hidden loop: __version__ lives in core/version.py)."""
+root, whose __init__ imports the rank's hook (a hidden loop: __version__ lives in core/version.py). And no two
+modules import each other, directly or round a circle of any length.
+
+What counts as an import, for circles: every import statement in the module, at its top, inside a function
+(run when it is called: a lazy import that closes a circle is a circle that waits) and under `if TYPE_CHECKING:`
+(a loop only the type checker follows is still two modules that cannot be read, changed or tested apart). A
+package counts as its __init__: `from .commands import Command` imports the package's __init__, which imports
+every command; `from .commands.base import Command` imports base alone."""
 
 from __future__ import annotations
 
@@ -76,3 +83,115 @@ def test_the_check_sees_every_way_of_crossing() -> None:
         assert crossing in references(host_module, source), source
     assert references(PACKAGE / "rank" / "hook.py", "from ..core.version import __version__") == {
         "ondemand_prof.core.version", "ondemand_prof.core.version.__version__"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# No import circles
+
+def modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported(path: Path, known: set[str], source: str | None = None) -> set[str]:
+    """The modules of ours that `path` imports, anywhere in it (see the module's docstring): `from X import y` is
+    X.y when that is a module, else X (a name in X); a name that is no module of ours is dropped."""
+    tree = ast.parse(source if source is not None else path.read_text(encoding="utf-8"), str(path))
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[:len(package) - node.level + 1], *([base] if base else [])])
+            names.extend(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
+    out = set()
+    for name in names:
+        parts = name.split(".")
+        found = next((m for m in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if m in known), None)
+        if found is not None:
+            out.add(found)
+    out.discard(_module_name(path))
+    return out
+
+
+def import_graph(sources: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """module -> the modules it imports; `sources` (module -> text) stands in for files (the checker's test)."""
+    found = modules()
+    known = set(found) | set(sources or {})
+    path = {name: found[name] if name in found else ROOT / (name.replace(".", "/") + ".py") for name in known}
+    return {name: imported(path[name], known, (sources or {}).get(name)) for name in sorted(known)}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan's, without recursion): each is
+    a set of modules every one of which imports every other, round some circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next((w for w in edges if w not in index or w in on_stack), None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                else:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_no_module_imports_itself_round_a_circle() -> None:
+    graph = import_graph()
+    found = circles(graph)
+    said = ["; ".join(f"{a} -> {', '.join(sorted(graph[a] & set(c)))}" for a in c) for c in found]
+    assert found == [], "import circles:\n" + "\n".join(said)
+
+
+def test_the_circle_check_sees_lazy_and_type_only_imports() -> None:
+    """The checker on sources that close circles (it would pass anything if it read nothing)."""
+    lazy = {"ondemand_prof.host.metrics": "def f():\n    from .transport import is_loopback\n",
+            "ondemand_prof.host.transport": "from .metrics import MetricsServer\n"}
+    assert circles(import_graph(lazy)) == [["ondemand_prof.host.metrics", "ondemand_prof.host.transport"]]
+    typed = {"ondemand_prof.rank.file_trigger": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                "    from .agent import Agent\n",
+             "ondemand_prof.rank.agent": "from .file_trigger import FileTrigger\n"}
+    assert circles(import_graph(typed)) == [["ondemand_prof.rank.agent", "ondemand_prof.rank.file_trigger"]]
+    # a package is its __init__: naming a class of the package closes a circle through it, a submodule does not
+    via_package = {"ondemand_prof.host.multihost": "from .commands import Command\n",
+                   "ondemand_prof.host.commands.capture": "from ..multihost import launch\n"}
+    assert any({"ondemand_prof.host.commands", "ondemand_prof.host.commands.capture",
+                "ondemand_prof.host.multihost"} <= set(c) for c in circles(import_graph(via_package)))
+    via_module = {**via_package, "ondemand_prof.host.multihost": "from .commands.base import Command\n"}
+    assert circles(import_graph(via_module)) == []
+    three = {"ondemand_prof.core.a": "from . import b\n", "ondemand_prof.core.b": "import ondemand_prof.core.c\n",
+             "ondemand_prof.core.c": "from .a import x\n"}
+    assert circles(import_graph(three)) == [["ondemand_prof.core.a", "ondemand_prof.core.b", "ondemand_prof.core.c"]]

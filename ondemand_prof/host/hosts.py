@@ -38,6 +38,16 @@ class Target:
         return f"tcp://{host}:{self.port}"
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a host as given names this host only (a name or an interface: treated as reaching beyond it)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def split_top(text: str) -> list[str]:
     """Split on commas outside brackets."""
     parts: list[str] = []

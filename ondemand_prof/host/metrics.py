@@ -35,14 +35,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Protocol
 
+from .hosts import is_loopback
 from .registry import stalled_for, time_in_step
 from .triage import stragglers
 
 if TYPE_CHECKING:
     from .records import RecordStore
     from .registry import RankInfo
+    from .service import Service
 
 log = logging.getLogger("ondemand_prof.host.profd")
 
@@ -148,10 +150,41 @@ class CaptureCounts:
                 del seen[cid]
 
 
-def build_snapshot(daemon: Any, counts: CaptureCounts, wall: float, serial: int) -> Snapshot:
-    """What the loop publishes (host/transport.py Daemon): a copy, so that the server thread reads nothing the
-    loop changes."""
+class Observed(Protocol):
+    """What the endpoint reads of the daemon it serves (host/transport.py Daemon), on the daemon's loop only: its
+    service (ranks, records, refusals; there once the daemon is open, before the endpoint is made), its sockets'
+    gate (`listener`: descriptors estimated, the limit, whether it accepts; `tcp.zap`: clients refused), what it
+    counted of messages, and who it is. (This module imports nothing of the daemon's process.)"""
+
+    @property
+    def service(self) -> "Service | None": ...
+
+    @property
+    def listener(self) -> Any: ...
+
+    @property
+    def tcp(self) -> Any: ...
+
+    @property
+    def messages(self) -> dict[str, int]: ...
+
+    @property
+    def heartbeats_total(self) -> int: ...
+
+    @property
+    def invalid_messages(self) -> int: ...
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def version(self) -> str: ...
+
+
+def build_snapshot(daemon: Observed, counts: CaptureCounts, wall: float, serial: int) -> Snapshot:
+    """What the loop publishes: a copy, so that the server thread reads nothing the loop changes."""
     service = daemon.service
+    assert service is not None  # (the daemon is open: Observed)
     counts.update(service.store)
     outcomes = dict(counts.outcomes)
     refused = dict(service.refused)
@@ -512,12 +545,13 @@ class MetricsServer:
     """The Prometheus endpoint of one daemon. tick() runs on the daemon's loop; everything else on the server
     thread."""
 
-    def __init__(self, address: str, daemon: Any, token_file: Path | None = None) -> None:
+    def __init__(self, address: str, daemon: Observed, token_file: Path | None = None) -> None:
         host, port = preflight(address)
         from prometheus_client import CollectorRegistry, ProcessCollector
 
         self.token = read_token(token_file) if token_file is not None else None
         self.daemon = daemon
+        assert daemon.service is not None  # (made by an open daemon: Observed)
         self.counts = CaptureCounts(daemon.service.store)
         self._snapshot: Snapshot | None = None
         self._wanted = threading.Event()
@@ -536,7 +570,7 @@ class MetricsServer:
         self.thread.start()
         if self.token is not None:
             log.info("ondemand-profd: metrics need the bearer token in %s", token_file)
-        elif not _is_loopback(host):
+        elif not is_loopback(host):
             log.warning("ondemand-profd: metrics on %s are readable by anyone who can reach that address (job ids, "
                         "host names, steps); keep it to the monitoring network, or --metrics-token-file", self.address)
         log.info("ondemand-profd: Prometheus metrics at http://%s/metrics", self.address)
@@ -641,10 +675,3 @@ class _Collector:
         snap = self.server.rendering
         if snap is not None:
             yield from families(snap, time.time())
-
-
-def _is_loopback(host: str) -> bool:
-    from .transport import is_loopback
-
-    return is_loopback(host)
-

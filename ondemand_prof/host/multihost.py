@@ -28,7 +28,7 @@ from .records import new_capture_id
 
 if TYPE_CHECKING:  # the fan-out, key and host-list modules load only when a command goes across hosts
     from .client import Reply
-    from .commands import Command
+    from .commands.base import Command
     from .fanout import Fanout
     from .hosts import Target
 

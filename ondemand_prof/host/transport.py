@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import grp
-import ipaddress
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from ..core.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, RANK_MESSAGES, Pr
 from ..core.files import write_atomic
 from ..core.safedir import UnsafeDirectory, ensure_private_dir
 from .commands import CLI_MESSAGES, DAEMON_COMMANDS
+from .hosts import is_loopback
 from .listener import HANDSHAKE_S, TCP_PER_PEER, Listener, group_gid, peer_of, raise_nofile_limit, \
     remove_if_same
 from .records import RecordStore
@@ -477,15 +477,6 @@ def parse_listen(listen: str) -> tuple[str, int]:
     if rest is None or not sep or not host or not port.isdigit() or int(port) > 65535:
         raise DaemonError(f"--listen {listen!r}: expected tcp://HOST:PORT, e.g. tcp://0.0.0.0:7355")
     return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # an interface name or a hostname: treated as reaching beyond this host
 
 
 def run(runtime_dir: Path, state_dir: Path, *, group: str | None = None, listen: str | None = None,

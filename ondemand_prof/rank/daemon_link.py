@@ -15,7 +15,7 @@ import secrets
 import threading
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ..core.version import __version__
 from ..core.bounds import bounded_int
@@ -23,9 +23,8 @@ from ..core.protocol import HEARTBEAT_S, MAX_BATCHED_EVENTS, MAX_FRAME_BYTES, MA
     decode, default_runtime_dir, encode, endpoint, socket_path
 from ..core.safedir import daemon_socket_problem
 from ..core.requests import WindowDefaults, window_from_wire
-from ..core.window import Window
 from .announce import refusal_fix
-from .extension import Extension
+from .extension import AgentLike, Extension
 
 log = logging.getLogger("ondemand_prof")
 
@@ -42,23 +41,6 @@ REFUSED_RETRY_S = 5.0  # a registration the daemon refused is tried again this o
 RECENT = 16  # the last events of this many captures are replayed at registration (a restarted daemon learns them)
 LAST_WORDS_S = 0.5  # how long a thread ending the process (SIGTERM, exit) waits for the agent to say why
 MAX_WHY = 400  # characters of a bye's why
-
-
-class AgentLike(Protocol):
-    """What the link needs from the agent (a stand-in in bench/ drives the same code without a training loop)."""
-
-    config: Any
-    prof: Any
-    triage: Any  # rank/triage.py Triage: answers stacks, memory, flight_recorder
-
-    @property
-    def trigger_dir(self) -> Path | str:
-        """Said at registration (where ondemandctl's users may also write a trigger)."""
-
-    def schedule(self, window: Window, listener: Any) -> None: ...
-    def wake(self) -> None: ...
-    def step_time(self) -> float | None: ...
-    def step_began(self) -> tuple[int, float] | None: ...
 
 
 def user_namespace_hint(problem: str) -> str:

@@ -1,10 +1,33 @@
 """What the agent asks of each of its extensions (the daemon link, triage, automatic captures), on the agent
 thread: a typed Protocol, and a base class with the defaults, so that the agent calls every method directly
-and an extension says only what it does differently."""
+and an extension says only what it does differently; and what an extension may ask of the agent (AgentLike)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..core.window import Window
+
+
+class AgentLike(Protocol):
+    """What an extension asks of the agent that runs it (rank/agent.py Agent), so that no extension imports the
+    agent (which imports them): the daemon link and the trigger file hold one of these. A stand-in in bench/
+    drives the daemon link with one, without a training loop."""
+
+    config: Any
+    prof: Any
+    triage: Any  # rank/triage.py Triage: answers stacks, memory, flight_recorder
+    clock: Any  # core/window.py StepClock: which step ran at a wall time (step_at)
+
+    @property
+    def trigger_dir(self) -> Path | str:
+        """Said at registration (where ondemandctl's users may also write a trigger)."""
+
+    def schedule(self, window: Window, listener: Any) -> None: ...
+    def wake(self) -> None: ...
+    def step_time(self) -> float | None: ...
+    def step_began(self) -> tuple[int, float] | None: ...
 
 
 class AgentExtension(Protocol):

@@ -12,19 +12,16 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..core.files import iso_time
 from ..core.ranks import selects
 from ..core.requests import RequestError, WindowDefaults, absolute_start, parse_request, resolve
-from .extension import Extension
+from .extension import AgentLike, Extension
 from .terminate import settle_dead_ranks
 from .trigger_status import TriggerStatus
 from .triggers import STATUS_DIR, TRIGGER_NAME, DirWatcher, Trigger, WriterTracker, claim_decision, ensure_dir, \
     prepare_trigger_dir, prune_decisions, read_trigger, stat_key, writer_holds
-
-if TYPE_CHECKING:
-    from .agent import Agent
 
 log = logging.getLogger("ondemand_prof.rank.agent")
 
@@ -44,7 +41,7 @@ class FileTrigger(Extension):
     (also for signals); trigger_dir, trigger_path and status_dir say where things are (the start-up line, the
     daemon registration)."""
 
-    def __init__(self, agent: "Agent", wanted: Path, thread: threading.Thread) -> None:
+    def __init__(self, agent: AgentLike, wanted: Path, thread: threading.Thread) -> None:
         self.agent = agent
         self.prof = agent.prof
         self.config = agent.config

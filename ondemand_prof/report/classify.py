@@ -151,3 +151,30 @@ def device_name(device_type: Any, device_id: Any) -> str:
     except (TypeError, ValueError):
         return kind
     return kind if index < 0 else f"{kind}:{index}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Names as a table cell shows them (the text and HTML reports, and the cause line of a comparison)
+
+def short_name(name: str, n: int = 60) -> str:
+    """A kernel or operator name that fits a table cell: the parameter list of a C++ signature is folded
+    (`void at::native::elementwise_kernel<128, 4, F>(int, F)` -> `at::native::elementwise_kernel<128, 4, F>(…)`),
+    then the middle is cut, so that the template arguments that tell kernels apart keep their start and end. The
+    full name stays in the JSON and in the HTML's hover text."""
+    text = re.sub(r"^void ", "", name.strip())
+    if len(text) > n and text.endswith(")"):
+        text = _fold_params(text)
+    if len(text) <= n:
+        return text
+    keep = n - 1
+    return text[: keep - keep // 3] + "…" + text[len(text) - keep // 3:]
+
+
+def _fold_params(text: str) -> str:
+    """`f<T>(int, T)` -> `f<T>(…)`: the last balanced (...) at the end of the name (unbalanced: unchanged)."""
+    depth = 0
+    for i in range(len(text) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[:i] + "(…)" if i > 0 else text
+    return text

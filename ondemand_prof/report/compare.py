@@ -269,7 +269,7 @@ def _top_change(ranks: Iterable[dict[str, Any]], comm: bool, category: str = "co
 
 
 def change_text(c: dict[str, Any]) -> str:
-    from .text import short_name
+    from .classify import short_name
 
     grown = (c["now_ms"] or 0.0) - (c["baseline_ms"] or 0.0)
     calls = ""

@@ -7,6 +7,8 @@ from collections import defaultdict
 from typing import Any
 
 from .analyze import SHARES, round_shares
+from .classify import short_name
+from .compare import SPLIT
 from .grouping import vs_median_pct
 from .model import CaptureGroup, RankResult, Report
 
@@ -48,20 +50,6 @@ def _window(w: Any) -> str:
     return "-"
 
 
-def short_name(name: str, n: int = 60) -> str:
-    """A kernel or operator name that fits a table cell: the parameter list of a C++ signature is folded
-    (`void at::native::elementwise_kernel<128, 4, F>(int, F)` -> `at::native::elementwise_kernel<128, 4, F>(…)`),
-    then the middle is cut, so that the template arguments that tell kernels apart keep their start and end. The
-    full name stays in the JSON and in the HTML's hover text."""
-    text = re.sub(r"^void ", "", name.strip())
-    if len(text) > n and text.endswith(")"):
-        text = _fold_params(text)
-    if len(text) <= n:
-        return text
-    keep = n - 1
-    return text[: keep - keep // 3] + "…" + text[len(text) - keep // 3:]
-
-
 def short_names(names: list[str], n: int = 60) -> list[str]:
     """short_name of each, made distinct: names that shorten to the same text (template kernels that differ only
     in the middle, or in the folded parameters) show the part where they differ; if that is not enough, a number
@@ -98,16 +86,6 @@ def _differing_part(name: str, others: list[str], n: int) -> str:
     lo = max(head, at - width // 3)
     hi = min(len(text), lo + width)
     return text[:head] + "…" + text[lo:hi] + ("…" if hi < len(text) else "")
-
-
-def _fold_params(text: str) -> str:
-    """`f<T>(int, T)` -> `f<T>(…)`: the last balanced (...) at the end of the name (unbalanced: unchanged)."""
-    depth = 0
-    for i in range(len(text) - 1, -1, -1):
-        depth += {")": 1, "(": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[:i] + "(…)" if i > 0 else text
-    return text
 
 
 def shares_text(r: RankResult) -> list[str]:
@@ -289,8 +267,6 @@ def _ops_table(ops: list[dict[str, Any]]) -> str:
 
 def render_comparison(c: dict[str, Any], top: int = 5) -> str:
     """What `ondemandctl report NOW --baseline BASE` prints."""
-    from .compare import SPLIT
-
     jobs = c.get("job") or {}
     out = [f"capture {c['capture']}" + (f" (job {jobs['now']})" if jobs.get("now") else "")
            + f" against baseline {c['baseline']}" + (f" (job {jobs['baseline']})" if jobs.get("baseline") else "")]

@@ -754,5 +754,10 @@ def test_jobs_are_keyed_by_owner_and_id() -> None:
     assert [c["refused_pid"] for c in reg.conflicts_of("port29500", 1.0, 4242)] == [12]
     assert reg.conflicts_of("port29500", 1.0, 0) == []
     assert [r.pid for r in reg.jobs()[other]] == [11]
+    from ondemand_prof.host.metrics import rank_rows
+
+    # the metrics label each job by that name too: two users' rank 0 are never one label set
+    names = {key: name for name, key in reg.job_keys().items()}
+    assert sorted(row.job for row in rank_rows(reg.by_route.values(), names)) == sorted(reg.jobs())
     reg.remove(b"a")  # one owner left: the bare id again
     assert list(reg.jobs()) == ["port29500"] and reg.name_of(4242, "port29500") == "port29500"

@@ -107,9 +107,11 @@ class Snapshot:
     serial: int = 0
 
 
-def rank_rows(ranks: Iterable["RankInfo"]) -> tuple[RankRow, ...]:
-    return tuple(RankRow(i.job, i.rank, i.host, i.step, i.step_time, i.step_began_at, i.observed_step_time,
-                         i.sent_at, i.heard_at) for i in ranks)
+def rank_rows(ranks: Iterable["RankInfo"], names: dict[Any, str] | None = None) -> tuple[RankRow, ...]:
+    """`names`: each job's name as status shows it (JobKey -> name: owner:id where users share an id, so that
+    two users' jobs are never one label set)."""
+    return tuple(RankRow(names.get(i.key, i.job) if names else i.job, i.rank, i.host, i.step, i.step_time,
+                         i.step_began_at, i.observed_step_time, i.sent_at, i.heard_at) for i in ranks)
 
 
 def capture_source(request: Any) -> str:
@@ -191,8 +193,10 @@ def build_snapshot(daemon: Observed, counts: CaptureCounts, wall: float, serial:
     if refused.get("capture"):  # refused before any record existed (a stalled job, a bad request)
         outcomes[("ondemandctl", "refused")] = refused["capture"]
     world: dict[str, int] = {}
+    names = {key: name for name, key in service.registry.job_keys().items()}
     for info in service.registry.by_route.values():
-        world[info.job] = max(world.get(info.job, 0), info.world_size)
+        job = names.get(info.key, info.job)
+        world[job] = max(world.get(job, 0), info.world_size)
     listener = daemon.listener
     zap = daemon.tcp.zap if daemon.tcp is not None else None
     messages = dict(daemon.messages)  # heartbeats on the fast path are counted apart (at each tick)
@@ -204,7 +208,7 @@ def build_snapshot(daemon: Observed, counts: CaptureCounts, wall: float, serial:
                     fd_limit=listener.limit if listener is not None else 0,
                     accepting=bool(listener is not None and listener.lent),
                     running_captures=len(service.store.running()))
-    return Snapshot(wall, rank_rows(service.registry.by_route.values()), world, outcomes, dict(counts.auto),
+    return Snapshot(wall, rank_rows(service.registry.by_route.values(), names), world, outcomes, dict(counts.auto),
                     health, daemon.host, daemon.version, serial)
 
 

@@ -154,7 +154,8 @@ def _on_host(rank: dict[str, Any], key: str) -> str:
         return ""
     if seen:
         return f" (in its container; on this host {seen})"
-    return f" (in its container only; from this host, while it runs: {rank.get('container_root')}{rank.get(key)})"
+    return (f" (in its container only; from this host, while it runs: "
+            f"{rank.get('container_root')}{rank.get(key)})")
 
 
 def _owner(ranks: list[dict[str, Any]]) -> str:
@@ -170,7 +171,8 @@ def _vs_median(rank: dict[str, Any]) -> str:
 
 
 def _silent_text(job: str, ranks: list[dict[str, Any]]) -> str:
-    return "".join(f"SILENT: rank {r['rank']} (pid {r['pid']}{_pod_pid(r)}, {r['host']}, last at step {r['step']}) sent no "
+    return "".join(f"SILENT: rank {r['rank']} (pid {r['pid']}{_pod_pid(r)}, {r['host']}, last at step {r['step']}) "
+                   "sent no "
                    f"heartbeat for {r['silent_s']:.0f} s but its process is alive: native code holding the GIL? "
                    f"ondemandctl stacks --job {job} dumps its threads natively\n" for r in ranks)
 

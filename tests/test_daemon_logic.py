@@ -761,3 +761,27 @@ def test_jobs_are_keyed_by_owner_and_id() -> None:
     assert sorted(row.job for row in rank_rows(reg.by_route.values(), names)) == sorted(reg.jobs())
     reg.remove(b"a")  # one owner left: the bare id again
     assert list(reg.jobs()) == ["port29500"] and reg.name_of(4242, "port29500") == "port29500"
+
+
+def test_a_jobs_baseline_is_its_owners(tmp_path: Path) -> None:
+    """Issue 28 with jobs keyed by (uid, id): two users' jobs of one id have a baseline each; the newest marked
+    capture that recorded something wins, and one that failed leaves the one before it."""
+    from ondemand_prof.host.records import RecordStore
+
+    store = RecordStore(tmp_path)
+
+    def record(cid: str, uid: int, wall: float, ok: bool = True) -> CaptureRecord:
+        r = CaptureRecord.new(cid, "port29500@h", {}, {"start_step": 1, "end_step": 2}, {},
+                              [{"rank": 0, "host": "h", "pid": 10, "uid": uid}], wall)
+        r.data["baseline"] = True
+        store.add(r)
+        r.update(0, "done" if ok else "failed", {}, wall)
+        store.save(r)  # (the service saves a record once it settles)
+        return r
+
+    a1, b1 = record("a1", 1000, 1.0), record("b1", 1001, 2.0)
+    assert store.baseline_of("port29500@h", 1000) is a1 and store.baseline_of("port29500@h", 1001) is b1
+    a2 = record("a2", 1000, 3.0)
+    record("a3", 1000, 4.0, ok=False)
+    assert store.baseline_of("port29500@h", 1000) is a2 and store.baseline_of("port29500@h", 1001) is b1
+    assert RecordStore(tmp_path).baseline_of("port29500@h", 1000).capture_id == "a2"  # read back after a restart

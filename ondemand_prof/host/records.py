@@ -169,6 +169,15 @@ class CaptureRecord:
         return self.data["status"]
 
     @property
+    def owner(self) -> int | None:
+        """The uid whose job this is: its ranks' (the kernel's word, kept on each part); None when not known."""
+        for part in self.data["parts"].values():
+            uid = part.get("uid")
+            if type(uid) is int:
+                return uid
+        return None
+
+    @property
     def is_baseline(self) -> bool:
         """Marked as its job's baseline (capture --baseline, or a rank's automatic baseline window)."""
         return self.data.get("baseline") is True
@@ -393,18 +402,19 @@ class RecordStore:
             raise KeyError(f"no capture {capture_id!r} (ondemandctl list shows them)")
         raise KeyError(f"{capture_id!r} matches {len(matches)} captures; give more of the id")
 
-    def baseline_of(self, job: str) -> CaptureRecord | None:
+    def baseline_of(self, job: str, owner: int | None) -> CaptureRecord | None:
         """The job's baseline: of its records marked so (capture --baseline, an automatic baseline), the newest
         that recorded something (done, partial or misaligned); one a job, the newest wins, and a baseline that
-        failed leaves the one before it in place."""
-        return self.baselines().get(job)
+        failed leaves the one before it in place. A job is its id and its owner's uid, as the registry keys it:
+        another user's job of the same id has a baseline of its own."""
+        return self.baselines().get((owner, job))
 
-    def baselines(self) -> dict[str, CaptureRecord]:
+    def baselines(self) -> dict[tuple[int | None, str], CaptureRecord]:
         """Every job's baseline (baseline_of), in one pass over the records (oldest first: the newest wins)."""
-        out: dict[str, CaptureRecord] = {}
+        out: dict[tuple[int | None, str], CaptureRecord] = {}
         for record in self.records.values():
             if record.is_baseline and record.status in RECORDED_SOMETHING:
-                out[record.data["job"]] = record
+                out[(record.owner, record.data["job"])] = record
         return out
 
     def newest(self, limit: int, job: str | None = None) -> list[CaptureRecord]:

@@ -283,7 +283,7 @@ class TriageBook:
         if baseline:
             record.data["baseline"] = True  # the job's baseline once it records something (records.py)
         else:
-            known = self.service.store.baseline_of(info.job)
+            known = self.service.store.baseline_of(info.job, info.uid)
             if known is not None:  # compared with it once done (show, report, and the daemon's log line)
                 record.data["compare_with"] = known.capture_id
         try:

@@ -50,8 +50,8 @@ class List(Command):
                                "jobs with captures")
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
-        baselines = {job_: r.capture_id for job_, r in service.store.baselines().items()}
-        return {"captures": [{**r.summary(), "baseline": baselines.get(r.data["job"]) == r.capture_id}
+        baselines = {r.capture_id for r in service.store.baselines().values()}
+        return {"captures": [{**r.summary(), "baseline": r.capture_id in baselines}
                              for r in service.store.newest(limit, job)]}
 
     def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
@@ -104,7 +104,7 @@ class Show(OneCapture):
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         record = service.find(msg["capture_id"])
         shown = record.view()  # its outcome (misaligned too) settled on the record, as list and the metrics have it
-        baseline = service.store.baseline_of(record.data["job"])
+        baseline = service.store.baseline_of(record.data["job"], record.owner)
         shown["is_job_baseline"] = baseline is record
         if record.data.get("compare_with") and record.status != "running":
             shown["comparison"] = comparison_of(service, record)

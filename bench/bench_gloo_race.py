@@ -116,6 +116,35 @@ def allow_cores() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
+def start_rank(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """A rank whose output goes to files in `cwd` (out.txt, err.txt): kineto writes two lines to stderr per window,
+    and a rank blocked on a full pipe would hold its peer in the next collective."""
+    with open(cwd / "out.txt", "wb") as out, open(cwd / "err.txt", "wb") as err:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, preexec_fn=allow_cores)
+
+
+def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> tuple[list[tuple[int, int, str, str]], bool]:
+    """[(rank, exit status, stdout, stderr)] and whether the run was stopped at `timeout` with every rank alive
+    (the survivor of a crash, waiting for its dead peer, is killed too but is no timeout)."""
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = timed_out or all(p.poll() is None for p in procs)
+            for p in procs:
+                p.kill()
+            proc.wait()
+    results = []
+    for rank, proc in enumerate(procs):
+        cwd = Path(proc.args[proc.args.index("--cwd") + 1]) if "--cwd" in proc.args else None
+        assert cwd is not None
+        results.append((rank, proc.returncode, (cwd / "out.txt").read_text(errors="replace"),
+                        (cwd / "err.txt").read_text(errors="replace")))
+    return results, timed_out
+
+
 def stack_of_core(core: Path, out: Path) -> dict[str, Any]:
     """Which thread faulted (a gloo worker, the main thread) and its top frames, from gdb on the core (gdb's whole
     output into `out`)."""
@@ -158,21 +187,8 @@ def one_run(args: argparse.Namespace, index: int, base: Path) -> dict[str, Any]:
                    str(args.every), "--window", str(args.window), "--settle", args.settle, "--width", str(args.width)]
             cmd += ["--stack"] if args.stack else []
             cmd += ["--shapes"] if args.shapes else []
-            procs.append(subprocess.Popen(cmd, cwd=cwd, env=rank_env(args, rank, port), stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, preexec_fn=allow_cores))
-        results = []
-        deadline = time.monotonic() + args.timeout
-        timed_out = False
-        for rank, proc in enumerate(procs):
-            try:
-                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                # the survivor of a crash waits in a collective for its dead peer; or the run is too slow
-                timed_out = timed_out or all(p.poll() is None for p in procs)
-                for p in procs:
-                    p.kill()
-                out, err = proc.communicate()
-            results.append((rank, proc.returncode, out, err))
+            procs.append(start_rank(cmd + ["--cwd", str(cwd)], cwd, rank_env(args, rank, port)))
+        results, timed_out = wait_ranks(procs, args.timeout)
     finally:
         for h in hogs:
             h.kill()
@@ -183,7 +199,6 @@ def one_run(args: argparse.Namespace, index: int, base: Path) -> dict[str, Any]:
                 p.wait()
     row: dict[str, Any] = {"run": index, "ranks": [], "timed_out": timed_out}
     for rank, code, out, err in results:
-        (run_dir / f"rank{rank}.log").write_text(err)
         res = next((json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")), None)
         entry: dict[str, Any] = {"rank": rank, "exit": code, "windows": res["windows"] if res else
                                  max([int(m) for m in re.findall(r"rank \d+: (\d+) windows", err)] or [0]),
@@ -218,13 +233,14 @@ def main() -> None:
     parser.add_argument("--keep-cores", action="store_true")
     parser.add_argument("--out", default="", help="where the runs' logs go (default: a new temporary directory)")
     parser.add_argument("--rank-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cwd", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_child:
         rank_main(args)
         return
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gloo_race_"))
     base.mkdir(parents=True, exist_ok=True)
-    print(f"logs, cores and gdb output under {base}; core_pattern: "
+    print(f"logs (rank*/err.txt), cores and gdb output under {base}; core_pattern: "
           f"{Path('/proc/sys/kernel/core_pattern').read_text().strip()}", flush=True)
     rows = []
     started = time.monotonic()

@@ -15,7 +15,9 @@ JSON and holds its ProfilerStep# ranges) and deleted.
 
 The ranks run with GLIBC_TUNABLES=glibc.malloc.check=3:glibc.malloc.perturb=165:glibc.malloc.mmap_threshold=65536
 and libc_malloc_debug.so preloaded (`--no-malloc-check`: glibc's defaults): a heap inconsistency aborts at once,
-freed memory is overwritten, and a late write into a freed block of 64 KiB or more faults at the write. A rank
+freed memory is overwritten, and a late write into a freed block of 64 KiB or more faults at the write. The fork
+mode runs without the debug library (its arena locks survive a fork held: the child hangs), with glibc's own
+checks, perturb and the mmap threshold. A rank
 that dies leaves a core (RLIMIT_CORE raised; core_pattern `core`); gdb's stack of the faulting thread is printed
 and attributed: to torch's gloo race when a gloo worker faulted in the profiler's end callback, to us when a
 frame of odp_save or trace_save is on it, else to be read.
@@ -43,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from bench_gloo_race import allow_cores, free_port, rank_env, stack_of_core  # noqa: E402
+from bench_gloo_race import free_port, rank_env, stack_of_core, start_rank, wait_ranks  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -166,30 +168,25 @@ def one_job(args: argparse.Namespace, mode: str, index: int, base: Path) -> dict
         cwd = job_dir / f"rank{rank}"
         (cwd / "traces").mkdir(parents=True)
         env = rank_env(race, rank, port)
+        if mode == "fork":
+            # libc_malloc_debug.so's heap has its own arena locks, which glibc's fork handlers do not reset: a
+            # child forked while another thread allocated waits on them forever (seen: 1 save in 20, then the
+            # 300 s fork timeout). The fork mode runs with glibc's own checks, perturb and the mmap threshold.
+            env.pop("LD_PRELOAD", None)
+            env["GLIBC_TUNABLES"] = ":".join(t for t in env["GLIBC_TUNABLES"].split(":")
+                                             if not t.startswith("glibc.malloc.check"))
         env.update(ONDEMAND_PROF_TRACE_SAVE=mode, PYTHONPATH=str(ROOT))
         cmd = [sys.executable, __file__, "--rank-child", "--raise-after", str(args.raise_after), "--windows",
                str(args.windows), "--window",
                str(args.window), "--gap", str(args.gap), "--width", str(args.width), "--dir", str(cwd / "traces")]
-        procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, preexec_fn=allow_cores))
+        procs.append(start_rank(cmd + ["--cwd", str(cwd)], cwd, env))
     return {"procs": procs, "dir": job_dir, "mode": mode, "index": index}
 
 
-def finish_job(args: argparse.Namespace, job: dict[str, Any], deadline: float) -> dict[str, Any]:
-    results = []
-    timed_out = False
-    for rank, proc in enumerate(job["procs"]):
-        try:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:  # too slow, or the survivor of a crash waiting for its dead peer
-            timed_out = timed_out or all(p.poll() is None for p in job["procs"])
-            for p in job["procs"]:
-                p.kill()
-            out, err = proc.communicate()
-        results.append((rank, proc.returncode, out, err))
+def finish_job(args: argparse.Namespace, job: dict[str, Any], timeout: float) -> dict[str, Any]:
+    results, timed_out = wait_ranks(job["procs"], timeout)
     row: dict[str, Any] = {"mode": job["mode"], "job": job["index"], "ranks": [], "timed_out": timed_out}
     for rank, code, out, err in results:
-        (job["dir"] / f"rank{rank}.log").write_text(err)
         res = next((json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")), None)
         entry: dict[str, Any] = {"rank": rank, "exit": code}
         if res:
@@ -226,6 +223,7 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     parser.add_argument("--rank-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cwd", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_child:
         rank_main(args)
@@ -245,7 +243,7 @@ def main() -> None:
         for i in range(args.jobs):
             for mode in args.modes.split(","):
                 job = one_job(args, mode, i + 1, base)
-                row = finish_job(args, job, time.monotonic() + args.timeout)
+                row = finish_job(args, job, args.timeout)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:

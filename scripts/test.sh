@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test suite: real processes (gloo ranks, daemon, CLI), real files. Run scripts/setup.sh first.
 #   bash scripts/test.sh            the full suite (what CI runs)
-#   bash scripts/test.sh --quick    the quick tier: in-process tests only (tests/conftest.py QUICK_MODULES)
+#   bash scripts/test.sh --quick    the quick tier: the in-process tests, marked quick (tests/conftest.py)
 # Any other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."

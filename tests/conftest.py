@@ -20,23 +20,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 STAND_INS = Path(__file__).resolve().parent / "stand_ins"
 
-# The quick tier (`bash scripts/test.sh --quick`, about a minute on 2 cores): the modules whose tests run in
-# this process (pure policy, parsers, reports on stored traces), with a few short subprocesses at most. The
+# The quick tier (`bash scripts/test.sh --quick`, `pytest -m quick`): the tests that run in this process (pure
+# policy, parsers, planning, the daemon's service driven directly, reports on stored traces), with a few short
+# subprocesses at most, marked where they are: `pytestmark = pytest.mark.quick` in a module of them only, or
+# @pytest.mark.quick on one test (tests/test_layers.py checks that a module starting no process is marked). The
 # full suite (no flag) is what CI runs.
-QUICK_MODULES = {"test_daemon_logic.py", "test_window_logic.py", "test_config.py", "test_scheduler.py",
-                 "test_report_synthetic.py", "test_report_real.py", "test_report_sources.py", "test_npu_backend.py",
-                 "test_fuzz.py"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     _become_subreaper()
     config.addinivalue_line("markers", "quick: the quick tier, in-process tests (scripts/test.sh --quick)")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.name in QUICK_MODULES:
-            item.add_marker(pytest.mark.quick)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -310,3 +303,72 @@ def live_ranks(run_dir: Path, job: str | None = None) -> list[dict[str, Any]]:
         return []
     jobs = json.loads(res.stdout)["jobs"]
     return [r for name, ranks in jobs.items() if job in (None, name) for r in ranks]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A daemon's test environment: its runtime and state directories (short paths: a unix socket path holds 107
+# bytes), where ranks save, and the processes to end (ranks first, then daemons: examples start children)
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    run_dir, state_dir = short_dir("odp"), short_dir("odps")
+    procs: list[subprocess.Popen] = []
+    daemons: list[subprocess.Popen] = []
+    yield {"run": run_dir, "state": state_dir, "save": tmp_path / "profile", "tmp": tmp_path, "procs": procs,
+           "daemons": daemons}
+    end_test_env([*procs, *daemons], run_dir, state_dir)
+
+
+def daemon(env: dict[str, Any], *extra: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The real ondemand-profd of `env`, ended with it."""
+    proc = start_daemon(env["run"], env["state"], *extra, env=extra_env)
+    env["daemons"].append(proc)
+    return proc
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The daemon in this process: its Service driven directly (no sockets), or the Daemon object without its loop
+
+def register_msg(rank: int = 0, world: int = 1, *, job: str = "j", pid: int | None = None, step: int = 100,
+                 began: float | None = None, **more: Any) -> dict[str, Any]:
+    """A rank's registration as the service takes it (decoded): `pid` 10 + rank unless given; `more` adds or
+    replaces fields (defaults: WindowDefaults.to_wire(), step_time, host ...)."""
+    return {"type": "register", "job": job, "rank": rank, "world_size": world, "host": "h",
+            "pid": 10 + rank if pid is None else pid, "step": step, "began": time.time() if began is None else began,
+            **more}
+
+
+def make_service(state: Path, host: str = "h") -> Any:
+    """The daemon's Service over a record store in `state`, every pid alive (the ranks are synthetic)."""
+    from ondemand_prof.host.commands import DAEMON_COMMANDS
+    from ondemand_prof.host.records import RecordStore
+    from ondemand_prof.host.service import Service
+
+    return Service(RecordStore(state), DAEMON_COMMANDS, host=host, runtime_dir=state, state_dir=state,
+                   pid_check=lambda pid, thorough: True)
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Any:
+    return make_service(tmp_path)
+
+
+def inprocess_daemon(tmp_path: Path, ranks: int = 1, **daemon_kw: Any) -> tuple[Any, list[tuple[bytes, bytes]]]:
+    """A real Daemon object (its sockets, not its loop), open, with `ranks` SYNTHETIC ranks registered through
+    dispatch (routes r/0, r/1, ...); what it sends is kept in the list returned. Close it (d.close())."""
+    from ondemand_prof.core.options import ProfileConfig
+    from ondemand_prof.core.protocol import encode
+    from ondemand_prof.core.requests import WindowDefaults
+    from ondemand_prof.host.transport import Daemon
+
+    (tmp_path / "run").mkdir(mode=0o700)
+    d = Daemon(tmp_path / "run", tmp_path / "state", **daemon_kw)
+    d.open()
+    sent: list[tuple[bytes, bytes]] = []
+    d._send = lambda route, body: sent.append((route, body))  # noqa: SLF001
+    defaults = WindowDefaults.from_config(ProfileConfig(save_path=str(tmp_path))).to_wire()
+    for r in range(ranks):
+        d.dispatch(b"r/%d" % r, encode("register", job="j", rank=r, world_size=ranks, host="h", pid=os.getpid(),
+                                       local_rank=r, save_root=str(tmp_path), defaults=defaults, step=0,
+                                       began=time.time(), state="idle", step_time=0.01))
+    return d, sent

@@ -18,6 +18,8 @@ from ondemand_prof import ConfigError, OnDemandProfiler, ProfileConfig, add_prof
     config_from_mapping
 from ondemand_prof.core.options import config_from_env
 
+pytestmark = pytest.mark.quick  # in-process: the quick tier (conftest.py)
+
 
 def parse(*argv: str) -> ProfileConfig:
     parser = add_profile_args(argparse.ArgumentParser())

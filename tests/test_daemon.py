@@ -13,29 +13,15 @@ import stat
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import zmq
 
-from conftest import end_test_env, ROOT, assert_ok, base_env, captures, ctl, ctl_json, live_ranks, short_dir, \
-    start_daemon, start_ranks, trace_steps, wait_all, wait_for
+from conftest import ROOT, base_env, captures, ctl, ctl_json, daemon, live_ranks, short_dir, start_ranks, trace_steps, \
+    wait_for
 
 TRAIN = ["--step-sleep", "0.02", "--profile-min-free-mb", "0", "--profile-ranks", "-1"]
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    run_dir, state_dir = short_dir("odp"), short_dir("odps")
-    procs: list[subprocess.Popen] = []
-    yield {"run": run_dir, "state": state_dir, "save": tmp_path / "profile", "procs": procs}
-    end_test_env(procs, run_dir, state_dir)
-
-
-def daemon(env: dict[str, Any], *extra: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    proc = start_daemon(env["run"], env["state"], *extra, env=extra_env)
-    env["procs"].append(proc)
-    return proc
 
 
 def ranks(env: dict[str, Any], world: int, steps: int, *extra: str) -> list[subprocess.Popen]:

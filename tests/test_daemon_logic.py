@@ -11,10 +11,13 @@ from typing import Any
 
 import pytest
 
+from conftest import inprocess_daemon, make_service, register_msg
 from ondemand_prof.host.records import CaptureRecord
 from ondemand_prof.host.registry import RankConflict, RankInfo, Registry, plan_window, stall_text, stalls
 from ondemand_prof.core.protocol import ProtocolError, decode, encode
 from ondemand_prof.host.commands import CLI_MESSAGES
+
+pytestmark = pytest.mark.quick
 
 
 def rank(r: int, step: int, step_time: float | None = 0.1, began: float = 100.0) -> RankInfo:
@@ -193,17 +196,12 @@ def test_service_handlers_without_sockets(tmp_path) -> None:
     from heartbeats ("recording step k of N"), cancel, and typed errors for bad requests."""
     from ondemand_prof.core.options import ProfileConfig
     from ondemand_prof.core.requests import WindowDefaults, window_from_wire
-    from ondemand_prof.host.commands import DAEMON_COMMANDS
     from ondemand_prof.host.commands.follow import recording_step
-    from ondemand_prof.host.records import RecordStore
-    from ondemand_prof.host.service import Service
 
-    svc = Service(RecordStore(tmp_path), DAEMON_COMMANDS, host="h", runtime_dir=tmp_path, state_dir=tmp_path,
-                  pid_check=lambda pid, thorough: True)
+    svc = make_service(tmp_path)
     defaults = WindowDefaults.from_config(ProfileConfig(max_window_steps=5, with_stack=True)).to_wire()
     for r in (0, 1):
-        reply = svc.handle(f"r{r}".encode(), {"type": "register", "job": "j", "rank": r, "world_size": 2, "host": "h",
-                                              "pid": 10 + r, "step": 100, "began": time.time(), "defaults": defaults})
+        reply = svc.handle(f"r{r}".encode(), register_msg(r, 2, defaults=defaults))
         assert reply is not None and json.loads(reply)["type"] == "registered"
     reply = json.loads(svc.handle(b"cli", {"type": "capture", "id": 1, "request": {"steps": 50, "ranks": "0-1"}}))
     assert reply["type"] == "ok", reply
@@ -240,17 +238,10 @@ def test_a_capture_refused_for_a_window_the_daemon_did_not_know_is_planned_again
     the new window stands. An absolute --start-step is never moved."""
     from ondemand_prof.core.options import ProfileConfig
     from ondemand_prof.core.requests import WindowDefaults, window_from_wire
-    from ondemand_prof.host.commands import DAEMON_COMMANDS
-    from ondemand_prof.host.records import RecordStore
-    from ondemand_prof.host.service import Service
-
-    svc = Service(RecordStore(tmp_path), DAEMON_COMMANDS, host="h", runtime_dir=tmp_path, state_dir=tmp_path,
-                  pid_check=lambda pid, thorough: True)
+    svc = make_service(tmp_path)
     defaults = WindowDefaults.from_config(ProfileConfig()).to_wire()
     for r in (0, 1):
-        svc.handle(b"r%d" % r, {"type": "register", "job": "j", "rank": r, "world_size": 2, "host": "h",
-                                "pid": 10 + r, "step": 100, "began": time.time(), "step_time": 0.1,
-                                "defaults": defaults})
+        svc.handle(b"r%d" % r, register_msg(r, 2, step_time=0.1, defaults=defaults))
     record = json.loads(svc.handle(b"cli", {"type": "capture", "id": 1, "request": {"steps": 2}}))["data"]
     cid, (start, end) = record["capture_id"], record["window"]
     sent = [window_from_wire(json.loads(b)["window"]) for _, b in svc.outbox]
@@ -295,20 +286,14 @@ def test_a_capture_refused_for_a_window_the_daemon_did_not_know_is_planned_again
 def test_a_rank_reports_several_events_in_one_message(tmp_path: Path) -> None:
     """The daemon says at registration how many events a message may carry; a batch is applied in order, and a
     batch with one bad item (or too many) is refused whole, with the reason."""
-    from ondemand_prof.host.commands import DAEMON_COMMANDS
-    from ondemand_prof.host.records import RecordStore
-    from ondemand_prof.host.service import Service
     from ondemand_prof.core.options import ProfileConfig
     from ondemand_prof.core.requests import WindowDefaults
     from ondemand_prof.host.transport import SCHEMA
 
     defaults = WindowDefaults.from_config(ProfileConfig()).to_wire()
-    svc = Service(RecordStore(tmp_path), DAEMON_COMMANDS, host="h", runtime_dir=tmp_path, state_dir=tmp_path,
-                  pid_check=lambda pid, thorough: True)
+    svc = make_service(tmp_path)
     for r in (0, 1):
-        reply = json.loads(svc.handle(f"r{r}".encode(), {"type": "register", "job": "j", "rank": r, "world_size": 2,
-                                                         "host": "h", "pid": 10 + r, "step": 100,
-                                                         "began": time.time(), "defaults": defaults}))
+        reply = json.loads(svc.handle(f"r{r}".encode(), register_msg(r, 2, defaults=defaults)))
         assert reply["type"] == "registered" and reply["events_batch"] == 32
     cid = json.loads(svc.handle(b"cli", {"type": "capture", "id": 1, "request": {"steps": 2}}))["data"]["capture_id"]
 
@@ -332,19 +317,14 @@ def test_the_lead_grows_when_windows_reached_ranks_late(tmp_path) -> None:
     far enough ahead for that; `status` says so. A stalled rank cannot push windows out beyond 5 s."""
     import time
 
-    from ondemand_prof.host.commands import DAEMON_COMMANDS
-    from ondemand_prof.host.records import RecordStore
-    from ondemand_prof.host.registry import DeliveryTimes
-    from ondemand_prof.host.service import Service
-
-    svc = Service(RecordStore(tmp_path), DAEMON_COMMANDS, host="h", runtime_dir=tmp_path, state_dir=tmp_path,
-                  pid_check=lambda pid, thorough: True)
     from ondemand_prof.core.options import ProfileConfig
     from ondemand_prof.core.requests import WindowDefaults
+    from ondemand_prof.host.commands import DAEMON_COMMANDS
+    from ondemand_prof.host.registry import DeliveryTimes
 
+    svc = make_service(tmp_path)
     defaults = WindowDefaults.from_config(ProfileConfig()).to_wire()
-    svc.handle(b"r0", {"type": "register", "job": "j", "rank": 0, "world_size": 1, "host": "h", "pid": 10,
-                       "step": 100, "step_time": 0.1, "began": time.time(), "defaults": defaults})
+    svc.handle(b"r0", register_msg(0, step_time=0.1, defaults=defaults))
 
     def capture() -> dict:
         reply = json.loads(svc.handle(b"cli", {"type": "capture", "id": 1, "request": {"steps": 2}}))
@@ -355,8 +335,7 @@ def test_the_lead_grows_when_windows_reached_ranks_late(tmp_path) -> None:
     assert first["plan"]["lead_steps"] == 3  # 50 ms of delivery within a 100 ms step, plus two
     planned = first["plan"]["current_steps"]["0"]  # (the reply is JSON: keys are strings)
     # another process claiming rank 0 of the job (from another "host") is not the one the window went to
-    svc.handle(b"x0", {"type": "register", "job": "j", "rank": 0, "world_size": 1, "host": "x", "pid": 30,
-                       "step": 100, "step_time": 0.1, "began": time.time(), "defaults": defaults})
+    svc.handle(b"x0", register_msg(0, pid=30, host="x", step_time=0.1, defaults=defaults))
     svc.handle(b"x0", {"type": "event", "capture_id": first["capture_id"], "event": "scheduled",
                        "info": {"current_step": planned + 10**6, "window": first["window"]}})
     assert svc.delivery.estimate("j") == 0.05
@@ -570,25 +549,6 @@ def test_a_record_whose_created_at_is_no_time_is_refused_with_the_reason() -> No
     assert record_problem({**good, "created_at": "yesterday"}) == "created_at 'yesterday' is not a time"
 
 
-def _inprocess_daemon(tmp_path: Path, ranks: int = 1) -> tuple[Any, list[tuple[bytes, bytes]]]:
-    """A real Daemon object without its loop: SYNTHETIC ranks registered through dispatch; what it sends is kept."""
-    from ondemand_prof.core.options import ProfileConfig
-    from ondemand_prof.core.requests import WindowDefaults
-    from ondemand_prof.host.transport import Daemon
-
-    (tmp_path / "run").mkdir(mode=0o700)
-    d = Daemon(tmp_path / "run", tmp_path / "state")
-    d.open()
-    sent: list[tuple[bytes, bytes]] = []
-    d._send = lambda route, body: sent.append((route, body))  # noqa: SLF001
-    defaults = WindowDefaults.from_config(ProfileConfig(save_path=str(tmp_path))).to_wire()
-    for r in range(ranks):
-        d.dispatch(b"r/%d" % r, encode("register", job="j", rank=r, world_size=ranks, host="h", pid=os.getpid(),
-                                       local_rank=r, save_root=str(tmp_path), defaults=defaults, step=0,
-                                       began=time.time(), state="idle", step_time=0.01))
-    return d, sent
-
-
 def test_text_no_terminal_prints_never_reaches_status(tmp_path: Path) -> None:
     """A rank's heartbeat or registration with a lone surrogate (a JSON escape; the heartbeat's own fast path
     took it) is refused, so `ondemandctl status` still prints for every user of the daemon."""
@@ -596,7 +556,7 @@ def test_text_no_terminal_prints_never_reaches_status(tmp_path: Path) -> None:
 
     from ondemand_prof.host.commands import DAEMON_COMMANDS
 
-    d, sent = _inprocess_daemon(tmp_path)
+    d, sent = inprocess_daemon(tmp_path)
     try:
         d.dispatch(b"r/0", b'{"v":1,"type":"hb","step":5,"state":"idle\\ud800","windows":[{"capture_id":"x",'
                            b'"start":1,"end":2,"source":"s\\udfff","state":"w"}]}')
@@ -623,7 +583,7 @@ def test_a_watch_on_a_record_dropped_to_make_room_is_answered(tmp_path: Path, mo
     from ondemand_prof.host import records
 
     monkeypatch.setattr(records, "KEEP_RECORDS", 2)
-    d, sent = _inprocess_daemon(tmp_path)
+    d, sent = inprocess_daemon(tmp_path)
     try:
         (tmp_path / "out").mkdir()
         ids = []
@@ -655,7 +615,7 @@ def test_stacks_ask_the_ranks_in_waves_and_every_rank_is_answered(monkeypatch, t
     from ondemand_prof.host import triage
 
     monkeypatch.setattr(triage, "TRIAGE_WAVE", 3)
-    d, sent = _inprocess_daemon(tmp_path, ranks=8)
+    d, sent = inprocess_daemon(tmp_path, ranks=8)
     routes = [b"r/%d" % r for r in range(8)]
     try:
         sent.clear()

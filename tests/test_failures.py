@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import captures
 from ondemand_prof import OnDemandProfiler, ProfileConfig
 from ondemand_prof.rank.backends.torch_backend import TorchBackend
+
+pytestmark = pytest.mark.quick  # in-process: the quick tier (conftest.py)
 
 
 class ExplodingBackend(TorchBackend):

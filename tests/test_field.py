@@ -11,20 +11,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from conftest import end_test_env, ROOT, base_env, captures, ctl, ctl_json, free_port, live_ranks, short_dir, trace_steps, \
-    wait_for
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    run_dir, state_dir = short_dir("odf"), short_dir("odfs")
-    procs: list[subprocess.Popen] = []
-    yield {"run": run_dir, "state": state_dir, "tmp": tmp_path, "procs": procs}
-    end_test_env(procs, run_dir, state_dir)
+from conftest import ROOT, base_env, captures, ctl, ctl_json, free_port, live_ranks, trace_steps, wait_for
 
 
 def daemon(env: dict[str, Any]) -> subprocess.Popen:

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.quick  # in-process: the quick tier (conftest.py)
+
 hypothesis = pytest.importorskip("hypothesis", reason="the test extra (pip install -e '.[test]') brings hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

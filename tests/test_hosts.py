@@ -28,11 +28,9 @@ from conftest import ROOT, base_env, captures, free_port, short_dir, trace_steps
 from ondemand_prof.host import ctl as ctl_main
 from ondemand_prof.host import fanout
 from ondemand_prof.host.alignment import late_refusal, mark_misaligned, misalignment
-from ondemand_prof.host.commands import DAEMON_COMMANDS
 from ondemand_prof.host.hosts import HostSpecError, expand_nodelist, parse_hosts, read_hostfile, slurm_nodelist
 from ondemand_prof.host.keys import KeyFileError, authorized_keys, keygen, load_pair
-from ondemand_prof.host.records import Plan, RecordStore
-from ondemand_prof.host.service import Service
+from ondemand_prof.host.records import Plan
 from ondemand_prof.host.summaries import MAX_SUMMARY_BYTES, merge_summaries, part_summaries, read_summary
 
 DAEMONS = 16
@@ -43,6 +41,7 @@ LAST_RANK_CAP = 160  # --profile-max-window-steps of the last rank (the others k
 # ----------------------------------------------------------------------------------------------------------
 # Host lists
 
+@pytest.mark.quick
 def test_nodelists_expand_as_scontrol_show_hostnames() -> None:
     assert expand_nodelist("a[1-2],b[01-03,7]") == ["a1", "a2", "b01", "b02", "b03", "b7"]
     assert expand_nodelist("node[01-64]")[0] == "node01" and expand_nodelist("node[01-64]")[-1] == "node64"
@@ -57,6 +56,7 @@ def test_nodelists_expand_as_scontrol_show_hostnames() -> None:
             expand_nodelist(bad)
 
 
+@pytest.mark.quick
 def test_host_lists_with_ports_ranges_and_files(tmp_path: Path) -> None:
     targets = parse_hosts("node[01-02]:7400,gpu[1-2],[::1]:9,gpu1", 7355)
     assert [(t.host, t.port) for t in targets] == [("node01", 7400), ("node02", 7400), ("gpu1", 7355),
@@ -74,6 +74,7 @@ def test_host_lists_with_ports_ranges_and_files(tmp_path: Path) -> None:
         read_hostfile(tmp_path / "empty")
 
 
+@pytest.mark.quick
 def test_slurm_nodelist_from_the_job_environment_or_squeue() -> None:
     env = {"SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "gpu[1-2],cpu7"}
     never = lambda argv: pytest.fail(f"ran {argv}")  # noqa: E731
@@ -91,11 +92,11 @@ def test_slurm_nodelist_from_the_job_environment_or_squeue() -> None:
         slurm_nodelist("12; rm -rf /", env, run=never, which=lambda _: None)
 
 
-def test_a_daemon_that_was_paused_reads_its_queue_before_it_expires_ranks(tmp_path: Path) -> None:
+@pytest.mark.quick
+def test_a_daemon_that_was_paused_reads_its_queue_before_it_expires_ranks(service: Any) -> None:
     """A host paused right after a status round (SIGSTOP, a VM pause) must not drop its ranks as silent when
     it resumes: their heartbeats wait in its own queue; the capture that waited with them would find no rank."""
-    svc = Service(RecordStore(tmp_path), DAEMON_COMMANDS, host="h", runtime_dir=tmp_path, state_dir=tmp_path,
-                  pid_check=lambda pid, thorough: True)
+    svc = service
     svc.registry.register(b"r0", {"job": "j", "rank": 0, "world_size": 1, "host": "h", "pid": 1, "step": 5}, 0.0,
                           time.time(), lambda pid, thorough: True)
     svc.housekeeping(0.0)
@@ -105,6 +106,7 @@ def test_a_daemon_that_was_paused_reads_its_queue_before_it_expires_ranks(tmp_pa
     assert not svc.registry.by_route
 
 
+@pytest.mark.quick
 def test_late_and_misaligned_captures_are_named() -> None:
     plan = Plan(300, 302, {0: 290, 1: 640}, past_ranks=(1,))
     text = late_refusal(plan)
@@ -127,6 +129,7 @@ def test_late_and_misaligned_captures_are_named() -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Summaries and merged states
 
+@pytest.mark.quick
 def test_summaries_are_read_safely_and_merged_with_the_failed_parts(tmp_path: Path) -> None:
     ok = tmp_path / "r0"
     ok.mkdir()
@@ -158,6 +161,7 @@ def test_summaries_are_read_safely_and_merged_with_the_failed_parts(tmp_path: Pa
 # ----------------------------------------------------------------------------------------------------------
 # Keys
 
+@pytest.mark.quick
 def test_keygen_makes_owner_only_keys_and_unsafe_ones_are_refused(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     res = subprocess.run([str(ROOT / "bin" / "ondemandctl"), "keygen", str(keys)], env=base_env(),

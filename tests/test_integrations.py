@@ -11,31 +11,15 @@ import time
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from conftest import end_test_env, NO_DAEMON_DIR, ROOT, base_env, captures, ctl, free_port, live_ranks, load_trace, short_dir, \
-    start_daemon, trace_steps, wait_for
+from conftest import NO_DAEMON_DIR, ROOT, base_env, captures, ctl, daemon, free_port, live_ranks, load_trace, trace_steps, \
+    wait_for
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 EXAMPLES = ROOT / "examples"
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    run_dir, state_dir = short_dir("odp"), short_dir("odps")
-    procs: list[subprocess.Popen] = []
-    daemons: list[subprocess.Popen] = []
-    yield {"run": run_dir, "state": state_dir, "save": tmp_path / "profile", "tmp": tmp_path, "procs": procs,
-           "daemons": daemons}
-    end_test_env([*procs, *daemons], run_dir, state_dir)  # examples start children (torchrun, Lightning)
-
-
-def daemon(env: dict[str, Any]) -> subprocess.Popen:
-    proc = start_daemon(env["run"], env["state"])
-    env["daemons"].append(proc)
-    return proc
 
 
 def spawn(env: dict[str, Any], argv: list[str], **extra: str) -> subprocess.Popen:

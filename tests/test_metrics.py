@@ -24,8 +24,7 @@ import pytest
 pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from conftest import ROOT, base_env, ctl, ctl_json, short_dir, wait_for  # noqa: E402
-from test_daemon import daemon, env  # noqa: E402,F401 - env is a fixture: a runtime dir, a state dir, the processes
+from conftest import ROOT, base_env, ctl, ctl_json, daemon, register_msg, short_dir, wait_for  # noqa: E402
 from test_triage import ranks, stalled  # noqa: E402
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -216,22 +215,18 @@ def test_scraping_4096_synthetic_ranks_in_a_loop_costs_one_snapshot_a_second() -
         d.close()
 
 
-def test_stacks_answers_are_folded_as_they_arrive(tmp_path: Path) -> None:
+@pytest.mark.quick
+def test_stacks_answers_are_folded_as_they_arrive(service: Any) -> None:
     """The daemon keeps one copy of each distinct stack while a `stacks` request waits for its ranks (4096
     answers of up to 56 KiB each were held whole until the last came); the reply reads as before. The service is
     driven directly; the answers are SYNTHETIC (frames of this test's own stack)."""
-    from ondemand_prof.host.commands import DAEMON_COMMANDS
-    from ondemand_prof.host.records import RecordStore
-    from ondemand_prof.host.service import Service
     from ondemand_prof.host.triage import group_stacks
     from ondemand_prof.rank.triage import collect_stacks
 
-    svc = Service(RecordStore(tmp_path), DAEMON_COMMANDS, host="h", runtime_dir=tmp_path, state_dir=tmp_path,
-                  pid_check=lambda pid, thorough: True)
+    svc = service
     n = 64
     for r in range(n):
-        svc.handle(b"r%d" % r, {"type": "register", "job": "j", "rank": r, "world_size": n, "host": "h",
-                                "pid": 10 + r, "step": 1, "began": time.time()})
+        svc.handle(b"r%d" % r, register_msg(r, n, step=1))
     svc.handle(b"cli", {"type": "stacks", "id": 1, "ranks": [-1], "timeout_s": 30, "args": {}})
     triage_id = json.loads(svc.outbox[0][1])["triage_id"]
     svc.outbox.clear()

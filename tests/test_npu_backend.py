@@ -19,6 +19,8 @@ from ondemand_prof import OnDemandProfiler, ProfileConfig
 from ondemand_prof.rank.backends import npu_available, select_backend
 from ondemand_prof.core.window import WindowOptions
 
+pytestmark = pytest.mark.quick  # in-process: the quick tier (conftest.py)
+
 
 @pytest.fixture
 def stand_in(monkeypatch):

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, base_env, ctl, ctl_json, free_port, start_ranks, status_lines, wait_for
-from test_daemon import daemon, env, wait_stepping  # noqa: F401 - env is a fixture (a runtime dir, a state dir)
+from conftest import ROOT, base_env, ctl, ctl_json, daemon, free_port, start_ranks, status_lines, wait_for
+from test_daemon import wait_stepping
 
 pytest.importorskip("prometheus_client")
 from test_metrics import metrics_url, scrape  # noqa: E402

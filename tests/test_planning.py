@@ -19,6 +19,8 @@ from ondemand_prof.host.planning import (Launched, capture_record, common_cap, e
 from ondemand_prof.host.records import Plan
 from ondemand_prof.host.registry import RankInfo
 
+pytestmark = pytest.mark.quick  # in-process: the quick tier (conftest.py)
+
 NOW = 1_800_000_000.0
 
 

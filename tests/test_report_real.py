@@ -22,6 +22,8 @@ from test_report import cpu_split_by_hand
 from ondemand_prof.report.html import render_html
 from ondemand_prof.report.text import render_text, short_name, short_names
 
+pytestmark = pytest.mark.quick  # in-process: the quick tier (conftest.py)
+
 REAL = Path(__file__).resolve().parent / "fixtures" / "real"
 SHARES = ("compute_pct", "comm_pct", "overlap_pct", "idle_pct")
 LAUNCH = {"cuda_runtime", "cuda_driver", "Runtime"}

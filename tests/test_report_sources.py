@@ -18,6 +18,8 @@ from conftest import base_env, ctl
 from ondemand_prof.report import build_report
 from ondemand_prof.report.grouping import SLOW_MIN_PCT, group_ranks, slowest_rank
 
+pytestmark = pytest.mark.quick  # in-process: the quick tier (conftest.py)
+
 REAL = Path(__file__).resolve().parent / "fixtures" / "real"
 NCCL_RANKS = ("hta_sampled_rank-0.json.gz", "hta_sampled_rank-1.json.gz")  # 2 ranks of a 128-rank NCCL job
 

@@ -19,6 +19,8 @@ from ondemand_prof.report.classify import comm_library, device_name, is_comm
 from ondemand_prof.report.html import render_html
 from ondemand_prof.report.text import render_text
 
+pytestmark = pytest.mark.quick  # in-process: the quick tier (conftest.py)
+
 
 def one_rank(path: Path) -> dict[str, Any]:
     report = build_report([path], workers=1)

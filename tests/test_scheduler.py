@@ -11,6 +11,8 @@ from ondemand_prof.core.options import WindowOptions
 from ondemand_prof.core.window import Window
 from ondemand_prof.rank.scheduler import IDLE, MAX_CONSECUTIVE_FAILURES, Active, Scheduler
 
+pytestmark = pytest.mark.quick  # in-process: the quick tier (conftest.py)
+
 
 class FakeSession:
     def __init__(self, log: list[tuple[Any, ...]], window: Window, fail_on: str = "") -> None:

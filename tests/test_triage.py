@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import captures, ctl, ctl_json, live_ranks, run_ranks, start_ranks, status_lines, wait_for
-from test_daemon import daemon, env  # noqa: F401 - env is a fixture: a runtime dir, a state dir, the processes
+from conftest import captures, ctl, ctl_json, daemon, live_ranks, run_ranks, start_ranks, status_lines, wait_for
 
 TRAIN = ["--profile-min-free-mb", "0", "--profile-ranks", "-1"]
 

@@ -227,6 +227,7 @@ def test_signal_storm_opens_one_window(dirs) -> None:
     assert len(trace_steps(cap)) == 2
 
 
+@pytest.mark.quick
 def test_default_trigger_dirs_differ_between_jobs() -> None:
     from ondemand_prof.rank.triggers import default_trigger_dir
 
@@ -243,6 +244,7 @@ def test_hook_logs_the_command_to_touch(dirs) -> None:
     assert (trig.stat().st_mode & 0o777) == 0o700
 
 
+@pytest.mark.quick
 def test_log_budget_says_how_many_lines_it_held_back() -> None:
     """A loop rewriting the trigger gets five warning lines a minute, then one that counts the rest."""
     from ondemand_prof.rank.trigger_status import LogBudget

@@ -10,6 +10,8 @@ from ondemand_prof.core.requests import RequestError, WindowDefaults, absolute_s
     window_from_wire
 from ondemand_prof.core.window import Phase, StepClock, Window, plan_begin, recorded_steps
 
+pytestmark = pytest.mark.quick  # in-process: the quick tier (conftest.py)
+
 
 @pytest.mark.parametrize("step,phase,wake,late", [
     (0, Phase.WAIT, 4, 0), (3, Phase.WAIT, 4, 0), (4, Phase.WARMUP, 5, 0), (5, Phase.RECORD, 6, 0),

@@ -108,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] $ ondemandctl report {save} --summary --html {html}")
     subprocess.run([sys.executable, "-m", "ondemand_prof.host.ctl", "report", str(save), "--summary", "--html",
                     str(html)])
+    folders = {source: d.parent for _, source, _, _, d in rows}
+    if "static" in folders and "daemon" in folders:  # what changed between two captures, and on which rank
+        now, base = folders["daemon"], folders["static"]
+        print(f"[demo] $ ondemandctl report {now} --baseline {base}")
+        subprocess.run([sys.executable, "-m", "ondemand_prof.host.ctl", "report", str(now), "--baseline", str(base),
+                        "--top", "3"])
     print("[demo] each capture folder under", save, "is one HTA trace_dir (TraceAnalysis(trace_dir=..., "
           "include_last_profiler_step=True): HTA leaves out the last captured step without it) and one TensorBoard "
           "run (a worker per rank); traces open in https://ui.perfetto.dev too")

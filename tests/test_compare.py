@@ -302,5 +302,6 @@ def test_two_different_models_or_world_sizes_are_said_never_silently_compared(tm
     shutil.copy(REAL / "hta_trace_diff_control.json.gz", tmp_path / "dlrm.json.gz")
     c = report_json("resnet.json.gz", "--baseline", "dlrm.json.gz", cwd=tmp_path)
     assert any(n.startswith("different models? only ") for n in c["notes"]), c["notes"]
-    same = report_json("dlrm.json.gz", "--baseline", "dlrm.json.gz", cwd=tmp_path)
+    shutil.copy(REAL / "hta_trace_diff_control.json.gz", tmp_path / "dlrm_again.json.gz")  # (itself is refused)
+    same = report_json("dlrm_again.json.gz", "--baseline", "dlrm.json.gz", cwd=tmp_path)
     assert same["notes"] == [] and same["cause"].startswith("no change"), same

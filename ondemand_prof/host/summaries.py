@@ -5,12 +5,12 @@ across hosts (`merge_summaries`) without ever reading a trace over the network."
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any, Iterable, cast
 
+from ..core import safejson
 from ..core.files import read_beneath_root
 
 if TYPE_CHECKING:  # the report package is imported where it is used (the daemon never loads it)
@@ -25,13 +25,14 @@ SUMMARY_FILE = "summary.json"  # rank/postprocess.py writes it (not imported: th
 def read_summary(rank_dir: str, owner: int | None = None) -> dict[str, Any]:
     """A rank's summary.json: reached without following a symbolic link anywhere on the way (a directory the
     rank reported can be swapped for a link after the report), a regular file of the rank's uid (`owner`), at
-    most MAX_SUMMARY_BYTES, a JSON object. OSError/ValueError say why not."""
+    most MAX_SUMMARY_BYTES, a JSON object read by the bounded reader (nesting, numbers: core/safejson.py; the
+    rank wrote it, and json.loads recursed on "[[[..." and took NaN). OSError/ValueError say why not."""
     if not os.path.isabs(rank_dir):
         raise ValueError(f"not an absolute path: {rank_dir!r}")
     raw = read_beneath_root(os.path.join(rank_dir, SUMMARY_FILE), owner, MAX_SUMMARY_BYTES + 1)
     if len(raw) > MAX_SUMMARY_BYTES:
         raise ValueError(f"{SUMMARY_FILE} is over {MAX_SUMMARY_BYTES} bytes, the limit")
-    data = json.loads(raw)
+    data = safejson.loads(raw, MAX_SUMMARY_BYTES)
     if not isinstance(data, dict):
         raise ValueError(f"{SUMMARY_FILE} does not hold a JSON object")
     return data
@@ -50,13 +51,7 @@ def part_summaries(record: dict[str, Any]) -> list[dict[str, Any]]:
     for part in sorted(record["parts"].values(), key=lambda p: p["rank"]):
         entry: dict[str, Any] = {"rank": part["rank"], "host": part["host"], "pid": part["pid"],
                                  "state": part["state"], "path": part.get("path"), "late_by": part.get("late_by")}
-        if part["state"] != "done" or not part.get("path"):
-            entry["error"] = part.get("error") or f"no trace ({part['state']})"
-        else:
-            try:
-                entry["summary"] = read_summary(part["path"], _owner(part))
-            except (OSError, ValueError) as exc:
-                entry["error"] = f"no summary: {exc}"
+        entry.update(_summary_of(part))
         parts.append(entry)
     return parts
 
@@ -96,11 +91,13 @@ def compare_records(now: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]
     """This host's part of a comparison (the daemon's `compare`, and an automatic capture's log line): each rank
     of `now` that wrote a summary here against the same rank of `base` (report/compare.py compare_rank), the
     ranks found on one side only, and why a rank could not be compared. Summaries are read as `summaries` reads
-    them; no trace is read."""
-    from ..report.compare import compare_rank
+    them, one rank's two at a time (a host's 64 ranks of 512 KB each were all held at once); no trace is read. A
+    rank is the record's part, whatever its summary says (a summary claiming another rank's number took that
+    rank's place); a summary that does not hold what a comparison reads is that rank's problem, not the host's."""
+    from ..report.compare import Unusable, compare_rank
 
     def by_rank(record: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        return {p["rank"]: p for p in part_summaries(record)}
+        return {p["rank"]: p for p in record["parts"].values()}
 
     n, b = by_rank(now), by_rank(base)
     ranks, problems = [], {}
@@ -108,14 +105,30 @@ def compare_records(now: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]
         other = b.get(rank)
         if other is None:
             continue
-        if part.get("summary") is None or other.get("summary") is None:
-            problems[str(rank)] = part.get("error") if part.get("summary") is None else \
-                f"baseline: {other.get('error')}"
+        mine, theirs = (_summary_of(p) for p in (part, other))
+        if "summary" not in mine or "summary" not in theirs:
+            problems[str(rank)] = mine.get("error") if "summary" not in mine else f"baseline: {theirs.get('error')}"
             continue
-        ranks.append(compare_rank(other["summary"], part["summary"]))
+        try:
+            row = compare_rank(theirs["summary"], mine["summary"])
+        except Unusable as exc:
+            problems[str(rank)] = f"{SUMMARY_FILE}: {exc}"
+            continue
+        row["rank"] = rank
+        ranks.append(row)
     return {"capture_id": now["capture_id"], "baseline_id": base["capture_id"], "job": now["job"],
             "baseline_job": base["job"], "ranks": ranks, "problems": problems,
             "unmatched": {"baseline": sorted(r for r in b if r not in n), "now": sorted(r for r in n if r not in b)}}
+
+
+def _summary_of(part: dict[str, Any]) -> dict[str, Any]:
+    """{"summary"} of one part, or {"error"}: why it has none."""
+    if part["state"] != "done" or not part.get("path"):
+        return {"error": part.get("error") or f"no trace ({part['state']})"}
+    try:
+        return {"summary": read_summary(part["path"], _owner(part))}
+    except (OSError, ValueError) as exc:
+        return {"error": f"no summary: {exc}"}
 
 
 def conclude_replies(replies: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, Any]:

@@ -259,7 +259,9 @@ class TriageBook:
         if held:
             self.budget.refused(info, "budget", f"automatic capture {window.capture_id} not recorded: {held}")
             return None
-        ranks = self.service.registry.jobs().get(info.job, [])
+        # the rank's own job, (uid, id): jobs() names it owner:id where another user's job has the same id, and
+        # jobs().get(info.job) then found no rank (the baseline was of the asking rank alone, no reference rank)
+        ranks = sorted((r for r in self.service.registry.by_route.values() if r.key == info.key), key=lambda r: r.rank)
         if baseline:  # the job's baseline on this host: the same window on every rank of it registered here
             ref = None
             others = sorted((r for r in ranks if r is not info), key=lambda r: r.rank)

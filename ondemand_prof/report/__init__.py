@@ -111,25 +111,42 @@ def summarize_group(key: tuple[Any, Any], members: list[RankResult], why: str | 
 
 
 def compare_groups(base: CaptureGroup, now: CaptureGroup) -> dict[str, Any]:
-    """The comparison of two captures (compare.py): their ranks matched by rank number."""
-    from .compare import compare_rank, conclude
+    """The comparison of two captures (compare.py): their ranks matched by rank number. A rank whose report does
+    not hold what a comparison reads (compare.Unusable: its metadata's rank is not a number, a trace's step has a
+    negative length) is not compared, said in a note."""
+    from .compare import Unusable, compare_rank, conclude, rank_number
 
-    def by_rank(group: CaptureGroup) -> dict[Any, RankResult]:
-        return {r.get("rank"): r for r in group["ranks"]}
+    notes: list[str] = []
 
-    b, n = by_rank(base), by_rank(now)
+    def by_rank(group: CaptureGroup, side: str) -> dict[Any, RankResult]:
+        out = {}
+        for r in group["ranks"]:
+            try:
+                out[rank_number(r.get("rank"))] = r
+            except Unusable as exc:
+                notes.append(f"{r.get('path')} ({side}): not compared: {exc}")
+        return out
+
+    def compared(rb: RankResult, rn: RankResult, rank: Any) -> list[dict[str, Any]]:
+        try:
+            return [compare_rank(dict(rb), dict(rn))]
+        except Unusable as exc:
+            notes.append(f"{'rank ' + str(rank) if rank is not None else rn.get('path')}: not compared: {exc}")
+            return []
+
+    b, n = by_rank(base, "baseline"), by_rank(now, "capture")
+    names, jobs = (_capture_name(base), _capture_name(now)), (base.get("job_id"), now.get("job_id"))
     if len(b) == len(n) == 1 and set(b) != set(n):  # one rank each, of different numbers: those two, said so
         (kb, rb), (kn, rn) = next(iter(b.items())), next(iter(n.items()))
-        result = conclude([compare_rank(dict(rb), dict(rn))], _capture_name(base), _capture_name(now),
-                          jobs=(base.get("job_id"), now.get("job_id")))
-        result["notes"].insert(0, f"one rank on each side: rank {kb} of the baseline compared with rank {kn} now")
+        result = conclude(compared(rb, rn, kn), *names, jobs=jobs)
+        result["notes"][:0] = [f"one rank on each side: rank {kb} of the baseline compared with rank {kn} now"] + notes
         return result
-    common = [k for k in n if k in b]
-    ranks = [compare_rank(dict(b[k]), dict(n[k])) for k in common]
+    ranks = [row for k in n if k in b for row in compared(b[k], n[k], k)]
     unmatched = {"baseline": sorted(k for k in b if k not in n and k is not None),
                  "now": sorted(k for k in n if k not in b and k is not None)}
-    return conclude(ranks, _capture_name(base), _capture_name(now), unmatched=unmatched,
-                    jobs=(base.get("job_id"), now.get("job_id")))
+    result = conclude(ranks, *names, unmatched=unmatched, jobs=jobs)
+    result["notes"][:0] = notes
+    return result
 
 
 def _capture_name(group: CaptureGroup) -> str:

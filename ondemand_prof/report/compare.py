@@ -28,8 +28,11 @@ The rule that names the cause (docs/reports.md, "Comparing with a baseline"):
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any, Iterable
+
+from ..core.ranks import MAX_RANK
 
 SPLIT = (("compute", "compute_ms"), ("communication", "comm_ms"), ("overlap", "overlap_ms"), ("idle", "idle_ms"))
 CHANGES = 10  # operators and kernels listed per rank
@@ -40,28 +43,130 @@ WAIT_FACTOR = 2.0  # "about as much": a waiting rank's communication growth with
 SAME_MODEL = 0.3  # operator time matching by name below this share: two different models, said so
 UNCHANGED_SHARE = 0.03  # a job step time within this share (and MIN_MS) of its baseline has not changed
 
-__all__ = ["compare_rank", "conclude", "rank_figures", "CHANGES"]
+__all__ = ["compare_rank", "conclude", "rank_figures", "rank_number", "CHANGES", "Unusable"]
+
+# What a rank's report may hold to be compared (a summary.json is written by the rank's own post-processing, so a
+# rank can write anything there): more, or another type, and the rank is not compared (Unusable says where)
+MAX_MS = 1e9  # a time, ms (per step or in all): about 11 days; none measured is near it
+MAX_CALLS = 1e12  # calls of one operator or collective kind
+MAX_TABLE_STEPS = 10**6  # the steps an operator table covers, and the steps of a rank's report
+MAX_ROWS = 1000  # operators or kernels a table: a report of ours writes 300 of each (analyze.PER_STEP_OPS)
+MAX_KINDS = 64  # collective kinds, communication libraries: a dozen of each exist
+MAX_NAME = 4096  # characters of an operator's or kernel's name (a long demangled signature is 1-2 thousand)
+MAX_WORD = 64  # a kind's, library's, level's or basis's name
+
+
+class Unusable(ValueError):
+    """A rank's report that does not hold what a comparison reads; the message names the field."""
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _ms(value: Any, where: str, hi: float = MAX_MS) -> float:
+    """A time (or count, with `hi`) from a rank's report: a finite number from 0 to `hi` (None: 0); a hair below
+    0 (float sums of intervals) is 0."""
+    if value is None:
+        return 0.0
+    if type(value) not in (int, float) or not math.isfinite(value) or not -1e-3 <= value <= hi:
+        raise Unusable(f"{where} is {_shown(value)}, not a number from 0 to {hi:g}")
+    return max(0.0, float(value))
+
+
+def _word(value: Any, where: str, limit: int = MAX_WORD, optional: bool = True) -> Any:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or len(value) > limit:
+        raise Unusable(f"{where} is {_shown(value)}, not a name of at most {limit} characters")
+    return value
+
+
+def _list(value: Any, where: str, limit: int) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise Unusable(f"{where} is {_shown(value)}, not a list")
+    if len(value) > limit:
+        raise Unusable(f"{where} has {len(value)} entries, more than the {limit} a report of ours holds")
+    return value
+
+
+def _entry(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise Unusable(f"{where} is {_shown(value)}, not an object")
+    return value
+
+
+def rank_number(value: Any, where: str = "rank") -> int | None:
+    """A rank number from a rank's report or metadata (None: not known); Unusable for anything else."""
+    if value is None or (type(value) is int and 0 <= value <= MAX_RANK):
+        return value
+    raise Unusable(f"{where} is {_shown(value)}, not a rank number")
+
+
+def _table(rows: Any, where: str, width: int, m: int) -> dict[str, list[float]]:
+    """An operator ([name, calls, self us, total us]) or kernel ([name, calls, us]) table, per step (m steps)."""
+    out: dict[str, list[float]] = {}
+    for i, row in enumerate(_list(rows, where, MAX_ROWS)):
+        if not isinstance(row, list) or len(row) != width:
+            raise Unusable(f"{where}[{i}] is {_shown(row)}, not [name{', a number' * (width - 1)}]")
+        name = _word(row[0], f"{where}[{i}][0]", MAX_NAME, optional=False)
+        values = [_ms(x, f"{where}[{i}][{j + 1}]", MAX_CALLS if j == 0 else MAX_MS * 1000)
+                  for j, x in enumerate(row[1:])]
+        if m:
+            out[name] = [x / m for x in values]
+    return out
 
 
 def rank_figures(r: dict[str, Any]) -> dict[str, Any]:
     """What a comparison needs of one rank's report, per step: step time, split, communication by library and
-    by collective kind, operators and kernels (name -> [calls, self us, total us] / [calls, us])."""
-    steps = [s for s in r.get("steps") or [] if isinstance(s, dict)]
+    by collective kind, operators and kernels (name -> [calls, self us, total us] / [calls, us]). Every value is
+    checked before use (a summary.json holds what its rank wrote): Unusable names the first that is not what a
+    report of ours writes, and the rank is then not compared."""
+    if not isinstance(r, dict):
+        raise Unusable(f"the rank's report is {_shown(r)}, not an object")
+    steps = [_entry(s, f"steps[{i}]") for i, s in enumerate(_list(r.get("steps"), "steps", MAX_TABLE_STEPS))]
     n = len(steps)
-    per: dict[str, Any] = r["step_ops"] if isinstance(r.get("step_ops"), dict) else {}
+    per = _entry(r.get("step_ops") or {}, "step_ops")
     m = per.get("steps") or 0  # the operator tables' steps (those of the split, unless a format lacks one)
-    split = {key: (sum(float(s.get(field) or 0.0) for s in steps) / n if n else None) for key, field in SPLIT}
+    if type(m) is not int or not 0 <= m <= MAX_TABLE_STEPS:
+        raise Unusable(f"step_ops.steps is {_shown(m)}, not a number of steps")
+    split = {key: (sum(_ms(s.get(field), f"steps[{i}].{field}") for i, s in enumerate(steps)) / n if n else None)
+             for key, field in SPLIT}
+    step_ms = sum(_ms(s.get("dur_ms"), f"steps[{i}].dur_ms") for i, s in enumerate(steps)) / n if n else \
+        (None if r.get("step_ms_mean") is None else _ms(r["step_ms_mean"], "step_ms_mean"))
+    libraries: dict[str, float] = {}
+    for i, lib in enumerate(_list(r.get("comm_libraries"), "comm_libraries", MAX_KINDS)):
+        lib = _entry(lib, f"comm_libraries[{i}]")
+        name = _word(lib.get("library"), f"comm_libraries[{i}].library", optional=False)
+        ms = _ms(lib.get("ms"), f"comm_libraries[{i}].ms")
+        if n:
+            libraries[name] = ms / n
+    collectives: dict[str, tuple[float, float]] = {}
+    for i, c in enumerate(_list(r.get("collectives"), "collectives", MAX_KINDS)):
+        c = _entry(c, f"collectives[{i}]")
+        collectives[_word(c.get("kind"), f"collectives[{i}].kind", optional=False)] = (
+            _ms(c.get("count_per_step"), f"collectives[{i}].count_per_step", MAX_CALLS),
+            _ms(c.get("ms_per_step"), f"collectives[{i}].ms_per_step"))
+    complete = per.get("complete") or {"ops": True, "kernels": True}
+    if not isinstance(complete, dict) or any(type(complete.get(k, True)) is not bool for k in ("ops", "kernels")):
+        raise Unusable(f"step_ops.complete is {_shown(complete)}, not {{ops, kernels: true or false}}")
+    options = r.get("options")
+    world = r.get("world_size")
+    if world is not None and not (type(world) is int and 1 <= world <= MAX_RANK):
+        raise Unusable(f"world_size is {_shown(world)}, not a number of ranks")
     return {
-        "rank": r.get("rank"), "world_size": r.get("world_size"), "steps": n,
-        "step_ms": (sum(float(s.get("dur_ms") or 0.0) for s in steps) / n) if n else r.get("step_ms_mean"),
-        "split": split, "basis": r.get("basis"),
-        "level": r["options"].get("level") if isinstance(r.get("options"), dict) else None,
-        "libraries": {lib["library"]: lib["ms"] / n for lib in r.get("comm_libraries") or [] if n},
-        "collectives": {c["kind"]: (c["count_per_step"], c["ms_per_step"]) for c in r.get("collectives") or []},
-        "ops": {row[0]: [x / m for x in row[1:]] for row in per.get("ops") or [] if m},
-        "kernels": {row[0]: [x / m for x in row[1:]] for row in per.get("kernels") or [] if m},
-        "complete": per.get("complete") or {"ops": True, "kernels": True},
-        "capture_id": r.get("capture_id"), "job_id": r.get("job_id"),
+        "rank": rank_number(r.get("rank")), "world_size": world, "steps": n, "step_ms": step_ms, "split": split,
+        "basis": _word(r.get("basis"), "basis"),
+        "level": _word(options.get("level"), "options.level") if isinstance(options, dict) else None,
+        "libraries": libraries, "collectives": collectives,
+        "ops": _table(per.get("ops"), "step_ops.ops", 4, m),
+        "kernels": _table(per.get("kernels"), "step_ops.kernels", 3, m),
+        "complete": {"ops": complete.get("ops", True), "kernels": complete.get("kernels", True)},
+        "capture_id": r.get("capture_id") if isinstance(r.get("capture_id"), str) else None,
+        "job_id": r.get("job_id") if isinstance(r.get("job_id"), str) else None,
     }
 
 
@@ -73,7 +178,7 @@ def compare_rank(base: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
     """One rank: its step time and split, baseline -> now; communication by library and kind; the operators and
     kernels whose per-step time changed most (sorted by growth); its own and its wait growth (ms per step).
     `base`, `now`: a rank's report (RankResult or summary.json)."""
-    b, n = rank_figures(base), rank_figures(now)
+    b, n = (_figures(r, side) for r, side in ((base, "baseline"), (now, "capture")))
     split = {key: _pair(b["split"][key], n["split"][key]) for key, _ in SPLIT}
     d = {key: (n["split"][key] or 0.0) - (b["split"][key] or 0.0) for key, _ in SPLIT}
     own = max(0.0, d["compute"]) + max(0.0, d["overlap"]) + max(0.0, d["idle"])
@@ -94,6 +199,13 @@ def compare_rank(base: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
             "world_size": {"baseline": b["world_size"], "now": n["world_size"]},
             "level": {"baseline": b["level"], "now": n["level"]}, "basis": {"baseline": b["basis"], "now": n["basis"]},
             "steps": {"baseline": b["steps"], "now": n["steps"]}}
+
+
+def _figures(r: dict[str, Any], side: str) -> dict[str, Any]:
+    try:
+        return rank_figures(r)
+    except Unusable as exc:
+        raise Unusable(f"the {side}'s {exc}") from None
 
 
 def _changes(b: dict[str, Any], n: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
@@ -157,7 +269,7 @@ def conclude(ranks: list[dict[str, Any]], baseline: Any, capture: Any, *, unmatc
     if b is not None and n is not None:
         step["delta"] = round(n - b, 3)
         step["pct"] = round(100 * (n - b) / b, 1) if b > 0 else None
-    verdict = _cause(ranks, b, n) if ranks and b is not None and n is not None else \
+    verdict = _cause(ranks, step["baseline"], step["now"]) if ranks and b is not None and n is not None else \
         {"cause": "nothing to compare: no rank has timed steps on both sides", "culprits": [], "waiting": [],
          "category": None}
     return {"baseline": baseline, "capture": capture, "job": {"baseline": jobs[0], "now": jobs[1]},

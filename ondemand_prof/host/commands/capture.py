@@ -23,7 +23,7 @@ from ..client import EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, Ct
 from ..multihost import give_up, launch
 from ..planning import capture_record, common_cap, no_window
 from ..records import CaptureRecord, Plan, new_capture_id
-from ..registry import plan_window, select_ranks, stalls
+from ..registry import owner_text, plan_window, select_ranks, stalls
 from ..service import BadRequest, Service, of_job
 from ..summaries import merge_summaries
 from .base import Command, add_job_flag, opt_str, window_text
@@ -102,6 +102,11 @@ class Capture(Command):
             asker = getattr(msg.get("_peer"), "uid", None)  # the kernel's word on who asks
             job = service.registry.resolve_job(opt_str(msg, "job"), asker)  # a job id several users chose: the asker's
             live = service.registry.jobs()[job]
+            if msg.get("baseline") is True and asker not in (None, 0, live[0].uid):  # (a member may capture
+                # another's job, not choose what its automatic captures are compared with: issue 28)
+                raise ValueError(f"--baseline: job {job} belongs to {owner_text(live[0].uid)}, not to you "
+                                 f"({owner_text(asker)}): only its owner (or root) marks its baseline; capture it "
+                                 "without --baseline and compare with: ondemandctl report NOW --baseline CAPTURE")
             targets = _targets(service, job, request.ranks, max(r.world_size for r in live))
             wall = time.time()
             stall = stalls([{"rank": t.rank, "step": t.step, "stalled_s": t.stalled_s(wall)} for t in targets], wall)

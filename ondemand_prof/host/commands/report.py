@@ -16,7 +16,7 @@ from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, Ctl
 from ..multihost import ask
 from ..planning import failures, no_capture, one_capture
 from ..registry import match_id
-from ..service import Service
+from ..service import BadRequest, Service
 from .base import Command, nothing_found_here, warn
 
 if TYPE_CHECKING:
@@ -99,7 +99,13 @@ def compare_across(fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
     warn(failed, sys.stderr)
     if failed:
         return EXIT_PARTIAL
-    return EXIT_OK if comparison["ranks"] else EXIT_FAILED
+    return EXIT_OK if compared(comparison) else EXIT_FAILED
+
+
+def compared(comparison: dict[str, Any]) -> bool:
+    """Whether anything was compared: a rank with timed steps on both sides (else the cause line says nothing
+    was, and the exit status says so too)."""
+    return comparison["step_ms"].get("delta") is not None
 
 
 class Compare(Command):
@@ -114,6 +120,9 @@ class Compare(Command):
         from ..summaries import compare_records
 
         now, base = service.find(msg["capture_id"]), service.find(msg["baseline_id"])
+        if now is base:
+            raise BadRequest(f"the baseline is the capture itself ({now.capture_id}): give a capture taken when the "
+                             "job was healthy")
         return compare_records(now.data, base.data)
 
 
@@ -230,6 +239,9 @@ def compare_here(args: argparse.Namespace, out: TextIO) -> int:
     if not base_paths or not any(p.exists() for p in base_paths):
         raise CtlError(f"the baseline {args.baseline} is not here: " + ", ".join(map(str, base_paths)))
     now_paths = local_paths(args.paths[0], args)
+    if {p.resolve() for p in now_paths} == {p.resolve() for p in base_paths}:
+        raise CtlError(f"the baseline is the capture itself ({', '.join(map(str, now_paths))}): give a capture taken "
+                       "when the job was healthy", EXIT_USAGE)
     now_report, base_report = build_reports([now_paths, base_paths], top=max(args.top, 15))
     now, base = _one_capture(now_report, args.paths[0]), _one_capture(base_report, args.baseline)
     comparison = compare_groups(base, now)
@@ -238,7 +250,7 @@ def compare_here(args: argparse.Namespace, out: TextIO) -> int:
             comparison["notes"].insert(0, f"{given} holds {len(report['captures'])} captures: compared its newest, "
                                           f"{report['captures'][0].get('capture_id') or report['captures'][0]['title_path']}")
     render_comparison(comparison, args, out)
-    return EXIT_OK if comparison["ranks"] else EXIT_FAILED
+    return EXIT_OK if compared(comparison) else EXIT_FAILED
 
 
 def _one_capture(report: ReportData, given: str) -> Any:

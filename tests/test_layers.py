@@ -225,3 +225,40 @@ def test_a_test_module_that_starts_no_process_is_in_the_quick_tier() -> None:
     assert unmarked == []
     assert quick_module("import pytest\npytestmark = pytest.mark.quick\n")
     assert not quick_module("import pytest\npytestmark = [pytest.mark.slow]\n") and not quick_module("x = 1\n")
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+SECTION = re.compile(r"^  ([a-z_]+)/")  # a package's line in the tree: two spaces, its name, a slash
+
+
+def _architecture_sections() -> dict[str, str]:
+    """docs/architecture.md's module tree: each package's text (its lines, descriptions included)."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    tree = text.split("```", 2)[1]
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in tree.splitlines():
+        m = SECTION.match(line)
+        if m:
+            current = m.group(1)
+        elif line and not line.startswith(" "):  # examples/, tests/, bench/ ...: outside the package
+            current = None
+        if current is not None:
+            sections.setdefault(current, []).append(line)
+    return {name: "\n".join(lines) for name, lines in sections.items()}
+
+
+def test_the_architecture_page_lists_every_module_and_no_other() -> None:
+    """Issue 30, item 6: docs/architecture.md is checked against the code, as the options reference is: every
+    module of each package (subpackages included) is named in its package's part of the tree, and every module
+    named there exists."""
+    sections = _architecture_sections()
+    packages = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert sorted(sections) == packages, (sorted(sections), packages)
+    problems = []
+    for package in packages:
+        actual = {p.name for p in (PACKAGE / package).rglob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+        named = set(re.findall(r"\b([a-z_][a-z0-9_]*\.py)\b", sections[package]))
+        problems += [f"{package}/: {name} is not on the page" for name in sorted(actual - named)]
+        problems += [f"{package}/: {name} is on the page but not in the package" for name in sorted(named - actual)]
+    assert not problems, "\n".join(problems)

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from conftest import ctl, make_service, wait_for
 from test_security import MEMBER_CTL, as_user, group_daemon, other_user, stop, train  # noqa: F401 - fixtures
 
@@ -199,3 +201,15 @@ def test_the_capture_itself_is_no_baseline_and_nothing_compared_is_a_failure(tmp
     same = safejson.loads(service.handle(b"c", {"type": "compare", "id": 1, "capture_id": "no",
                                                 "baseline_id": "now"}), 1 << 20)
     assert same["type"] == "error" and "the baseline is the capture itself (now)" in same["error"], same
+
+
+def test_every_step_value_is_checked_on_the_fast_path_too() -> None:
+    """A column of step times is checked by builtins over the whole column (a value a call held a host's loop
+    90 ms a rank of 7,000 steps): min and max skip a NaN, so it must still be refused, as must everything _ms
+    refuses; a hair below 0 (float sums of intervals) still reads as 0."""
+    from ondemand_prof.report.compare import Unusable, rank_figures
+
+    for bad in (float("nan"), float("inf"), True, -1, "1", [1]):
+        with pytest.raises(Unusable, match=r"steps\[1\]\.dur_ms is"):
+            rank_figures({"steps": [{"dur_ms": 1.0}, {"dur_ms": bad}, {"dur_ms": 2.0}]})
+    assert rank_figures({"steps": [{"dur_ms": -1e-9}, {"dur_ms": 2}, {}]})["step_ms"] == 2 / 3

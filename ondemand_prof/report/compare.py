@@ -75,6 +75,20 @@ def _ms(value: Any, where: str, hi: float = MAX_MS) -> float:
     return max(0.0, float(value))
 
 
+def _column_sum(steps: list[dict[str, Any]], field: str) -> float:
+    """The sum of one field over a rank's steps, each checked as _ms checks it. A summary holds up to ~7,000
+    steps: the types and the range are checked by builtins over the column, each value by _ms only where one
+    fails (for its message) or a hair below 0 is to be clamped (a call a value held a host's loop 90 ms a rank)."""
+    values = [v for v in (s.get(field) for s in steps) if v is not None]
+    if not values:
+        return 0.0
+    if set(map(type, values)) <= {int, float}:
+        total = float(sum(values))
+        if min(values) >= 0 and max(values) <= MAX_MS and math.isfinite(total):  # (min and max skip a NaN)
+            return total
+    return sum(_ms(x.get(field), f"steps[{i}].{field}") for i, x in enumerate(steps))
+
+
 def _word(value: Any, where: str, limit: int = MAX_WORD, optional: bool = True) -> Any:
     if value is None and optional:
         return None
@@ -127,15 +141,16 @@ def rank_figures(r: dict[str, Any]) -> dict[str, Any]:
     report of ours writes, and the rank is then not compared."""
     if not isinstance(r, dict):
         raise Unusable(f"the rank's report is {_shown(r)}, not an object")
-    steps = [_entry(s, f"steps[{i}]") for i, s in enumerate(_list(r.get("steps"), "steps", MAX_TABLE_STEPS))]
+    steps = _list(r.get("steps"), "steps", MAX_TABLE_STEPS)
+    if set(map(type, steps)) - {dict}:
+        steps = [_entry(s, f"steps[{i}]") for i, s in enumerate(steps)]  # (raises, naming the first)
     n = len(steps)
     per = _entry(r.get("step_ops") or {}, "step_ops")
     m = per.get("steps") or 0  # the operator tables' steps (those of the split, unless a format lacks one)
     if type(m) is not int or not 0 <= m <= MAX_TABLE_STEPS:
         raise Unusable(f"step_ops.steps is {_shown(m)}, not a number of steps")
-    split = {key: (sum(_ms(s.get(field), f"steps[{i}].{field}") for i, s in enumerate(steps)) / n if n else None)
-             for key, field in SPLIT}
-    step_ms = sum(_ms(s.get("dur_ms"), f"steps[{i}].dur_ms") for i, s in enumerate(steps)) / n if n else \
+    split = {key: (_column_sum(steps, field) / n if n else None) for key, field in SPLIT}
+    step_ms = _column_sum(steps, "dur_ms") / n if n else \
         (None if r.get("step_ms_mean") is None else _ms(r["step_ms_mean"], "step_ms_mean"))
     libraries: dict[str, float] = {}
     for i, lib in enumerate(_list(r.get("comm_libraries"), "comm_libraries", MAX_KINDS)):
@@ -269,7 +284,7 @@ def conclude(ranks: list[dict[str, Any]], baseline: Any, capture: Any, *, unmatc
     if b is not None and n is not None:
         step["delta"] = round(n - b, 3)
         step["pct"] = round(100 * (n - b) / b, 1) if b > 0 else None
-    verdict = _cause(ranks, step["baseline"], step["now"]) if ranks and b is not None and n is not None else \
+    verdict = _cause(ranks, round(b, 3), round(n, 3)) if ranks and b is not None and n is not None else \
         {"cause": "nothing to compare: no rank has timed steps on both sides", "culprits": [], "waiting": [],
          "category": None}
     return {"baseline": baseline, "capture": capture, "job": {"baseline": jobs[0], "now": jobs[1]},

@@ -213,3 +213,21 @@ def test_every_step_value_is_checked_on_the_fast_path_too() -> None:
         with pytest.raises(Unusable, match=r"steps\[1\]\.dur_ms is"):
             rank_figures({"steps": [{"dur_ms": 1.0}, {"dur_ms": bad}, {"dur_ms": 2.0}]})
     assert rank_figures({"steps": [{"dur_ms": -1e-9}, {"dur_ms": 2}, {}]})["step_ms"] == 2 / 3
+
+
+def test_a_captures_metadata_json_is_read_bounded(tmp_path: Path) -> None:
+    """`report DIR` now looks in DIR's metadata.json for the baseline an automatic capture names: a deeply nested
+    one was a RecursionError traceback (there and in the report's own reader), and one of 300 MB took 600 MB.
+    Now both are read by the bounded reader: that rank fails with the reason, here and as a baseline."""
+    for name, text in (("deep", "[" * 100_000), ("huge", json.dumps({"rank": 0, "pad": "x" * (2 << 20)}))):
+        (tmp_path / name / "r0").mkdir(parents=True)
+        _trace(tmp_path / name / "r0" / "t.pt.trace.json")
+        (tmp_path / name / "r0" / "metadata.json").write_text(text)
+    _trace(tmp_path / "ok.json")
+    for name, why in (("deep", "nested deeper than 64 levels"), ("huge", "1048577 bytes is over the limit of 1048576")):
+        res = ctl(tmp_path / "no-daemon", "report", name, cwd=tmp_path)
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert f"unreadable metadata.json: {why}" in res.stdout, res.stdout
+        res = ctl(tmp_path / "no-daemon", "report", "ok.json", "--baseline", name, cwd=tmp_path)
+        assert res.returncode == 1 and f"nothing to compare in {name}: {name}/r0: unreadable metadata.json: {why}" \
+            in res.stderr, res.stderr[-2000:]

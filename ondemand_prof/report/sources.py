@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, cast
 
+from ..core import safejson
 from .analyze import RankAnalyzer, analyze_trace_file
 from .ascend import ASCEND_DIR, is_npu_db, npu_db_result, read_ascend, sqlite_tables
 from .classify import RANK_IN_NAME
@@ -37,6 +38,7 @@ TRACE_GLOBS = ("trace/*.json", "trace/*.json.gz", "*.pt.trace.json", "*.pt.trace
 MAX_DEPTH = 12          # levels below a given folder: deeper than any save-path layout we know
 MAX_ENTRIES = 200_000   # directory entries looked at in one search, so that `report /` ends
 SNIFF_BYTES = 64 << 10  # a Kineto trace names "traceEvents" after its header: schema, devices, distributedInfo
+MAX_METADATA_BYTES = 1 << 20  # a rank's metadata.json is a few KB; read no more (300 MB of it took 600 MB here)
 SQLITE_MAGIC = b"SQLite format 3\x00"
 # JSON files torch_npu and we write beside traces, which are not traces
 NOT_TRACES = {"metadata.json": "capture metadata without its capture directory",
@@ -213,9 +215,17 @@ def _not_a_profile_db(path: Path) -> str | None:
     return f"a SQLite database of another kind (tables: {', '.join(sorted(tables)[:6]) or 'none'})"
 
 
+def read_metadata(rank_dir: Path) -> Any:
+    """A capture directory's metadata.json, read by the bounded JSON reader (at most MAX_METADATA_BYTES, 64
+    levels: json.loads recursed on "[[[...", a RecursionError that no caller took for a bad file); OSError or
+    ValueError says why not."""
+    with open(rank_dir / "metadata.json", "rb") as fh:
+        return safejson.loads(fh.read(MAX_METADATA_BYTES + 1), MAX_METADATA_BYTES)
+
+
 def _trace_of(rank_dir: Path) -> Path | None:
     try:
-        name = json.loads((rank_dir / "metadata.json").read_text()).get("trace_file")
+        name = read_metadata(rank_dir).get("trace_file")
     except (OSError, ValueError, AttributeError):
         return None
     return (rank_dir / name).resolve() if isinstance(name, str) and name else None
@@ -259,7 +269,7 @@ def _base(path: Path, kind: str) -> dict[str, Any]:
 def _read_capture(path: Path, top: int) -> dict[str, Any]:
     out = _base(path, "capture")
     try:
-        meta = json.loads((path / "metadata.json").read_text())
+        meta = read_metadata(path)
     except (OSError, ValueError) as exc:
         out["error"] = f"unreadable metadata.json: {exc}"
         return out

@@ -204,12 +204,12 @@ def automatic_baseline(given: str, args: argparse.Namespace) -> str | None:
 def baseline_in_metadata(folder: Path) -> str | None:
     """What the ranks of a capture folder recorded as the baseline to compare with (an automatic capture's
     window: requested.baseline), when they agree."""
-    import json
+    from ...report.sources import read_metadata
 
     found = set()
     for meta in sorted(folder.glob("*/metadata.json"))[:64]:
         try:
-            data = json.loads(meta.read_text(encoding="utf-8"))
+            data = read_metadata(meta.parent)
             value = ((data.get("window") or {}).get("requested") or {}).get("baseline")
         except (OSError, ValueError, AttributeError):
             continue
@@ -256,7 +256,10 @@ def compare_here(args: argparse.Namespace, out: TextIO) -> int:
 def _one_capture(report: ReportData, given: str) -> Any:
     """The newest capture a report found (captures are newest first); CtlError when it found none."""
     if not report["captures"] or not report["captures"][0]["ranks"]:
-        problems = "; ".join(f"{p['path']}: {p['error']}" for p in report["problems"]) or "no rank's trace was read"
+        failed = report["captures"][0]["failed"][:3] if report["captures"] else []  # (each rank's why, not a bare
+        # "no rank's trace was read")
+        problems = "; ".join(f"{p['path']}: {p['error']}" for p in [*report["problems"], *failed]) or \
+            "no rank's trace was read"
         raise CtlError(f"nothing to compare in {given}: {problems}")
     return report["captures"][0]
 

@@ -231,3 +231,24 @@ def test_a_captures_metadata_json_is_read_bounded(tmp_path: Path) -> None:
         res = ctl(tmp_path / "no-daemon", "report", "ok.json", "--baseline", name, cwd=tmp_path)
         assert res.returncode == 1 and f"nothing to compare in {name}: {name}/r0: unreadable metadata.json: {why}" \
             in res.stderr, res.stderr[-2000:]
+
+
+def test_a_name_from_a_summary_cannot_forge_a_line_of_the_daemons_log(tmp_path: Path) -> None:
+    """The cause line, which the daemon logs for an automatic capture and list and show print, names the operator
+    that grew: a summary's operator named 'aten::mm\\nondemand-profd: ...' wrote a line of its choosing into the
+    daemon's (root's) log. Now the name is one line, its newline an escape; a collective kind, library, level or
+    basis with a control character is not a word of ours, and that rank is not compared."""
+    service = make_service(tmp_path / "state")
+    forged = "aten::mm\nondemand-profd: rank 0 of job j registered"
+    grown = summary(0, compute=30.0, step_ops={"steps": 4, "ops": [[forged, 40, 120_000, 120_000]], "kernels": []})
+    base = capture(tmp_path, "base", {0: json.dumps(summary(0)), 1: json.dumps(summary(1))})
+    auto = capture(tmp_path, "auto-x", {0: json.dumps(grown), 1: json.dumps(summary(
+        1, collectives=[{"kind": "all_reduce\nx", "count_per_step": 1, "ms_per_step": 2.0}]))})
+    auto.data["compare_with"] = "base"
+    for record in (base, auto):
+        service.store.add(record)
+    service.changed(auto)
+    cause = auto.data["cause"]
+    assert "\n" not in cause and "aten::mm\\nondemand-profd: rank 0" in cause, cause
+    problems = compare_records(auto.data, base.data)["problems"]
+    assert "collectives[0].kind is 'all_reduce\\nx'" in problems["1"], problems

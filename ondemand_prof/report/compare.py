@@ -29,6 +29,7 @@ The rule that names the cause (docs/reports.md, "Comparing with a baseline"):
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from typing import Any, Iterable
 
@@ -89,12 +90,25 @@ def _column_sum(steps: list[dict[str, Any]], field: str) -> float:
     return sum(_ms(x.get(field), f"steps[{i}].{field}") for i, x in enumerate(steps))
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # (a newline too: a word is one line of the cause)
+
+
 def _word(value: Any, where: str, limit: int = MAX_WORD, optional: bool = True) -> Any:
+    """A name: a string of at most `limit` characters; a kind's, library's, level's or basis's (limit MAX_WORD,
+    a word of a small vocabulary) without control characters, newlines included."""
     if value is None and optional:
         return None
-    if not isinstance(value, str) or len(value) > limit:
-        raise Unusable(f"{where} is {_shown(value)}, not a name of at most {limit} characters")
+    if not isinstance(value, str) or len(value) > limit or (limit <= MAX_WORD and _CONTROL.search(value)):
+        raise Unusable(f"{where} is {_shown(value)}, not a name of at most {limit} characters"
+                       + (" without control characters" if limit <= MAX_WORD else ""))
     return value
+
+
+def one_line(text: str) -> str:
+    """An operator's or kernel's name (a trace's or a summary's: anything) as one line of the cause, which the
+    daemon logs and list and show print: control characters, newlines and tabs shown as escapes (a name holding
+    a newline forged a line of the daemon's log)."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def _list(value: Any, where: str, limit: int) -> list[Any]:
@@ -406,7 +420,7 @@ def change_text(c: dict[str, Any]) -> str:
     elif c.get("mean_us_baseline") and c.get("mean_us_now"):
         calls = f", {c['mean_us_baseline']:.0f} -> {c['mean_us_now']:.0f} us a call"
     flag = " (new)" if c["status"] == "new" else " (vanished)" if c["status"] == "vanished" else ""
-    return f"{short_name(c['name'], 48)}{flag} {_signed(grown)} ms/step{calls}"
+    return f"{one_line(short_name(c['name'], 48))}{flag} {_signed(grown)} ms/step{calls}"
 
 
 def _kind_text(ranks: list[dict[str, Any]]) -> str:

@@ -1,0 +1,44 @@
+"""The cause rule of report/compare.py on rank summaries built here (synthetic: the fields a summary.json holds),
+for what the live tests (tests/test_compare.py) cannot pin down under load: which category a growth of host
+time outside operators on the CPU belongs to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ondemand_prof.report.compare import compare_rank, conclude
+
+pytestmark = pytest.mark.quick
+
+
+def summary(rank: int, idle: float = 2.0, compute: float = 6.0, adds: int = 0) -> dict[str, Any]:
+    """A CPU rank's summary of 4 steps: aten::mm once a step, and `adds` aten::add calls a step (2 us each)."""
+    steps = [{"dur_ms": compute + idle + 2, "compute_ms": compute, "comm_ms": 2.0, "overlap_ms": 0.0,
+              "idle_ms": idle}] * 4
+    ops = [["aten::mm", 4, (compute - adds * 0.002) * 4000, (compute - adds * 0.002) * 4000]]
+    if adds:
+        ops.append(["aten::add", 4 * adds, adds * 8.0, adds * 8.0])
+    return {"rank": rank, "world_size": 2, "basis": "cpu", "steps": steps,
+            "step_ops": {"steps": 4, "ops": ops, "kernels": [], "complete": {"ops": True, "kernels": True}},
+            "collectives": [{"kind": "all_reduce", "count_per_step": 1, "ms_per_step": 2.0}],
+            "comm_libraries": [{"library": "gloo", "ms": 8.0}]}
+
+
+def cause(**now: Any) -> dict[str, Any]:
+    return conclude([compare_rank(summary(r), summary(r, **now)) for r in (0, 1)], "b", "n")
+
+
+def test_host_time_that_the_added_operator_calls_explain_is_their_work() -> None:
+    # 3,000 tiny additions a step: their own time is 6 ms, the Python and dispatch between them 30 ms more
+    c = cause(idle=32.0, compute=12.0, adds=3000)
+    assert c["category"] == "compute" and c["culprits"] == [0, 1], c["cause"]
+    assert "aten::add (new)" in c["cause"] and "0 -> 3000 calls/step" in c["cause"], c["cause"]
+
+
+def test_host_time_with_no_operator_added_is_input_or_sleeping() -> None:
+    c = cause(idle=32.0)  # a slower data loader: 30 ms more outside operators, the same operators
+    assert c["category"] == "host time outside operators (input, Python, sleeping)", c["cause"]
+    few = cause(idle=32.0, compute=6.2, adds=100)  # 100 more calls do not explain 30 ms
+    assert few["category"] == "host time outside operators (input, Python, sleeping)", few["cause"]

@@ -10,7 +10,10 @@ passes as it is.
 
 from __future__ import annotations
 
+import datetime as _dt
 import re
+import secrets
+import time
 from typing import Any
 
 MAX_ID = 128
@@ -40,3 +43,18 @@ def safe_id(text: Any) -> str:
     the rule become '_', cut to MAX_ID; never empty."""
     name = _NOT_ID.sub("_", str(text))[:MAX_ID].lstrip(".-")
     return name or "_"
+
+
+def id_stamp(wall: float | None = None) -> str:
+    """The local time of `wall` (now when None) to the second, as capture ids start: 20261129-200514."""
+    return _dt.datetime.fromtimestamp(time.time() if wall is None else wall).strftime("%Y%m%d-%H%M%S")
+
+
+def capture_id(source: str = "", *parts: object, wall: float | None = None) -> str:
+    """The one maker of capture ids. The daemon's (no source): the second of `wall` and 6 random hex digits,
+    `20261129-200514-a618f2`. A rank's own, where no daemon named it: the source, then its parts, joined by '-'
+    (`file-<trigger version>`, `signal-<pid>-<ms>`, `auto-<stamp>-r<rank>-<pid>`, `static-<job>-<start>-<end>`),
+    kept to the id rule (safe_id: a part that breaks it is never a path)."""
+    if not source:
+        return f"{id_stamp(wall)}-{secrets.token_hex(3)}"
+    return safe_id("-".join([source, *(str(p) for p in parts)]))

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from ..core.protocol import TCP_PORT as DEFAULT_PORT
 from .client import EXIT_USAGE, CtlError
 from .planning import Launched, plan_capture, unanswered
-from .records import new_capture_id
+from ..core.ids import capture_id as make_capture_id
 
 if TYPE_CHECKING:  # the fan-out, key and host-list modules load only when a command goes across hosts
     from .client import Reply
@@ -110,7 +110,7 @@ def launch(fan: Fanout, request: dict[str, Any], job: str | None, slurm: str | N
     t0 = time.monotonic()
     statuses = fresh_statuses(fan)
     plan = plan_capture(statuses, request, job, slurm)
-    capture_id = new_capture_id(time.time())
+    capture_id = make_capture_id(wall=time.time())
     # across_hosts: a daemon that gets this after its start has passed on its ranks refuses it (alignment.py)
     replies = fan.request("capture", {"job": plan.job, "capture_id": capture_id, "across_hosts": True,
                                       **({"baseline": True} if baseline else {})},

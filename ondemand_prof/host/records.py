@@ -9,7 +9,6 @@ rank's behalf (an automatic capture) can only push out older records of the same
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import logging
 import math
@@ -111,11 +110,6 @@ class Plan:
                 "late_ranks": list(self.late_ranks), "past_ranks": list(self.past_ranks),
                 **({"after": dict(self.after)} if self.after is not None else {}), "note": self.note,
                 "start_step": self.start_step, "end_step": self.end_step}
-
-
-def new_capture_id(wall: float) -> str:
-    stamp = _dt.datetime.fromtimestamp(wall).strftime("%Y%m%d-%H%M%S")
-    return f"{stamp}-{secrets.token_hex(3)}"
 
 
 # planning a capture again (host/commands/capture.py): the record, its ranks' busy refusals (rank -> the event's

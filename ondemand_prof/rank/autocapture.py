@@ -20,13 +20,13 @@ here is loaded and step() is the C counter.
 from __future__ import annotations
 
 import collections
-import datetime as _dt
 import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.options import WindowOptions
+from ..core.ids import capture_id as make_capture_id, id_stamp
 from ..core.protocol import encode
 from ..core.window import Window
 from .extension import Extension
@@ -251,8 +251,7 @@ class AutoCapture(Extension):
         took one) or baseline; from `start`, else `lead` steps ahead (enough for the daemon to reach other ranks)."""
         prof, config = self.prof, self.prof.config
         start = prof.current_step + lead if start is None else start
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        capture_id = f"{kind}-{stamp}-r{prof.identity().rank}-{os.getpid()}"
+        cid = make_capture_id(kind, id_stamp(), f"r{prof.identity().rank}", os.getpid())
         steps = min(config.ondemand_steps, config.max_window_steps)
         requested: dict[str, Any] = {"steps": steps}
         if kind == "baseline":
@@ -261,7 +260,7 @@ class AutoCapture(Extension):
             requested["auto"] = reason
             if self.baseline_id:
                 requested["baseline"] = self.baseline_id  # report AUTO without a daemon finds it by this
-        return Window(start, start + steps, WindowOptions.from_config(config), source="auto", capture_id=capture_id,
+        return Window(start, start + steps, WindowOptions.from_config(config), source="auto", capture_id=cid,
                       requested=requested)
 
 

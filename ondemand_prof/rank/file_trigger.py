@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..core.files import iso_time
+from ..core.ids import capture_id as make_capture_id
 from ..core.ranks import selects
 from ..core.requests import RequestError, WindowDefaults, absolute_start, parse_request, resolve
 from .extension import AgentLike, Extension
@@ -234,7 +235,7 @@ class FileTrigger(Extension):
             listener("rejected", {"error": f"rank {ident.rank} not selected (ranks {list(ranks)})"})
             return
         window = resolve(request, WindowDefaults.from_config(self.config), decision["start_step"], source="file",
-                         capture_id=f"file-{trig.version}",
+                         capture_id=make_capture_id("file", trig.version),
                          extra={"anchor_step": decision["anchor_step"], "decided_by_rank": decision["decided_by_rank"]})
         if window.note:
             base["note"] = window.note
@@ -266,7 +267,7 @@ class FileTrigger(Extension):
             listener("done" if result.get("ok") else "failed", result)
 
         args = {"steps": request.steps} if request.action == "memory" and request.steps else {}
-        self.agent.triage.request(request.action, args, reply, f"file-{trig.version}")
+        self.agent.triage.request(request.action, args, reply, make_capture_id("file", trig.version))
 
     def lead_steps(self) -> int:
         """How far ahead the first rank to see a trigger schedules it, so that later ranks are in time."""

@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 
 from ..core.version import __version__
 from ..core.files import iso_time
+from ..core.ids import capture_id as make_capture_id
 from ..core.options import ConfigError, ProfileConfig, WindowOptions, config_from_args, config_from_env, \
     config_from_mapping, default_job_id
 from ..core.window import Window
@@ -115,7 +116,7 @@ class OnDemandProfiler:
         config = self.config
         end = None if config.step_end == -1 else config.step_end
         static = Window(config.step_start, end, WindowOptions.from_config(config), source="static",
-                        capture_id=f"static-{self.job_id}-{config.step_start}-{config.step_end}",
+                        capture_id=make_capture_id("static", self.job_id, config.step_start, config.step_end),
                         requested={"start_step": config.step_start, "end_step": config.step_end})
         self.scheduler.submit(static)
         if end is None:

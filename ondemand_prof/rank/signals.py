@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable
 
 from ..core.ranks import selects
+from ..core.ids import capture_id as make_capture_id
 from ..core.requests import CaptureRequest, WindowDefaults, resolve
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class SignalTrigger:
                      ident.rank, list(prof.config.ondemand_ranks))
             return
         window = resolve(CaptureRequest(), WindowDefaults.from_config(prof.config), step + 1, source="signal",
-                         capture_id=f"signal-{os.getpid()}-{int(time.time() * 1000)}",
+                         capture_id=make_capture_id("signal", os.getpid(), int(time.time() * 1000)),
                          extra={"signal": self.sig.name})
         agent = getattr(prof, "agent", None)
         listener: Callable[[str, dict[str, Any]], None] | None = None

@@ -22,7 +22,8 @@ from ..alignment import late_refusal, refuse_parts
 from ..client import EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, OneHost, dumps
 from ..multihost import give_up, launch
 from ..planning import capture_record, common_cap, no_window
-from ..records import CaptureRecord, Plan, new_capture_id
+from ...core.ids import capture_id as make_capture_id
+from ..records import CaptureRecord, Plan
 from ..registry import owner_text, plan_window, select_ranks, stalls
 from ..service import BadRequest, Service, of_job
 from ..summaries import merge_summaries
@@ -118,7 +119,7 @@ class Capture(Command):
                                   delivery_s=service.delivery.estimate(live[0].key))
         except (RequestError, ValueError) as exc:
             raise BadRequest(str(exc)) from None
-        capture_id = _adopted_id(service, msg) or new_capture_id(wall)
+        capture_id = _adopted_id(service, msg) or make_capture_id(wall=wall)
         windows = Windows(request, defaults, planned["start_step"], capture_id, targets)
         first = windows.first
         plan = Plan.of(planned, first.note)  # the plan whole (the cap's note too) before any window leaves

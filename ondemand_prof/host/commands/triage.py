@@ -16,7 +16,7 @@ from ...core.ranks import RankSpecError, parse_ranks, spans
 from ...core.triagedefs import DEFAULT_MAX_ENTRIES, DEFAULT_MEMORY_STEPS, MEMORY_STACKS, OWN_THREAD_PREFIX, \
     check_args, format_thread
 from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError, dumps
-from ..records import new_capture_id
+from ...core.ids import capture_id
 from ..registry import select_ranks
 from ..service import BadRequest, Service
 from .base import Command, add_job_flag, opt_str
@@ -74,7 +74,7 @@ class _TriageCommand(Command):
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         wall, now = time.time(), time.monotonic()
-        triage_id = f"{self.name}-{new_capture_id(wall)}"
+        triage_id = capture_id(self.name, capture_id(wall=wall))
         job = (targets or silent)[0].job
         by_route = {t.route: target_of(t, service.host) for t in targets}
         by_route.update({b"silent/%d" % t.rank: target_of(t, service.host) for t in silent})

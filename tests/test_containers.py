@@ -37,6 +37,10 @@ def _why_not() -> str | None:
         return "namespaces are Linux only"
     if os.geteuid() != 0:
         return "needs root (pid, mount, UTS and network namespaces); CI runs as root"
+    hidden = [p for p in (os.path.realpath(q) for q in (str(ROOT), sys.prefix, sys.base_prefix))
+              if p == "/tmp" or p.startswith("/tmp/")]
+    if hidden:  # a pod mounts a tmpfs of its own over /tmp: its rank could not start from there
+        return f"the checkout or interpreter is under /tmp ({hidden[0]}), which a pod's own /tmp hides"
     for tool in ("unshare", "ip", "setpriv"):
         if shutil.which(tool) is None:
             return f"needs {tool} (util-linux / iproute2)"

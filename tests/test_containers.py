@@ -32,13 +32,17 @@ from ondemand_prof.core.options import default_job_id, local_scope
 from test_security import other_user  # noqa: F401
 
 
+def _readable_prefixes() -> list[str]:
+    """The directories a rank's interpreter needs (the checkout, the venv, the Python it was made from)."""
+    return sorted({os.path.realpath(p) for p in (str(ROOT), sys.prefix, sys.base_prefix)})
+
+
 def _why_not() -> str | None:
     if sys.platform != "linux":
         return "namespaces are Linux only"
     if os.geteuid() != 0:
         return "needs root (pid, mount, UTS and network namespaces); CI runs as root"
-    hidden = [p for p in (os.path.realpath(q) for q in (str(ROOT), sys.prefix, sys.base_prefix))
-              if p == "/tmp" or p.startswith("/tmp/")]
+    hidden = [p for p in _readable_prefixes() if p == "/tmp" or p.startswith("/tmp/")]
     if hidden:  # a pod mounts a tmpfs of its own over /tmp: its rank could not start from there
         return f"the checkout or interpreter is under /tmp ({hidden[0]}), which a pod's own /tmp hides"
     for tool in ("unshare", "ip", "setpriv"):
@@ -109,11 +113,6 @@ def test_a_path_is_found_again_through_the_hosts_own_mounts(tmp_path: Path) -> N
 
 # ----------------------------------------------------------------------------------------------------------
 # Pods
-
-
-def _readable_prefixes() -> list[str]:
-    """The directories a rank's interpreter needs (the checkout, the venv, the Python it was made from)."""
-    return sorted({os.path.realpath(p) for p in (str(ROOT), sys.prefix, sys.base_prefix)})
 
 
 class Pod:

@@ -134,12 +134,17 @@ def test_registry_selects_live_ranks_and_names_missing_ones() -> None:
     # a rank restarted in a new process (the old one gone) replaces its old entry; the conflict is over
     reg.register(b"new", {**msg, "rank": 1, "pid": 999}, 0.0, 0.0, lambda pid, thorough: pid != 101)
     assert [r.pid for r in reg.select("j", (1,))] == [999] and reg.conflicts_of("j", 1.0) == []
-    # heartbeats stop: gone after the timeout; a pid that exits: gone at the next check
+    # heartbeats stop: gone after the timeout; a pid that exits: gone at the check after the one that saw it
+    # (its bye, if it said one, is read in between)
     reg.heartbeat(b"r0", {"step": 5}, 3.0)
     reg.heartbeat(b"r5", {"step": 5}, 3.0)
     dead = {105}
     gone = reg.expire(4.0, lambda pid, thorough: pid not in dead)
-    assert sorted((g.rank, reason.split(" ")[0]) for g, reason in gone) == [(1, "no"), (2, "no"), (5, "process")]
+    assert sorted((g.rank, reason.split(" ")[0]) for g, reason in gone) == [(1, "no"), (2, "no")]
+    assert [r.rank for r in reg.select("j", (-1,))] == [0, 5]
+    assert reg.expire(4.0, lambda pid, thorough: pid not in dead) == []  # no time has passed: nothing was read
+    gone = reg.expire(4.5, lambda pid, thorough: pid not in dead)
+    assert [(g.rank, reason) for g, reason in gone] == [(5, "process 105 on h exited")]
     assert [r.rank for r in reg.select("j", (-1,))] == [0]
 
 
@@ -745,3 +750,32 @@ def test_a_jobs_baseline_is_its_owners(tmp_path: Path) -> None:
     record("a3", 1000, 4.0, ok=False)
     assert store.baseline_of("port29500@h", 1000) is a2 and store.baseline_of("port29500@h", 1001) is b1
     assert RecordStore(tmp_path).baseline_of("port29500@h", 1000).capture_id == "a2"  # read back after a restart
+
+
+def test_a_rank_signalled_as_another_dies_is_failed_with_its_own_words(tmp_path: Path) -> None:
+    """torchrun's way when a worker dies: rank 1 SIGKILLed, rank 0 SIGTERMed at once. The sweep that finds rank
+    1 gone also finds rank 0's process gone, before rank 0's bye ("terminated by SIGTERM") is read: a gone process
+    is judged at the next sweep, so rank 0's part says what it said, and rank 1's that its process exited. On a
+    quiet machine rank 0's part read "is gone: process ... exited" (test_field's never-reached window)."""
+    from ondemand_prof.core.options import ProfileConfig
+    from ondemand_prof.core.requests import WindowDefaults
+    svc = make_service(tmp_path)
+    defaults = WindowDefaults.from_config(ProfileConfig()).to_wire()
+    for r in (0, 1):
+        svc.handle(b"r%d" % r, register_msg(r, 2, step_time=0.1, defaults=defaults))
+    reply = json.loads(svc.handle(b"cli", {"type": "capture", "id": 1, "request": {"steps": 2, "start_step": 900}}))
+    record = reply["data"]
+    cid = record["capture_id"]
+    for r in (0, 1):
+        svc.handle(b"r%d" % r, {"type": "event", "capture_id": cid, "event": "scheduled",
+                                "info": {"window": [900, 902]}})
+    svc.pid_check = lambda pid, thorough: False  # both processes are gone
+    now = time.monotonic()
+    svc.housekeeping(now)
+    assert svc.store.records[cid].status == "running" and len(svc.registry.by_route) == 2  # not judged yet
+    svc.handle(b"r0", {"type": "bye", "why": "terminated by SIGTERM", "step": 120})  # read after that sweep
+    svc.housekeeping(now + 0.6)
+    parts = svc.store.records[cid].data["parts"]
+    assert parts["0"]["error"] == "rank 0 terminated by SIGTERM (at step 120, before the window [900, 902) began)"
+    assert parts["1"]["error"].startswith("rank 1 is gone: process 11 on h exited"), parts["1"]
+    assert not svc.registry.by_route

@@ -264,6 +264,34 @@ def test_a_window_a_rank_never_reached_says_why(env: dict[str, Any]) -> None:
     assert "rank 0 terminated by SIGTERM" in shown and "killed by SIGKILL" in shown, shown
 
 
+def test_a_sigterm_bye_leaves_the_rank_before_it_dies(env: dict[str, Any]) -> None:
+    """The daemon is stopped (SIGSTOP) while rank 0 is SIGTERMed: the rank dies before anything of its is read,
+    so its bye must already be in the socket. Read once the daemon runs again, the part says "terminated by
+    SIGTERM", not a rank that vanished (the bye was handed to ZMQ's I/O thread and the process died, at times
+    before it was written)."""
+    d = daemon(env)
+    (proc,) = job(env, 1, "--steps", "1000000", "--step-sleep", "0.05", "--no-dist", "--profile-job-id", "bye",
+                  daemon_dir=env["run"])
+    wait_for(lambda: [r["step_time_s"] for r in live_ranks(env["run"])] not in ([], [None]), 120, "the rank stepping")
+    start = live_ranks(env["run"])[0]["step"] + 400
+    capture_id = ctl_json(env["run"], "capture", "--start-step", str(start), "--steps", "2")["capture_id"]
+
+    def record() -> dict[str, Any]:
+        return json.loads(ctl(env["run"], "show", capture_id, "--json").stdout)
+
+    wait_for(lambda: record()["parts"]["0"]["state"] == "scheduled", 60, "scheduled", pause=0.3)
+    d.send_signal(19)  # SIGSTOP
+    try:
+        proc.send_signal(15)
+        assert proc.wait(30) == -15
+    finally:
+        d.send_signal(18)  # SIGCONT
+    ended = wait_for(lambda: (lambda r: r if r["status"] != "running" else None)(record()), 60, "the capture to end",
+                     pause=0.3)
+    assert re.fullmatch(rf"rank 0 terminated by SIGTERM \(at step \d+, before the window \[{start}, {start + 2}\) "
+                        r"began\)", ended["parts"]["0"]["error"]), ended["parts"]
+
+
 ENDING = """
 import os, sys, time, ondemand_prof
 prof = ondemand_prof.OnDemandProfiler.from_env()

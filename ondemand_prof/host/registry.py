@@ -158,6 +158,7 @@ class RankInfo:
     process: Any = None  # core.files.ProcessIdentity at registration (host/triage.py): pid reuse is told apart
     heard_at: float | None = None  # wall time of the rank's last heartbeat (or registration), when known
     sent_at: float | None = None  # the rank's wall time when it sent that heartbeat (same host: same clock)
+    exited_seen: float | None = None  # when a sweep first found its process gone (expire: judged at the next)
 
     @property
     def key(self) -> JobKey:
@@ -349,6 +350,13 @@ class Registry:
                 if ok is None:
                     ok = alive[key] = pid_alive(*key)
                 if ok:
+                    info.exited_seen = None
+                    continue
+                # A process that ends on SIGTERM or at exit says why (a bye) as it goes, but its death can be
+                # seen before the bye is read (a sweep prompted by another rank's death, both signalled at
+                # once): judged at the next sweep, once every message sent before that death has been read
+                if info.exited_seen is None or now <= info.exited_seen:
+                    info.exited_seen = now if info.exited_seen is None else info.exited_seen
                     continue
                 reason = f"process {info.pid} on {info.host} exited"
             else:

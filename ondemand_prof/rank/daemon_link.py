@@ -40,6 +40,7 @@ MAX_REPLY_BYTES = MAX_MESSAGE_BYTES - 1024  # what a triage answer may take of a
 REFUSED_RETRY_S = 5.0  # a registration the daemon refused is tried again this often
 RECENT = 16  # the last events of this many captures are replayed at registration (a restarted daemon learns them)
 LAST_WORDS_S = 0.5  # how long a thread ending the process (SIGTERM, exit) waits for the agent to say why
+BYE_LINGER_MS = 300  # how long the last words may take to leave the process (_let_go), within LAST_WORDS_S
 MAX_WHY = 400  # characters of a bye's why
 
 
@@ -104,6 +105,7 @@ class DaemonLink(Extension):
         self._replies: collections.deque[bytes] = collections.deque()  # triage answers (rank/triage.py)
         self._last_words: tuple[str, int] | None = None  # (why, step): the process is ending (last_words)
         self._said = threading.Event()  # the last words left (or there was no daemon to hear them)
+        self._closed = False  # the socket is closed (after the last words, or by close())
         log.debug("ondemand_prof: daemon link to %s", self.url)
         self._trusted()  # said before the start-up line, which names what is wrong with the daemon's socket
 
@@ -115,6 +117,8 @@ class DaemonLink(Extension):
 
     def poll(self, now: float) -> None:
         """Called by the agent every loop (5 ms): take messages, send queued events, heartbeat once a second."""
+        if self._closed:
+            return  # the last words were said: the process is ending
         zmq = self._zmq
         for _ in range(100):
             if not int(self._sock.getsockopt(self._events)) & self._pollin:  # cheaper than a failed recv every 5 ms
@@ -177,19 +181,35 @@ class DaemonLink(Extension):
         if self._last_words is None or self._said.is_set():
             return
         why, step = self._last_words
-        if self.registered:
-            self._flush()
-            self._send(encode("bye", why=why, step=step))
-            self.registered = False
-        self._said.set()
+        try:
+            if self.registered:
+                self._flush()
+                if self._send(encode("bye", why=why, step=step)):
+                    self._let_go()
+                self.registered = False
+        finally:
+            self._said.set()
+
+    def _let_go(self) -> None:
+        """The process dies right after its last words (SIGTERM's default action, the end of the interpreter),
+        and ZMQ's I/O thread writes a message on its own time: a process that died first lost its bye (the
+        daemon then read a rank that vanished). Closing with a linger and ending the context waits, at most
+        BYE_LINGER_MS, until what was sent has left the process."""
+        self._closed = True
+        self._sock.close(linger=BYE_LINGER_MS)
+        if self._own_ctx:
+            self._ctx.term()
 
     def close(self) -> None:
+        if self._closed:
+            return
         if self._said.is_set():
             pass  # the daemon heard our last words already
         elif self.registered:
             self.poll(0.0)  # results that finished while the agent was stopping
             self._send(encode("bye", why=str(getattr(self.agent, "closing_why", "closed the profiler"))[:MAX_WHY],
                               step=self.agent.prof.current_step))
+        self._closed = True
         self._sock.close(linger=0)
         if self._own_ctx:
             self._ctx.term()
@@ -197,6 +217,8 @@ class DaemonLink(Extension):
     # ------------------------------------------------------------------------------------------------------
 
     def _send(self, body: bytes) -> bool:
+        if self._closed:
+            return False
         try:
             self._sock.send(body, self._zmq.NOBLOCK)
             return True

@@ -401,9 +401,45 @@ def test_a_capture_racing_a_touched_window_the_daemon_has_not_heard_of_is_planne
     assert wait.returncode == 0, out
     assert "done: 1 of 1 rank(s) wrote a trace" in out, out
     assert f"  replanned: steps [" in out, out
-    (listed,) = ctl_json(env["run"], "list")["captures"]
+    caps = ctl_json(env["run"], "list")["captures"]
+    (listed,) = [c for c in caps if not c["capture_id"].startswith("file-")]
+    (touched,) = [c for c in caps if c["capture_id"].startswith("file-")]  # the file's own, recorded too
+    assert touched["window"] == file_window, (touched, file_window)
     assert listed["status"] == "done" and listed["window"][0] >= file_window[1], (listed, file_window)
     shown = ctl(env["run"], "show", listed["capture_id"])
     assert f"replanned after window [{file_window[0]}, {file_window[1]}) (file, " in shown.stdout, shown.stdout
     caps = {c["trigger"]["source"]: c for c in captures(env["save"])}
     assert trace_steps(caps["daemon"]) == list(range(*listed["window"]))
+
+
+def test_a_trigger_file_and_a_signal_capture_are_recorded_by_the_daemon(env: dict[str, Any]) -> None:
+    """Where a daemon runs, a capture started by touching the job's trigger file (read by both ranks: one
+    record, a part each) and one started by a signal (rank 1 alone) are in `list` and `show` with their outcome,
+    as the daemon's own are (issue 30: `ondemandctl list` did not show them)."""
+    daemon(env)
+    trig = env["save"].parent / "trigger"
+    ranks(env, 2, 1_000_000, "--step-sleep", "0.05", "--profile-trigger-dir", str(trig), "--profile-signal",
+          "SIGUSR2")
+    wait_stepping(env, 2)
+    (trig / "capture").write_text('{"steps": 3}')
+    listed = wait_for(lambda: (lambda cs: cs if cs and cs[0]["status"] != "running" else None)(
+        ctl_json(env["run"], "list")["captures"]), 120, "the file capture to end", pause=0.3)
+    (file_cap,) = listed
+    assert file_cap["capture_id"].startswith("file-") and file_cap["status"] == "done", file_cap
+    record = ctl_json(env["run"], "show", file_cap["capture_id"])
+    assert sorted(record["parts"]) == ["0", "1"] and {p["state"] for p in record["parts"].values()} == {"done"}
+    assert record["window"][1] - record["window"][0] == 3 and record["source"] == "file"
+    assert "opened by rank " in record["plan"]["note"] and "trigger file" in record["plan"]["note"], record["plan"]
+    traced = {c["capture_id"]: c for c in captures(env["save"])}
+    assert trace_steps(traced[file_cap["capture_id"]]) == list(range(*record["window"]))
+    shown = ctl(env["run"], "show", file_cap["capture_id"])
+    assert shown.returncode == 0 and "done" in shown.stdout, shown.stdout
+
+    rank1 = next(r for r in live_ranks(env["run"]) if r["rank"] == 1)
+    os.kill(rank1["pid"], signal.SIGUSR2)
+    sig = wait_for(lambda: [c for c in ctl_json(env["run"], "list")["captures"]
+                            if c["capture_id"].startswith("signal-") and c["status"] != "running"], 120,
+                   "the signal capture to end", pause=0.3)
+    (sig_cap,) = sig
+    assert sig_cap["status"] == "done", sig_cap
+    assert list(ctl_json(env["run"], "show", sig_cap["capture_id"])["parts"]) == ["1"]

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Protocol
 
 from .hosts import is_loopback
 from .registry import stalled_for, time_in_step
-from .triage import stragglers
+from .autocapture import stragglers
 
 if TYPE_CHECKING:
     from .records import RecordStore

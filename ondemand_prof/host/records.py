@@ -143,8 +143,8 @@ class CaptureRecord:
     @classmethod
     def new(cls, capture_id: str, job: str, request: dict[str, Any], plan: Plan | Mapping[str, Any],
             options: dict[str, Any], targets: Iterable[dict[str, Any]], wall: float) -> "CaptureRecord":
-        """`plan` is the window as resolved (capped, moved after busy windows), which list and show report (a
-        Plan; a mapping of its fields from the automatic captures' intake, host/triage.py, until it makes one)."""
+        """`plan` is the window as resolved (capped, moved after busy windows), which list and show report. Made
+        by Service.open_capture, the one place a capture is made on the daemon."""
         plan = plan.as_dict() if isinstance(plan, Plan) else dict(plan)
         parts = {str(t["rank"]): {"rank": t["rank"], "host": t["host"], "pid": t["pid"], "uid": t.get("uid"),
                                   "state": "sent", "history": [{"state": "sent", "at": iso_time(wall)}]}
@@ -178,6 +178,19 @@ class CaptureRecord:
 
     def part(self, rank: int) -> dict[str, Any] | None:
         return self.data["parts"].get(str(rank))
+
+    def add_part(self, target: Mapping[str, Any], wall: float, step: int | None = None) -> None:
+        """Another rank of a capture a rank opened itself (every rank of a job reads its trigger file): a part
+        for it, its step then in the plan's current_steps. Only while running (a settled record never moves)."""
+        rank = int(target["rank"])
+        assert self.status == "running" and self.part(rank) is None
+        self.data["parts"][str(rank)] = {"rank": rank, "host": target["host"], "pid": target["pid"],
+                                         "uid": target.get("uid"), "state": "sent",
+                                         "history": [{"state": "sent", "at": iso_time(wall)}]}
+        if step is not None:
+            self.data["plan"].setdefault("current_steps", {})[str(rank)] = step
+        self.open_parts += 1
+        self.part_changed(rank)
 
     def update(self, rank: int, state: str, info: dict[str, Any], wall: float, pid: int | None = None) -> bool:
         """Apply one event from a rank (from the process `pid`, when given: the one the part was sent to); events

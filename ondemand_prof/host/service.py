@@ -26,6 +26,8 @@ from ..core.text import printable
 from .records import KEEP_RECORDS, CaptureRecord, RecordRefused, RecordStore
 from .podpath import host_path, own_mount_namespace, root_of
 from .registry import DeliveryBook, RankConflict, RankInfo, Registry
+from .autocapture import RankCaptures
+from .records import Plan
 from .triage import TriageBook
 
 log = logging.getLogger("ondemand_prof.daemon")
@@ -68,10 +70,11 @@ class Service:
         self._last_housekeeping: float | None = None
         self.commands = commands
         self.triage = TriageBook(self)  # stacks, memory, flight-recorder requests waiting for their ranks
+        self.rank_captures = RankCaptures(self)  # automatic, trigger-file and signal captures (host/autocapture.py)
         self.rank_handlers: dict[str, Callable[[bytes, dict[str, Any]], bytes | None]] = {
             "register": self.on_register, "hb": self.on_heartbeat, "event": self.on_event, "events": self.on_events,
             "bye": self.on_bye,
-            "triage_result": self.triage.on_result, "auto_capture": self.triage.on_auto_capture}
+            "triage_result": self.triage.on_result, "auto_capture": self.rank_captures.on_auto_capture}
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -206,6 +209,9 @@ class Service:
         return True
 
     def _apply_event(self, info: RankInfo, capture_id: str, event: str, data: Any) -> None:
+        if event == "opened":  # a window the rank opened itself (trigger file, signal): recorded
+            self.rank_captures.on_opened(info, capture_id, data, time.time())
+            return
         record = self.store.records.get(capture_id)
         if record is None or not of_job(record, info):
             return
@@ -284,6 +290,20 @@ class Service:
 
     # ------------------------------------------------------------------------------------------------------
     # Records and watches
+
+    def open_capture(self, capture_id: str, job: str, request: dict[str, Any], plan: Plan, options: dict[str, Any],
+                     targets: list[RankInfo], wall: float, *, owner: int | None = None, save: bool = True,
+                     **marks: Any) -> CaptureRecord:
+        """The one place a capture is made on the daemon (ondemandctl capture, a rank's automatic, trigger-file
+        or signal window): its record, a part per target rank, taken into the store (RecordRefused: it cannot
+        be). `marks` go on the record (baseline, compare_with, source); `save`: False when the caller writes
+        it once the windows are sent."""
+        record = CaptureRecord.new(capture_id, job, request, plan, options,
+                                   [{"rank": t.rank, "host": t.host, "pid": t.pid, "uid": t.uid} for t in targets],
+                                   wall)
+        record.data.update(marks)
+        self.store.add(record, owner=owner, save=save)
+        return record
 
     def changed(self, record: CaptureRecord) -> None:
         self.store.mark(record)

@@ -37,7 +37,6 @@ NATIVE_WAIT_S = 0.5  # from sending the dump signal to reading what faulthandler
 TRIAGE_WAVE = 256
 SLOT_S = 1.0  # a rank silent this long frees its place in the wave (its answer is still taken when it comes)
 MAX_NATIVE_BYTES = 256 * 1024
-SLOW_RATIO = 1.2  # a rank this much slower than its job's median step time is marked slow in status
 
 
 @dataclass
@@ -110,67 +109,6 @@ def native_dump_problem(native: Any, pid: int) -> str | None:
 SILENT_KEEP_S = 600.0  # how long a rank whose heartbeats stopped (its process still there) stays reachable
 
 
-AUTO_PER_JOB_HOUR = 20  # automatic captures the daemon records per job per hour (a rank's own default is 4)
-AUTO_PER_UID_HOUR = 60  # ... and per uid, over all its jobs
-REFUSAL_LOG_S = 60.0  # refused automatic captures are logged once a minute per uid, then counted
-
-
-class AutoBudget:
-    """The daemon's own bound on automatic captures, whatever a rank's configuration says: per job and per uid,
-    over the last hour. A flood of auto_capture messages costs a counter, not records or log lines."""
-
-    def __init__(self, per_job: int = AUTO_PER_JOB_HOUR, per_uid: int = AUTO_PER_UID_HOUR) -> None:
-        self.per_job, self.per_uid = per_job, per_uid
-        self.jobs: dict[str, list[float]] = {}
-        self.uids: dict[Any, list[float]] = {}
-        self._logged: dict[Any, tuple[float, int]] = {}  # (uid, kind) -> (last logged, refused since)
-
-    def take(self, info: "RankInfo", now: float) -> str:
-        """'' and the capture is counted, or why it is over budget."""
-        key: Any  # a job (str), then a uid (int or None)
-        for book, key, limit, what in ((self.jobs, info.job, self.per_job, f"job {info.job}"),
-                                       (self.uids, info.uid, self.per_uid, f"uid {info.uid}")):
-            times = [t for t in book.get(key, []) if now - t < 3600.0]
-            book[key] = times
-            if len(times) >= limit:
-                return f"the daemon's budget of {limit} automatic captures an hour for {what} is spent"
-        self.jobs[info.job].append(now)
-        self.uids[info.uid].append(now)
-        if len(self.jobs) > 4096:  # forget jobs with nothing in the last hour
-            self.jobs = {k: v for k, v in self.jobs.items() if v and now - v[-1] < 3600.0}
-        return ""
-
-    def refused(self, info: "RankInfo", kind: str, why: str) -> None:
-        """Log a refusal: once a minute per uid and kind (bad, budget, store), then how many were not logged."""
-        now = time.monotonic()
-        key = (info.uid, kind)
-        last, count = self._logged.get(key, (-REFUSAL_LOG_S, 0))
-        if now - last >= REFUSAL_LOG_S:
-            more = f" ({count} more refused since, not logged)" if count else ""
-            log.warning("ondemand-profd: rank %d of job %s (uid %s): %s%s", info.rank, info.job, info.uid, why, more)
-            self._logged[key] = (now, 0)
-        else:
-            self._logged[key] = (last, count + 1)
-
-
-def auto_reason(value: Any) -> dict[str, Any] | None:
-    """The why of an automatic capture (rank/autocapture.py), kept to its known fields and sizes."""
-    if not isinstance(value, dict):
-        return None
-    out: dict[str, Any] = {}
-    if isinstance(value.get("why"), str):
-        out["why"] = value["why"][:200]
-    for key in ("ratio", "median_step_s"):
-        if finite_number(value.get(key), 0.0, 1e9):
-            out[key] = float(value[key])
-    slow = value.get("slow_steps_s")
-    if isinstance(slow, list):
-        out["slow_steps_s"] = [float(x) for x in slow[:32] if finite_number(x, 0.0, 1e9)]
-    if bounded_int(value.get("detected_at_step"), -1, MAX_STEP):
-        out["detected_at_step"] = value["detected_at_step"]
-    return out
-
-
 class TriageBook:
     """Pending triage requests of one daemon (Service.triage), and the ranks whose heartbeats stopped while
     their process lives on: a rank hung with the GIL held is exactly the one whose stack is wanted."""
@@ -179,7 +117,6 @@ class TriageBook:
         self.service = service
         self.pending: dict[str, Pending] = {}
         self.silent: dict[tuple[str, int], tuple["RankInfo", float]] = {}  # (job, rank) -> (info, since)
-        self.budget = AutoBudget()
 
     def registered(self, info: "RankInfo") -> None:
         """At registration: which process this is (pid, start time, uid, read now from /proc, so a pid reused
@@ -229,85 +166,6 @@ class TriageBook:
             route = p.unsent.popleft()
             self.service.send(route, p.request)
             p.asked[route] = now
-
-    def on_auto_capture(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
-        """A rank opened an automatic window on itself: open the same one on the rank of its job whose step
-        time is closest to the job's median, and keep a capture record of both (ondemandctl list, show).
-        The rank names the capture, so the id must be its own (`auto-...-r{rank}-{pid}`), new, and within the
-        daemon's budget for its job and its uid (AutoBudget): a rank cannot replace, pre-empt or flood out
-        anyone's records."""
-        from ..core.protocol import encode
-        from ..core.requests import window_from_wire
-        from .records import CaptureRecord, RecordRefused
-
-        info = self.service.registry.by_route.get(route)
-        if info is None:
-            return encode("register")
-        try:
-            window = window_from_wire(msg["window"])
-            baseline = isinstance(window.requested.get("auto_baseline"), dict)
-            kind = "baseline" if baseline else "auto"
-            pids = {info.pid, getattr(info, "ns_pid", None) or info.pid}  # the rank names it with its own pid
-            if not window.capture_id.startswith(f"{kind}-") or not any(
-                    window.capture_id.endswith(f"-r{info.rank}-{pid}") for pid in pids):
-                raise ValueError(f"capture id {window.capture_id!r} is not {kind}-...-r{info.rank}-{info.pid}")
-        except ValueError as exc:
-            self.budget.refused(info, "bad", f"bad automatic window: {exc}")
-            return None
-        wall, now = time.time(), time.monotonic()
-        held = self.budget.take(info, now)
-        if held:
-            self.budget.refused(info, "budget", f"automatic capture {window.capture_id} not recorded: {held}")
-            return None
-        # the rank's own job, (uid, id): jobs() names it owner:id where another user's job has the same id, and
-        # jobs().get(info.job) then found no rank (the baseline was of the asking rank alone, no reference rank)
-        ranks = sorted((r for r in self.service.registry.by_route.values() if r.key == info.key), key=lambda r: r.rank)
-        if baseline:  # the job's baseline on this host: the same window on every rank of it registered here
-            ref = None
-            others = sorted((r for r in ranks if r is not info), key=lambda r: r.rank)
-            targets = [info, *others]
-            request: dict[str, Any] = {"auto_baseline": auto_reason(window.requested.get("auto_baseline")),
-                                       "asked_by_rank": info.rank}
-        else:
-            ref = reference_rank(info, ranks)
-            others = [ref] if ref is not None else []
-            targets = [info, *others]
-            request = {"auto": auto_reason(window.requested.get("auto")), "slow_rank": info.rank,
-                       "reference_rank": ref.rank if ref is not None else None}
-        plan: dict[str, Any] = {"start_step": window.start, "end_step": window.end, "lead_steps": 0, "late_ranks": [],
-                "current_steps": {t.rank: t.estimated_step(wall) for t in targets},
-                "note": (f"automatic baseline of job {info.job}, asked by rank {info.rank}" if baseline else
-                         f"automatic: rank {info.rank} slowed down; reference rank {ref.rank}" if ref is not None
-                         else f"automatic: rank {info.rank} slowed down; no other rank to compare with")}
-        record = CaptureRecord.new(window.capture_id, info.job, request, plan, window.options.as_dict(),
-                                   [{"rank": t.rank, "host": t.host, "pid": t.pid, "uid": t.uid} for t in targets],
-                                   wall)
-        if baseline:
-            record.data["baseline"] = True  # the job's baseline once it records something (records.py)
-        else:
-            known = self.service.store.baseline_of(info.job, info.uid)
-            if known is not None:  # compared with it once done (show, report, and the daemon's log line)
-                record.data["compare_with"] = known.capture_id
-        try:
-            self.service.store.add(record, owner=info.uid if info.uid is not None else -1)
-        except RecordRefused as exc:
-            self.budget.refused(info, "store", f"automatic capture {window.capture_id} not recorded: {exc}")
-            return None
-        assert window.end is not None  # window_from_wire checked it
-        steps = window.end - window.start
-        for other in others:
-            requested = {"auto_baseline": request["auto_baseline"], "steps": steps, "asked_by_rank": info.rank} \
-                if baseline else {"auto": request["auto"], "steps": steps, "reference_for_rank": info.rank}
-            self.service.send(other.route, encode("capture", window={**window.to_wire(), "requested": requested}))
-        if baseline:
-            log.info("ondemand-profd: automatic baseline %s of job %s: %d rank(s), steps [%d, %d), asked by rank %d",
-                     window.capture_id, info.job, len(targets), window.start, window.end, info.rank)
-        else:
-            log.info("ondemand-profd: automatic capture %s: rank %d of job %s slowed down; reference rank %s%s",
-                     window.capture_id, info.rank, info.job, ref.rank if ref is not None else "none",
-                     f"; compared with baseline {record.data['compare_with']} once done"
-                     if record.data.get("compare_with") else "; no baseline to compare with yet")
-        return None
 
     def on_result(self, route: bytes, msg: dict[str, Any]) -> None:
         p = self.pending.get(msg["triage_id"])
@@ -634,25 +492,3 @@ def _oldest(digest: dict[str, Any], pg: str) -> int:
     """The oldest sequence number a rank's (bounded) history still holds for a group: older ones say nothing."""
     seqs = [e["seq"] for e in digest.get("entries", []) if e.get("pg") == pg and not e.get("is_p2p")]
     return min(seqs) if seqs else 1 << 62
-
-
-def reference_rank(slow: "RankInfo", ranks: list["RankInfo"]) -> "RankInfo | None":
-    """The rank whose recent step time is closest to the job's median (the slow rank itself excluded)."""
-    others = [r for r in ranks if r.route != slow.route]
-    timed = [(r, r.step_time) for r in others if r.step_time]
-    if not timed:
-        return others[0] if others else None
-    median = statistics.median(r.step_time for r in ranks if r.step_time)
-    return min(timed, key=lambda rt: (abs(rt[1] - median), rt[0].rank))[0]
-
-
-def stragglers(ranks: list[dict[str, Any]], ratio: float = SLOW_RATIO) -> dict[str, Any]:
-    """Each rank's step time against its job's median (adds vs_median and slow to each rank dict)."""
-    times = [r["step_time_s"] for r in ranks if r.get("step_time_s")]
-    median = statistics.median(times) if times else None
-    for r in ranks:
-        st = r.get("step_time_s")
-        r["vs_median"] = round(st / median, 3) if st and median else None
-        r["slow"] = bool(st and median and st > ratio * median)
-    return {"median_step_time_s": median, "slow_ranks": [r["rank"] for r in ranks if r["slow"]],
-            "slow_ratio": ratio}

@@ -15,7 +15,7 @@ import secrets
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..core.version import __version__
 from ..core.bounds import bounded_int
@@ -380,6 +380,21 @@ class DaemonLink(Extension):
     def listener_for(self, capture_id: str) -> Any:
         """A window listener that reports progress to the daemon (automatic captures use it)."""
         return self._listener(capture_id)
+
+    def opened(self, window: Any, listener: Callable[[str, dict[str, Any]], None]) -> Callable[[str, dict[str, Any]], None]:
+        """Any thread: a window this rank opened itself (its trigger file, a signal). With a daemon that answered,
+        it hears of it first ("opened", queued with the events, so before any progress) and records it (list,
+        show); the listener returned tells both it and `listener`. Without one: `listener` alone."""
+        if not self.acknowledged or self._closed:
+            return listener
+        to_daemon = self._listener(window.capture_id)
+        to_daemon("opened", {"window": window.to_wire()})
+
+        def both(event: str, info: dict[str, Any]) -> None:
+            listener(event, info)
+            to_daemon(event, info)
+
+        return both
 
     def _listener(self, capture_id: str) -> Any:
         def listen(event: str, info: dict[str, Any]) -> None:

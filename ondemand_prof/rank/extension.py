@@ -18,6 +18,7 @@ class AgentLike(Protocol):
     config: Any
     prof: Any
     triage: Any  # rank/triage.py Triage: answers stacks, memory, flight_recorder
+    link: Any  # rank/daemon_link.py DaemonLink, or None (no daemon link)
     clock: Any  # core/window.py StepClock: which step ran at a wall time (step_at)
 
     @property

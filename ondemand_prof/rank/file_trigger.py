@@ -239,7 +239,8 @@ class FileTrigger(Extension):
                          extra={"anchor_step": decision["anchor_step"], "decided_by_rank": decision["decided_by_rank"]})
         if window.note:
             base["note"] = window.note
-        self.agent.schedule(window, listener)
+        link = self.agent.link
+        self.agent.schedule(window, listener if link is None else link.opened(window, listener))
 
     def _trigger_triage(self, request: Any, trig: Trigger, rank: int,
                         listener: Callable[[str, dict[str, Any]], None]) -> None:

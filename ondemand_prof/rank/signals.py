@@ -80,6 +80,9 @@ class SignalTrigger:
             listener = agent.files.status.listener({"trigger": window.capture_id, "rank": ident.rank, "host": ident.host,
                                               "pid": os.getpid(), "seen_at_step": step,
                                               "request": dict(window.requested)})
+        link = getattr(agent, "link", None)
+        if link is not None and listener is not None:  # the daemon records it (list, show)
+            listener = link.opened(window, listener)
         ok, reason = prof.submit(window, listener)
         if ok:
             log.info("ondemand_prof: %s: window %s scheduled", self.sig.name, window.describe())

@@ -123,16 +123,14 @@ class Capture(Command):
         windows = Windows(request, defaults, planned["start_step"], capture_id, targets)
         first = windows.first
         plan = Plan.of(planned, first.note)  # the plan whole (the cap's note too) before any window leaves
-        record = CaptureRecord.new(capture_id, live[0].job, request.as_dict(), plan, first.options.as_dict(),
-                                   [{"rank": t.rank, "host": t.host, "pid": t.pid, "uid": t.uid} for t in targets],
-                                   wall)
+        record = service.open_capture(capture_id, live[0].job, request.as_dict(), plan, first.options.as_dict(),
+                                      targets, wall, save=False)
         late = late_refusal(plan) if msg.get("across_hosts") is True else None
         if late:  # shared with other hosts' ranks: on the same steps everywhere or not here (host/alignment.py)
             refuse_parts(record, late, wall)
-            service.store.add(record)
+            service.store.save(record)
             log.warning("ondemand-profd: capture %s: %s", capture_id, late)
             return {**record.view(), "asked_by": asker}
-        service.store.add(record, save=False)
         if msg.get("baseline") is True:  # the job's baseline once it records something (records.py baseline_of)
             record.data["baseline"] = True
         if request.start_step is None and msg.get("across_hosts") is not True:  # (across hosts: the same steps

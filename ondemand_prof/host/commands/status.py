@@ -42,7 +42,7 @@ class Status(Command):
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
         jobs = {name: [r.as_dict(now, wall) for r in ranks] for name, ranks in live.items() if not job or name == job}
-        from ..triage import stragglers
+        from ..autocapture import stragglers
 
         slow = {name: stragglers(ranks) for name, ranks in jobs.items()}  # adds vs_median and slow to each rank
         stalled = {name: stall for name, ranks in jobs.items() if (stall := stalls(ranks, wall)) is not None}

@@ -1,0 +1,237 @@
+"""Captures the ranks open themselves, as the daemon records them: automatic ones (a rank's slowdown, opened
+again on a median-speed rank of its job for comparison; a job's baseline, on every rank of it on this host),
+within the daemon's own budget; and windows a rank opened from its trigger file or a signal, recorded from the
+rank's "opened" event so that `ondemandctl list` and `show` have them with their outcome. Also the straggler
+figures of status (each rank against its job's median step time).
+
+A rank names these captures itself, so its word is checked: the id is of its kind and, for automatic ones, its
+own rank and pid; a record is never replaced and belongs to the job (owner uid, job id) that opened it.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..core.bounds import MAX_STEP, bounded_int, finite_number
+from ..core.protocol import encode
+from ..core.requests import window_from_wire
+from .records import Plan, RecordRefused
+
+if TYPE_CHECKING:
+    from .registry import RankInfo
+
+log = logging.getLogger("ondemand_prof.daemon")
+
+SLOW_RATIO = 1.2  # a rank this much slower than its job's median step time is marked slow in status
+OPENED_KINDS = ("file", "signal")  # windows a rank opens itself that the daemon records from its "opened" event
+
+
+AUTO_PER_JOB_HOUR = 20  # automatic captures the daemon records per job per hour (a rank's own default is 4)
+AUTO_PER_UID_HOUR = 60  # ... and per uid, over all its jobs
+REFUSAL_LOG_S = 60.0  # refused automatic captures are logged once a minute per uid, then counted
+
+
+class AutoBudget:
+    """The daemon's own bound on automatic captures, whatever a rank's configuration says: per job and per uid,
+    over the last hour. A flood of auto_capture messages costs a counter, not records or log lines."""
+
+    def __init__(self, per_job: int = AUTO_PER_JOB_HOUR, per_uid: int = AUTO_PER_UID_HOUR) -> None:
+        self.per_job, self.per_uid = per_job, per_uid
+        self.jobs: dict[str, list[float]] = {}
+        self.uids: dict[Any, list[float]] = {}
+        self._logged: dict[Any, tuple[float, int]] = {}  # (uid, kind) -> (last logged, refused since)
+
+    def take(self, info: "RankInfo", now: float) -> str:
+        """'' and the capture is counted, or why it is over budget."""
+        key: Any  # a job (str), then a uid (int or None)
+        for book, key, limit, what in ((self.jobs, info.job, self.per_job, f"job {info.job}"),
+                                       (self.uids, info.uid, self.per_uid, f"uid {info.uid}")):
+            times = [t for t in book.get(key, []) if now - t < 3600.0]
+            book[key] = times
+            if len(times) >= limit:
+                return f"the daemon's budget of {limit} automatic captures an hour for {what} is spent"
+        self.jobs[info.job].append(now)
+        self.uids[info.uid].append(now)
+        if len(self.jobs) > 4096:  # forget jobs with nothing in the last hour
+            self.jobs = {k: v for k, v in self.jobs.items() if v and now - v[-1] < 3600.0}
+        return ""
+
+    def refused(self, info: "RankInfo", kind: str, why: str) -> None:
+        """Log a refusal: once a minute per uid and kind (bad, budget, store), then how many were not logged."""
+        now = time.monotonic()
+        key = (info.uid, kind)
+        last, count = self._logged.get(key, (-REFUSAL_LOG_S, 0))
+        if now - last >= REFUSAL_LOG_S:
+            more = f" ({count} more refused since, not logged)" if count else ""
+            log.warning("ondemand-profd: rank %d of job %s (uid %s): %s%s", info.rank, info.job, info.uid, why, more)
+            self._logged[key] = (now, 0)
+        else:
+            self._logged[key] = (last, count + 1)
+
+
+def auto_reason(value: Any) -> dict[str, Any] | None:
+    """The why of an automatic capture (rank/autocapture.py), kept to its known fields and sizes."""
+    if not isinstance(value, dict):
+        return None
+    out: dict[str, Any] = {}
+    if isinstance(value.get("why"), str):
+        out["why"] = value["why"][:200]
+    for key in ("ratio", "median_step_s"):
+        if finite_number(value.get(key), 0.0, 1e9):
+            out[key] = float(value[key])
+    slow = value.get("slow_steps_s")
+    if isinstance(slow, list):
+        out["slow_steps_s"] = [float(x) for x in slow[:32] if finite_number(x, 0.0, 1e9)]
+    if bounded_int(value.get("detected_at_step"), -1, MAX_STEP):
+        out["detected_at_step"] = value["detected_at_step"]
+    return out
+
+
+class RankCaptures:
+    """The captures of one daemon (Service.rank_captures) that its ranks opened: the auto_capture intake and
+    the "opened" event of trigger-file and signal windows."""
+
+    def __init__(self, service: Any) -> None:  # host/service.py Service (which imports this module)
+        self.service = service
+        self.budget = AutoBudget()
+
+    def on_auto_capture(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
+        """A rank opened an automatic window on itself: open the same one on the rank of its job whose step
+        time is closest to the job's median, and keep a capture record of both (ondemandctl list, show).
+        The rank names the capture, so the id must be its own (`auto-...-r{rank}-{pid}`), new, and within the
+        daemon's budget for its job and its uid (AutoBudget): a rank cannot replace, pre-empt or flood out
+        anyone's records."""
+        info = self.service.registry.by_route.get(route)
+        if info is None:
+            return encode("register")
+        try:
+            window = window_from_wire(msg["window"])
+            baseline = isinstance(window.requested.get("auto_baseline"), dict)
+            kind = "baseline" if baseline else "auto"
+            pids = {info.pid, getattr(info, "ns_pid", None) or info.pid}  # the rank names it with its own pid
+            if not window.capture_id.startswith(f"{kind}-") or not any(
+                    window.capture_id.endswith(f"-r{info.rank}-{pid}") for pid in pids):
+                raise ValueError(f"capture id {window.capture_id!r} is not {kind}-...-r{info.rank}-{info.pid}")
+        except ValueError as exc:
+            self.budget.refused(info, "bad", f"bad automatic window: {exc}")
+            return None
+        wall, now = time.time(), time.monotonic()
+        held = self.budget.take(info, now)
+        if held:
+            self.budget.refused(info, "budget", f"automatic capture {window.capture_id} not recorded: {held}")
+            return None
+        # the rank's own job, (uid, id): jobs() names it owner:id where another user's job has the same id, and
+        # jobs().get(info.job) then found no rank (the baseline was of the asking rank alone, no reference rank)
+        ranks = sorted((r for r in self.service.registry.by_route.values() if r.key == info.key), key=lambda r: r.rank)
+        if baseline:  # the job's baseline on this host: the same window on every rank of it registered here
+            ref = None
+            others = sorted((r for r in ranks if r is not info), key=lambda r: r.rank)
+            targets = [info, *others]
+            request: dict[str, Any] = {"auto_baseline": auto_reason(window.requested.get("auto_baseline")),
+                                       "asked_by_rank": info.rank}
+        else:
+            ref = reference_rank(info, ranks)
+            others = [ref] if ref is not None else []
+            targets = [info, *others]
+            request = {"auto": auto_reason(window.requested.get("auto")), "slow_rank": info.rank,
+                       "reference_rank": ref.rank if ref is not None else None}
+        assert window.end is not None  # window_from_wire checked it
+        plan = Plan(window.start, window.end, {t.rank: t.estimated_step(wall) for t in targets}, note=(
+            f"automatic baseline of job {info.job}, asked by rank {info.rank}" if baseline else
+            f"automatic: rank {info.rank} slowed down; reference rank {ref.rank}" if ref is not None
+            else f"automatic: rank {info.rank} slowed down; no other rank to compare with"))
+        marks: dict[str, Any] = {"baseline": True}  # the job's baseline once it records something (records.py)
+        if not baseline:
+            known = self.service.store.baseline_of(info.job, info.uid)
+            # compared with it once done (show, report, and the daemon's log line)
+            marks = {"compare_with": known.capture_id} if known is not None else {}
+        try:
+            record = self.service.open_capture(window.capture_id, info.job, request, plan, window.options.as_dict(),
+                                               targets, wall, owner=info.uid if info.uid is not None else -1,
+                                               **marks)
+        except RecordRefused as exc:
+            self.budget.refused(info, "store", f"automatic capture {window.capture_id} not recorded: {exc}")
+            return None
+        steps = window.end - window.start
+        for other in others:
+            requested = {"auto_baseline": request["auto_baseline"], "steps": steps, "asked_by_rank": info.rank} \
+                if baseline else {"auto": request["auto"], "steps": steps, "reference_for_rank": info.rank}
+            self.service.send(other.route, encode("capture", window={**window.to_wire(), "requested": requested}))
+        if baseline:
+            log.info("ondemand-profd: automatic baseline %s of job %s: %d rank(s), steps [%d, %d), asked by rank %d",
+                     window.capture_id, info.job, len(targets), window.start, window.end, info.rank)
+        else:
+            log.info("ondemand-profd: automatic capture %s: rank %d of job %s slowed down; reference rank %s%s",
+                     window.capture_id, info.rank, info.job, ref.rank if ref is not None else "none",
+                     f"; compared with baseline {record.data['compare_with']} once done"
+                     if record.data.get("compare_with") else "; no baseline to compare with yet")
+        return None
+
+    def on_opened(self, info: "RankInfo", capture_id: str, data: Any, wall: float) -> None:
+        """A rank opened a window from its trigger file or a signal (its "opened" event, sent before the
+        window's first progress): recorded, with a part for each rank of the job on this host that says it
+        opened the same capture (every rank reads the same trigger file: one record, `file-<version>`). The
+        events that follow move the parts as for the daemon's own windows. An id of another job, of another
+        kind, or of a record already settled is not taken (logged at debug: the window itself goes on)."""
+        try:
+            wire = data.get("window") if isinstance(data, dict) else None
+            if not isinstance(wire, dict):
+                raise ValueError("no window")
+            window = window_from_wire(wire)
+            source = window.source
+            if source not in OPENED_KINDS or window.capture_id != capture_id or \
+                    not capture_id.startswith(f"{source}-"):
+                raise ValueError(f"capture id {capture_id!r} is not a trigger file's or a signal's")
+        except ValueError as exc:
+            log.debug("ondemand-profd: rank %d of job %s: opened window not recorded: %s", info.rank, info.job, exc)
+            return
+        store = self.service.store
+        record = store.records.get(capture_id)
+        if record is not None:
+            if record.data.get("source") != source or record.data["job"] != info.job or \
+                    record.owner != info.uid or record.status != "running" or record.part(info.rank) is not None:
+                log.debug("ondemand-profd: rank %d of job %s: opened %s not recorded: the record is another's or "
+                          "settled", info.rank, info.job, capture_id)
+                return
+            record.add_part({"rank": info.rank, "host": info.host, "pid": info.pid, "uid": info.uid}, wall,
+                            info.estimated_step(wall))
+            self.service.changed(record)
+            return
+        assert window.end is not None  # window_from_wire checked it
+        what = "trigger file" if source == "file" else f"signal {window.requested.get('signal', '')}".rstrip()
+        plan = Plan(window.start, window.end, {info.rank: info.estimated_step(wall)},
+                    note=f"opened by rank {info.rank}'s {what}" + (f"; {window.note}" if window.note else ""))
+        try:
+            record = self.service.open_capture(capture_id, info.job, dict(window.requested), plan,
+                                               window.options.as_dict(), [info], wall,
+                                               owner=info.uid if info.uid is not None else -1, source=source)
+        except RecordRefused as exc:
+            self.budget.refused(info, "store", f"{what} capture {capture_id} not recorded: {exc}")
+            return
+        log.info("ondemand-profd: capture %s: opened by rank %d of job %s (%s), steps [%d, %d)", capture_id,
+                 info.rank, info.job, what, window.start, window.end)
+
+
+def reference_rank(slow: "RankInfo", ranks: list["RankInfo"]) -> "RankInfo | None":
+    """The rank whose recent step time is closest to the job's median (the slow rank itself excluded)."""
+    others = [r for r in ranks if r.route != slow.route]
+    timed = [(r, r.step_time) for r in others if r.step_time]
+    if not timed:
+        return others[0] if others else None
+    median = statistics.median(r.step_time for r in ranks if r.step_time)
+    return min(timed, key=lambda rt: (abs(rt[1] - median), rt[0].rank))[0]
+
+
+def stragglers(ranks: list[dict[str, Any]], ratio: float = SLOW_RATIO) -> dict[str, Any]:
+    """Each rank's step time against its job's median (adds vs_median and slow to each rank dict)."""
+    times = [r["step_time_s"] for r in ranks if r.get("step_time_s")]
+    median = statistics.median(times) if times else None
+    for r in ranks:
+        st = r.get("step_time_s")
+        r["vs_median"] = round(st / median, 3) if st and median else None
+        r["slow"] = bool(st and median and st > ratio * median)
+    return {"median_step_time_s": median, "slow_ranks": [r["rank"] for r in ranks if r["slow"]],
+            "slow_ratio": ratio}

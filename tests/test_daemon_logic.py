@@ -13,7 +13,9 @@ import pytest
 
 from conftest import inprocess_daemon, make_service, register_msg
 from ondemand_prof.host.records import CaptureRecord
-from ondemand_prof.host.registry import RankConflict, RankInfo, Registry, plan_window, stall_text, stalls
+from ondemand_prof.host.planning import plan_window
+from ondemand_prof.host.registry import RankConflict, RankInfo, Registry
+from ondemand_prof.host.stalls import stall_text, stalls
 from ondemand_prof.core.protocol import ProtocolError, decode, encode
 from ondemand_prof.host.commands import CLI_MESSAGES
 
@@ -325,7 +327,7 @@ def test_the_lead_grows_when_windows_reached_ranks_late(tmp_path) -> None:
     from ondemand_prof.core.options import ProfileConfig
     from ondemand_prof.core.requests import WindowDefaults
     from ondemand_prof.host.commands import DAEMON_COMMANDS
-    from ondemand_prof.host.registry import DeliveryTimes
+    from ondemand_prof.host.planning import DeliveryTimes
 
     svc = make_service(tmp_path)
     defaults = WindowDefaults.from_config(ProfileConfig()).to_wire()

@@ -1503,7 +1503,8 @@ def test_a_trace_a_member_cannot_read_is_not_called_missing(tmp_path: Path, othe
 
 def test_a_capture_far_ahead_does_not_make_later_captures_wait_for_it() -> None:
     """One capture with --start 100000 made every later relative capture plan after it (busy for days)."""
-    from ondemand_prof.host.registry import RankInfo, plan_window
+    from ondemand_prof.host.planning import plan_window
+    from ondemand_prof.host.registry import RankInfo
 
     far = {"capture_id": "far", "start": 100_010, "end": 100_012, "source": "daemon", "state": "queued"}
     near = {"capture_id": "near", "start": 12, "end": 20, "source": "file", "state": "queued"}

@@ -14,7 +14,7 @@ import datetime as _dt
 import re
 import secrets
 import time
-from typing import Any
+from typing import Any, Iterable
 
 MAX_ID = 128
 _ID = re.compile(r"[A-Za-z0-9_@+:][A-Za-z0-9_.@+:-]{0,127}")
@@ -58,3 +58,20 @@ def capture_id(source: str = "", *parts: object, wall: float | None = None) -> s
     if not source:
         return f"{id_stamp(wall)}-{secrets.token_hex(3)}"
     return safe_id("-".join([source, *(str(p) for p in parts)]))
+
+
+def match_id(given: str, known: Iterable[str], what: str, plural: str | None = None) -> str:
+    """`given`, or the one id of `known` it begins (torchrun's job ids are whole UUIDs: their first characters
+    are enough). ValueError names the candidates (`plural`: what several are called, `what` + "s" by default)."""
+    known = sorted(set(known))
+    many = plural or f"{what}s"
+    if given in known:
+        return given
+    matches = [k for k in known if k.startswith(given)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise ValueError(f"{given!r} begins {len(matches)} {many} ({', '.join(matches[:8])}"
+                         f"{', ...' if len(matches) > 8 else ''}): give more of it")
+    raise ValueError(f"no {what} {given!r}; {many}: {', '.join(known[:20]) or 'none'}"
+                     f"{', ...' if len(known) > 20 else ''}")

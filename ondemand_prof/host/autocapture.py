@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ondemand_prof.daemon")
 
-SLOW_RATIO = 1.2  # a rank this much slower than its job's median step time is marked slow in status
 OPENED_KINDS = ("file", "signal")  # windows a rank opens itself that the daemon records from its "opened" event
 
 
@@ -225,13 +224,3 @@ def reference_rank(slow: "RankInfo", ranks: list["RankInfo"]) -> "RankInfo | Non
     return min(timed, key=lambda rt: (abs(rt[1] - median), rt[0].rank))[0]
 
 
-def stragglers(ranks: list[dict[str, Any]], ratio: float = SLOW_RATIO) -> dict[str, Any]:
-    """Each rank's step time against its job's median (adds vs_median and slow to each rank dict)."""
-    times = [r["step_time_s"] for r in ranks if r.get("step_time_s")]
-    median = statistics.median(times) if times else None
-    for r in ranks:
-        st = r.get("step_time_s")
-        r["vs_median"] = round(st / median, 3) if st and median else None
-        r["slow"] = bool(st and median and st > ratio * median)
-    return {"median_step_time_s": median, "slow_ranks": [r["rank"] for r in ranks if r["slow"]],
-            "slow_ratio": ratio}

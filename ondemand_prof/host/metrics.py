@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Protocol
 
 from .hosts import is_loopback
-from .registry import stalled_for, time_in_step
-from .autocapture import stragglers
+from .stalls import stalled_for, time_in_step
+from .stalls import stragglers
 
 if TYPE_CHECKING:
     from .records import RecordStore
@@ -70,7 +70,7 @@ class MetricsError(RuntimeError):
 class RankRow(NamedTuple):
     """What the loop copies of a rank (a plain tuple: 4096 of them cost the loop about a millisecond); what
     is derived from it (stalled, time in step, distance from the median) is computed on the server thread.
-    Its field names are RankInfo's, so registry.stalled_for reads it as it reads a rank."""
+    Its field names are RankInfo's, so stalls.stalled_for reads it as it reads a rank."""
     job: str
     rank: int
     host: str

@@ -1,16 +1,19 @@
-"""ondemandctl across hosts, the pure part: which job and ranks a capture means, one window for all of them,
-and one answer from many hosts' replies. Replies in, plans and merged records out: no sockets, no printing
+"""Planning a capture's window, pure. On one host (the daemon, host/commands/capture.py): plan_window, one
+absolute window every target rank can begin on time, after the windows already on them, with the lead that
+delivery to those ranks has been measured to need (DeliveryBook). Across hosts (ondemandctl): which job and
+ranks a capture means, one window for all of them, and one answer from many hosts' replies. Replies in, plans and merged records out: no sockets, no printing
 (the fan-out is host/multihost.py, the console each command's own). Two rules are shared with the daemon's
 planning on one host (host/commands/capture.py): every rank of a capture gets the same length cap, and a
 stalled job gets no window.
 
 A capture across hosts is aligned by steps, not clocks: every daemon's status gives its ranks' current steps
 and step times, each anchored at the time that host's answer arrived (our clock only), and one absolute
-window is planned from those with the daemon's own planner (registry.plan_window), the fan-out's round trip
+window is planned from those with the daemon's own planner (plan_window), the fan-out's round trip
 counted as delivery."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -22,12 +25,134 @@ from ..core.bounds import finite_number
 from .alignment import MISALIGNED, mark_misaligned, merge_recorded
 from .client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, CtlError
 from .records import Plan
-from .registry import DELIVERY_S, MAX_DELIVERY_S, RankInfo, match_id, plan_window, stall_text, stalls
+from .registry import MAX_STEP_TIME_S, MIN_STEP_TIME_S, RankInfo
+from .stalls import stall_text, stalls
+from ..core.ids import match_id
 
 if TYPE_CHECKING:
     from .client import Reply
 
 Replies = dict[str, "Reply"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One host: the daemon's window
+
+# Time from the daemon sending a window to the rank's training thread holding it: ZMQ delivery (< 1 ms),
+# the agent's 5 ms poll, and slack for a loaded host. The step running then must end before the window starts.
+DELIVERY_S = 0.05
+MAX_DELIVERY_S = 5.0  # what a learned delivery time may grow to (a stalled rank must not push windows far out)
+
+
+class DeliveryTimes:
+    """How long windows took to reach this host's ranks, learned from their answers, so that the next plan's
+    lead covers a loaded host (whose agent threads wait for the GIL or a core) and the ranks begin on time.
+
+    A rank answers "scheduled" with the step its training thread took the window at. The plan had it running
+    step c then; taking it at c + 1 is on time, and every step beyond that is delivery the lead must cover.
+    The estimate is the slowest delivery of the last `keep` captures, at least DELIVERY_S and at most
+    MAX_DELIVERY_S: one loaded moment lengthens the lead of the next few captures, not of every one after."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self.keep = keep
+        self.slowest: dict[str, float] = {}  # capture id -> its slowest delivery (insertion order: oldest first)
+
+    def learn(self, capture_id: str, planned_step: int, taken_step: int, step_time: float | None) -> None:
+        if not step_time or not (MIN_STEP_TIME_S <= step_time <= MAX_STEP_TIME_S):
+            return
+        took = max(0, taken_step - planned_step - 1) * step_time
+        self.slowest[capture_id] = max(took, self.slowest.get(capture_id, 0.0))
+        while len(self.slowest) > self.keep:
+            del self.slowest[next(iter(self.slowest))]
+
+    def estimate(self) -> float:
+        return min(MAX_DELIVERY_S, max([DELIVERY_S, *self.slowest.values()]))
+
+
+class DeliveryBook:
+    """DeliveryTimes per job: one job's ranks (another user's, perhaps) never lengthen another job's lead."""
+
+    def __init__(self, max_jobs: int = 256) -> None:
+        self.max_jobs = max_jobs
+        self.jobs: dict[Any, DeliveryTimes] = {}  # by JobKey (uid, job id), least recently learned first
+
+    def of(self, job: Any) -> DeliveryTimes:
+        times = self.jobs.pop(job, None) or DeliveryTimes()
+        self.jobs[job] = times
+        while len(self.jobs) > self.max_jobs:
+            del self.jobs[next(iter(self.jobs))]
+        return times
+
+    def keep_only(self, live_jobs: Iterable[Any]) -> None:
+        """Forget the jobs that have no live rank left."""
+        live = set(live_jobs)
+        for job in [j for j in self.jobs if j not in live]:
+            del self.jobs[job]
+
+    def estimate(self, job: Any) -> float:
+        times = self.jobs.get(job)
+        return times.estimate() if times is not None else DELIVERY_S
+
+    def longer(self, jobs: dict[str, Any]) -> dict[str, float]:
+        """Of `jobs` (name shown -> JobKey), those whose learned delivery is longer than DELIVERY_S, and how long."""
+        out = {name: round(self.estimate(key), 4) for name, key in jobs.items()}
+        return {name: seconds for name, seconds in out.items() if seconds > DELIVERY_S}
+
+
+def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, start_step: int | None,
+                steps: int, delivery_s: float = DELIVERY_S) -> dict[str, Any]:
+    """One absolute window [first, first + steps) that every target can begin on time.
+
+    A relative start is counted from the furthest-ahead target's current step; the window is put at least
+    far enough ahead to cover delivery plus the step in flight, from each rank's measured step time, and after
+    any window already running or scheduled on a target (a trigger file's too), which the plan says.
+    ValueError when a target records an open-ended window.
+    """
+    targets = list(targets)
+    current = {t.rank: t.estimated_step(wall) for t in targets}
+    furthest = max(current.values())
+    lead = 2  # the step now running ends, then the boundary where the window can begin
+    for t in targets:
+        if t.step_time:
+            lead = max(lead, math.ceil(delivery_s / t.step_time - 1e-9) + 2)  # (0.3 / 0.1 is 3.0000000000000004)
+    earliest = furthest + lead
+    if start_step is not None:
+        first = start_step
+        late = sorted(r for r, s in current.items() if s + lead > start_step)  # past it, or too close to it
+        past = sorted(r for r, s in current.items() if s >= start_step)
+    else:
+        first = max(furthest + (start or 1), earliest)
+        late, past = [], []
+    plan: dict[str, Any] = {"current_steps": current, "lead_steps": lead, "late_ranks": late, "past_ranks": past}
+    # only windows that share a step with [first, first + steps) are in the way: one planned far ahead (a capture
+    # with --start 100000) leaves the steps before it free
+    blocking = _overlapping(targets, first, steps)
+    while blocking and start_step is None and all(w["end"] is not None for _, w in blocking):
+        more = [x for x in _overlapping(targets, max(w["end"] for _, w in blocking), steps) if x not in blocking]
+        if not more:
+            break
+        blocking += more  # moved after these, the window meets the next ones
+    if blocking and start_step is None:
+        open_ended = [(r, w) for r, w in blocking if w["end"] is None]
+        if open_ended:
+            rank, w = open_ended[0]
+            raise ValueError(f"rank {rank} records an open-ended window [{w['start']}, close) "
+                             f"({w['source']}, {w['capture_id']}); cancel it first")
+        after = max(w["end"] for _, w in blocking)
+        if after > first:
+            ids = sorted({w["capture_id"] for _, w in blocking})
+            plan["after"] = {"capture_ids": ids, "ranks": sorted({r for r, _ in blocking}), "moved_from": first}
+            plan["note"] = (f"planned after window(s) {', '.join(ids)} already scheduled or running on rank(s) "
+                            f"{spans(r for r, _ in blocking)} (from step {first} to {after})")
+            first = after
+    plan.update(start_step=first, end_step=first + steps)
+    return plan
+
+
+def _overlapping(targets: list[RankInfo], first: int, steps: int) -> list[tuple[int, dict[str, Any]]]:
+    """(rank, window) of the targets' windows that share a step with [first, first + steps)."""
+    return [(t.rank, w) for t in targets for w in t.windows or []
+            if (w["end"] is None or w["end"] > first) and w["start"] < first + steps]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ class Plan:
 
     @classmethod
     def of(cls, planned: Mapping[str, Any], *notes: str) -> "Plan":
-        """From the planner's answer (registry.plan_window), with `notes` said before the planner's own."""
+        """From the planner's answer (planning.plan_window), with `notes` said before the planner's own."""
         return cls(planned["start_step"], planned["end_step"], dict(planned.get("current_steps") or {}),
                    planned.get("lead_steps", 0), tuple(planned.get("late_ranks") or ()),
                    tuple(planned.get("past_ranks") or ()), planned.get("after"),

@@ -1,19 +1,19 @@
-"""The daemon's view of the live ranks, and the choice of one absolute window for a set of them. Pure:
-times are passed in, pid checks are a function the caller supplies."""
+"""The daemon's view of the live ranks: registration (one process per rank of a job, conflicts shown), what
+their heartbeats say, when they are gone, and the jobs they make up, by owner and id. Pure: times are passed in,
+pid checks are a function the caller supplies. Window planning is host/planning.py's; stalls host/stalls.py's."""
 
 from __future__ import annotations
 
-import math
 import pwd
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from ..core.ids import safe_id
+from ..core.ids import match_id, safe_id
 from ..core.protocol import HEARTBEAT_S, RANK_TIMEOUT_S
 from ..core.bounds import MAX_STEP, bounded_int, finite_number
 from ..core.ranks import MAX_RANK, RankSpecError, parse_ranks, spans
 from ..core.requests import RequestError, WindowDefaults
+from .stalls import stalled_for, time_in_step
 
 MAX_WINDOWS = 16  # windows a heartbeat may list (the running one and those queued)
 MIN_STEP_TIME_S, MAX_STEP_TIME_S = 1e-6, 1e6  # step times outside these are noise or an attack: ignored
@@ -21,97 +21,11 @@ MAX_WALL = 1e11  # wall-clock seconds (the year 5138): a "began" past this is ig
 MAX_EXTRAPOLATED = 10**9  # steps an estimate may add to the last reported one
 MAX_NAME = 256  # a job id or host name
 
-# A rank is STALLED once its current step has run STALL_STEPS of its median steps, and at least STALL_MIN_S: a hung
-# collective, a deadlock, a rank asleep. Its agent thread still answers, so heartbeats alone cannot tell.
-STALL_MIN_S = 10.0
-STALL_STEPS = 20
 CONFLICT_KEEP_S = 15.0  # a refused second process for a (uid, job, rank) is shown this long after its last attempt
 
 # A job is known to the daemon by its owner and its id: (uid, job id). Another user's job that chose the same id
 # (a shared MASTER_PORT number, a squatted name) is another job, never merged with this one nor refused for it.
 JobKey = tuple["int | None", str]
-
-# Time from the daemon sending a window to the rank's training thread holding it: ZMQ delivery (< 1 ms),
-# the agent's 5 ms poll, and slack for a loaded host. The step running then must end before the window starts.
-DELIVERY_S = 0.05
-MAX_DELIVERY_S = 5.0  # what a learned delivery time may grow to (a stalled rank must not push windows far out)
-
-
-class DeliveryTimes:
-    """How long windows took to reach this host's ranks, learned from their answers, so that the next plan's
-    lead covers a loaded host (whose agent threads wait for the GIL or a core) and the ranks begin on time.
-
-    A rank answers "scheduled" with the step its training thread took the window at. The plan had it running
-    step c then; taking it at c + 1 is on time, and every step beyond that is delivery the lead must cover.
-    The estimate is the slowest delivery of the last `keep` captures, at least DELIVERY_S and at most
-    MAX_DELIVERY_S: one loaded moment lengthens the lead of the next few captures, not of every one after."""
-
-    def __init__(self, keep: int = 16) -> None:
-        self.keep = keep
-        self.slowest: dict[str, float] = {}  # capture id -> its slowest delivery (insertion order: oldest first)
-
-    def learn(self, capture_id: str, planned_step: int, taken_step: int, step_time: float | None) -> None:
-        if not step_time or not (MIN_STEP_TIME_S <= step_time <= MAX_STEP_TIME_S):
-            return
-        took = max(0, taken_step - planned_step - 1) * step_time
-        self.slowest[capture_id] = max(took, self.slowest.get(capture_id, 0.0))
-        while len(self.slowest) > self.keep:
-            del self.slowest[next(iter(self.slowest))]
-
-    def estimate(self) -> float:
-        return min(MAX_DELIVERY_S, max([DELIVERY_S, *self.slowest.values()]))
-
-
-class DeliveryBook:
-    """DeliveryTimes per job: one job's ranks (another user's, perhaps) never lengthen another job's lead."""
-
-    def __init__(self, max_jobs: int = 256) -> None:
-        self.max_jobs = max_jobs
-        self.jobs: dict[Any, DeliveryTimes] = {}  # by JobKey (uid, job id), least recently learned first
-
-    def of(self, job: Any) -> DeliveryTimes:
-        times = self.jobs.pop(job, None) or DeliveryTimes()
-        self.jobs[job] = times
-        while len(self.jobs) > self.max_jobs:
-            del self.jobs[next(iter(self.jobs))]
-        return times
-
-    def keep_only(self, live_jobs: Iterable[Any]) -> None:
-        """Forget the jobs that have no live rank left."""
-        live = set(live_jobs)
-        for job in [j for j in self.jobs if j not in live]:
-            del self.jobs[job]
-
-    def estimate(self, job: Any) -> float:
-        times = self.jobs.get(job)
-        return times.estimate() if times is not None else DELIVERY_S
-
-    def longer(self, jobs: dict[str, Any]) -> dict[str, float]:
-        """Of `jobs` (name shown -> JobKey), those whose learned delivery is longer than DELIVERY_S, and how long."""
-        out = {name: round(self.estimate(key), 4) for name, key in jobs.items()}
-        return {name: seconds for name, seconds in out.items() if seconds > DELIVERY_S}
-
-
-def time_in_step(rank: Any, wall: float) -> float | None:
-    """How long a rank's current step has run at `wall` (a RankInfo, or anything with its step fields: the
-    metrics' snapshot rows): as the rank measured it when it sent its last heartbeat, plus the time since we read
-    that heartbeat. A daemon that read its queue late (a starved CPU) thus never takes a heartbeat's age for time
-    in the step."""
-    if rank.step_began_at is None:
-        return None
-    if rank.sent_at is not None and rank.heard_at is not None:
-        return max(0.0, rank.sent_at - rank.step_began_at) + max(0.0, wall - rank.heard_at)
-    return max(0.0, wall - rank.step_began_at)
-
-
-def stalled_for(rank: Any, wall: float) -> float | None:
-    """How long the rank has been in its current step, once that is a stall (STALL_STEPS of its median step,
-    at least STALL_MIN_S); None while it steps, and before it finished a step (a job starting up: rendezvous,
-    loading data, compiling; status says 'starting')."""
-    ran = time_in_step(rank, wall)
-    if ran is None or not (rank.step_time or rank.observed_step_time):
-        return None
-    return ran if ran > max(STALL_MIN_S, STALL_STEPS * (rank.step_time or 0.0)) else None
 
 
 class RankConflict(ValueError):
@@ -477,102 +391,6 @@ def owner_text(uid: int | None) -> str:
         return "an unknown uid"
     name = owner_name(uid)
     return f"uid {uid}" + ("" if name == str(uid) else f" ({name})")
-
-
-def match_id(given: str, known: Iterable[str], what: str, plural: str | None = None) -> str:
-    """`given`, or the one id of `known` it begins (torchrun's job ids are whole UUIDs: their first characters
-    are enough). ValueError names the candidates (`plural`: what several are called, `what` + "s" by default)."""
-    known = sorted(set(known))
-    many = plural or f"{what}s"
-    if given in known:
-        return given
-    matches = [k for k in known if k.startswith(given)]
-    if len(matches) == 1:
-        return matches[0]
-    if matches:
-        raise ValueError(f"{given!r} begins {len(matches)} {many} ({', '.join(matches[:8])}"
-                         f"{', ...' if len(matches) > 8 else ''}): give more of it")
-    raise ValueError(f"no {what} {given!r}; {many}: {', '.join(known[:20]) or 'none'}"
-                     f"{', ...' if len(known) > 20 else ''}")
-
-
-def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, start_step: int | None,
-                steps: int, delivery_s: float = DELIVERY_S) -> dict[str, Any]:
-    """One absolute window [first, first + steps) that every target can begin on time.
-
-    A relative start is counted from the furthest-ahead target's current step; the window is put at least
-    far enough ahead to cover delivery plus the step in flight, from each rank's measured step time, and after
-    any window already running or scheduled on a target (a trigger file's too), which the plan says.
-    ValueError when a target records an open-ended window.
-    """
-    targets = list(targets)
-    current = {t.rank: t.estimated_step(wall) for t in targets}
-    furthest = max(current.values())
-    lead = 2  # the step now running ends, then the boundary where the window can begin
-    for t in targets:
-        if t.step_time:
-            lead = max(lead, math.ceil(delivery_s / t.step_time - 1e-9) + 2)  # (0.3 / 0.1 is 3.0000000000000004)
-    earliest = furthest + lead
-    if start_step is not None:
-        first = start_step
-        late = sorted(r for r, s in current.items() if s + lead > start_step)  # past it, or too close to it
-        past = sorted(r for r, s in current.items() if s >= start_step)
-    else:
-        first = max(furthest + (start or 1), earliest)
-        late, past = [], []
-    plan: dict[str, Any] = {"current_steps": current, "lead_steps": lead, "late_ranks": late, "past_ranks": past}
-    # only windows that share a step with [first, first + steps) are in the way: one planned far ahead (a capture
-    # with --start 100000) leaves the steps before it free
-    blocking = _overlapping(targets, first, steps)
-    while blocking and start_step is None and all(w["end"] is not None for _, w in blocking):
-        more = [x for x in _overlapping(targets, max(w["end"] for _, w in blocking), steps) if x not in blocking]
-        if not more:
-            break
-        blocking += more  # moved after these, the window meets the next ones
-    if blocking and start_step is None:
-        open_ended = [(r, w) for r, w in blocking if w["end"] is None]
-        if open_ended:
-            rank, w = open_ended[0]
-            raise ValueError(f"rank {rank} records an open-ended window [{w['start']}, close) "
-                             f"({w['source']}, {w['capture_id']}); cancel it first")
-        after = max(w["end"] for _, w in blocking)
-        if after > first:
-            ids = sorted({w["capture_id"] for _, w in blocking})
-            plan["after"] = {"capture_ids": ids, "ranks": sorted({r for r, _ in blocking}), "moved_from": first}
-            plan["note"] = (f"planned after window(s) {', '.join(ids)} already scheduled or running on rank(s) "
-                            f"{spans(r for r, _ in blocking)} (from step {first} to {after})")
-            first = after
-    plan.update(start_step=first, end_step=first + steps)
-    return plan
-
-
-def stalls(ranks: Sequence[dict[str, Any]], wall: float) -> dict[str, Any] | None:
-    """Of a job's ranks (as status shows them), those STALLED: which, at which step, since when (the earliest
-    of them). None when every rank steps."""
-    stalled = [r for r in ranks if r.get("stalled_s") is not None]
-    if not stalled:
-        return None
-    longest = max(r["stalled_s"] for r in stalled)
-    return {"ranks": [r["rank"] for r in stalled], "steps": {str(r["rank"]): r["step"] for r in stalled},
-            "stalled_s": longest, "since": wall - longest, "all": len(stalled) == len(ranks),
-            "hosts": sorted({r["daemon"] for r in stalled if r.get("daemon")})}  # across hosts: whose daemon
-
-
-def stall_text(job: str, stall: dict[str, Any]) -> str:
-    """One line a person in a hurry can act on: who is stuck, where, since when, and what to run next."""
-    steps = sorted(set(stall["steps"].values()))
-    at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-    since = time.strftime("%H:%M:%S", time.localtime(stall["since"]))
-    on = f" on {', '.join(stall['hosts'])}" if stall.get("hosts") else ""
-    return (f"job {job} is STALLED: rank(s) {spans(stall['ranks'])}{on} have not finished a step for "
-            f"{stall['stalled_s']:.0f} s (since {since}, at {at}); see where they wait: ondemandctl stacks --job "
-            f"{job} (and flight-recorder)")
-
-
-def _overlapping(targets: list[RankInfo], first: int, steps: int) -> list[tuple[int, dict[str, Any]]]:
-    """(rank, window) of the targets' windows that share a step with [first, first + steps)."""
-    return [(t.rank, w) for t in targets for w in t.windows or []
-            if (w["end"] is None or w["end"] > first) and w["start"] < first + steps]
 
 
 def _windows(value: Any) -> list[dict[str, Any]] | None:

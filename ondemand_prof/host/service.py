@@ -25,7 +25,8 @@ from ..core.safejson import holds_lone_surrogate
 from ..core.text import printable
 from .records import KEEP_RECORDS, CaptureRecord, RecordRefused, RecordStore
 from .podpath import host_path, own_mount_namespace, root_of
-from .registry import DeliveryBook, RankConflict, RankInfo, Registry
+from .planning import DeliveryBook
+from .registry import RankConflict, RankInfo, Registry
 from .autocapture import RankCaptures
 from .records import Plan
 from .triage import TriageBook

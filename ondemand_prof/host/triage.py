@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field

@@ -24,7 +24,9 @@ from ..multihost import give_up, launch
 from ..planning import capture_record, common_cap, no_window
 from ...core.ids import capture_id as make_capture_id
 from ..records import CaptureRecord, Plan
-from ..registry import owner_text, plan_window, select_ranks, stalls
+from ..planning import plan_window
+from ..registry import owner_text, select_ranks
+from ..stalls import stalls
 from ..service import BadRequest, Service, of_job
 from ..summaries import merge_summaries
 from .base import Command, add_job_flag, opt_str, window_text

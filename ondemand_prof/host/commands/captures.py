@@ -14,7 +14,7 @@ from ..alignment import MISALIGNED
 from ..client import EXIT_MISALIGNED, EXIT_OK, EXIT_PARTIAL, dumps
 from ..multihost import ask
 from ..planning import exit_across, failures, merge_lists, merged_record, no_capture, one_capture, unanswered
-from ..registry import match_id
+from ...core.ids import match_id
 from ..service import BadRequest, Service
 from .base import Command, add_job_flag, nothing_found_here, opt_str, table, warn, who, window_text
 from .follow import exit_for, progress_text, result_text

@@ -17,7 +17,7 @@ from ...core.ranks import spans
 from ..alignment import MISALIGNED
 from ..client import EXIT_FAILED, EXIT_MISALIGNED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, CtlError, OneHost
 from ..planning import fail_host, no_capture
-from ..registry import stall_text
+from ..stalls import stall_text
 from ..service import MAX_WATCH_S, BadRequest, Service
 from .base import Command, who, window_text
 

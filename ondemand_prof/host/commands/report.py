@@ -15,7 +15,7 @@ from ...core.ids import valid_id
 from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError, dumps
 from ..multihost import ask
 from ..planning import failures, no_capture, one_capture
-from ..registry import match_id
+from ...core.ids import match_id
 from ..service import BadRequest, Service
 from .base import Command, nothing_found_here, warn
 

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 from ...core.ranks import spans
 from ..client import dumps
 from ..planning import exit_across, failures, no_live_job
-from ..registry import owner_name, owner_text, stall_text, stalls
+from ..registry import owner_name, owner_text
+from ..stalls import stall_text, stalls
 from ..service import BadRequest, Service
 from .base import Command, add_job_flag, ms, opt_str, table, warn
 
@@ -42,7 +43,7 @@ class Status(Command):
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
         jobs = {name: [r.as_dict(now, wall) for r in ranks] for name, ranks in live.items() if not job or name == job}
-        from ..autocapture import stragglers
+        from ..stalls import stragglers
 
         slow = {name: stragglers(ranks) for name, ranks in jobs.items()}  # adds vs_median and slow to each rank
         stalled = {name: stall for name, ranks in jobs.items() if (stall := stalls(ranks, wall)) is not None}

@@ -25,7 +25,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..core.options import WindowOptions
+from ..core.requests import CaptureRequest, WindowDefaults, resolve
 from ..core.ids import capture_id as make_capture_id, id_stamp
 from ..core.protocol import encode
 from ..core.window import Window
@@ -252,16 +252,17 @@ class AutoCapture(Extension):
         prof, config = self.prof, self.prof.config
         start = prof.current_step + lead if start is None else start
         cid = make_capture_id(kind, id_stamp(), f"r{prof.identity().rank}", os.getpid())
-        steps = min(config.ondemand_steps, config.max_window_steps)
-        requested: dict[str, Any] = {"steps": steps}
+        defaults = WindowDefaults.from_config(config)
+        extra: dict[str, Any] = {}
         if kind == "baseline":
-            requested["auto_baseline"] = reason
+            extra["auto_baseline"] = reason
         else:
-            requested["auto"] = reason
+            extra["auto"] = reason
             if self.baseline_id:
-                requested["baseline"] = self.baseline_id  # report AUTO without a daemon finds it by this
-        return Window(start, start + steps, WindowOptions.from_config(config), source="auto", capture_id=cid,
-                      requested=requested)
+                extra["baseline"] = self.baseline_id  # report AUTO without a daemon finds it by this
+        # the configured length within the cap, asked for as such (requested: {"steps": N, ...} as before)
+        request = CaptureRequest(steps=min(defaults.steps, defaults.max_steps))
+        return resolve(request, defaults, start, source="auto", capture_id=cid, extra=extra)
 
 
 def _log_listener(capture_id: str) -> Callable[[str, dict[str, Any]], None]:

@@ -25,7 +25,7 @@ sys.path.insert(0, os.environ.get("ODP_ROOT") or str(Path(__file__).resolve().pa
 from ondemand_prof.core.options import ProfileConfig  # noqa: E402
 from ondemand_prof.core.protocol import encode  # noqa: E402
 from ondemand_prof.core.requests import WindowDefaults  # noqa: E402
-from ondemand_prof.host.transport import Daemon  # noqa: E402
+from ondemand_prof.host.daemon import Daemon  # noqa: E402
 
 
 class Carrier:

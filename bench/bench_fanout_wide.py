@@ -1,6 +1,6 @@
 """`ondemandctl --hosts` at thousands of hosts with CurveZMQ keys, on loopback.
 
-Thousands of machines are not at hand, so each real ondemand-profd (the Daemon class of host/transport.py, with
+Thousands of machines are not at hand, so each real ondemand-profd (the Daemon class of host/daemon.py, with
 its keys and its TCP listener) also serves ondemandctl on extra ports: D daemons x P ports = the host count,
 every "host" a host:port pair with its own TCP connection and its own CurveZMQ handshake. The CLI is the real one
 (`ondemandctl --hostfile FILE --keys DIR status`, a subprocess), timed end to end, plus one in-process Fanout
@@ -30,7 +30,7 @@ from ondemand_prof.host.keys import keygen  # noqa: E402
 SERVE = r"""
 import logging, sys, zmq
 from pathlib import Path
-from ondemand_prof.host.transport import Daemon
+from ondemand_prof.host.daemon import Daemon
 logging.basicConfig(level=logging.ERROR)
 run, state, keys, ports = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
 d = Daemon(run, state, listen="tcp://127.0.0.1:0", keys=keys, tcp_per_peer=65536)

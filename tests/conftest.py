@@ -359,7 +359,7 @@ def inprocess_daemon(tmp_path: Path, ranks: int = 1, **daemon_kw: Any) -> tuple[
     from ondemand_prof.core.options import ProfileConfig
     from ondemand_prof.core.protocol import encode
     from ondemand_prof.core.requests import WindowDefaults
-    from ondemand_prof.host.transport import Daemon
+    from ondemand_prof.host.daemon import Daemon
 
     (tmp_path / "run").mkdir(mode=0o700)
     d = Daemon(tmp_path / "run", tmp_path / "state", **daemon_kw)

@@ -168,7 +168,7 @@ def test_scraping_4096_synthetic_ranks_in_a_loop_costs_one_snapshot_a_second() -
     from ondemand_prof.core.options import ProfileConfig
     from ondemand_prof.core.protocol import encode
     from ondemand_prof.core.requests import WindowDefaults
-    from ondemand_prof.host.transport import Daemon
+    from ondemand_prof.host.daemon import Daemon
 
     n = 4096
     run_dir, state_dir = short_dir("odpm"), short_dir("odpms")

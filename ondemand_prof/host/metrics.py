@@ -153,7 +153,7 @@ class CaptureCounts:
 
 
 class Observed(Protocol):
-    """What the endpoint reads of the daemon it serves (host/transport.py Daemon), on the daemon's loop only: its
+    """What the endpoint reads of the daemon it serves (host/daemon.py Daemon), on the daemon's loop only: its
     service (ranks, records, refusals; there once the daemon is open, before the endpoint is made), its sockets'
     gate (`listener`: descriptors estimated, the limit, whether it accepts; `tcp.zap`: clients refused), what it
     counted of messages, and who it is. (This module imports nothing of the daemon's process.)"""

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("argument --metrics-token-file: needs --metrics HOST:PORT")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
-    from .transport import run
+    from .daemon import run
 
     return run(args.runtime_dir or default_runtime_dir(), args.state_dir or default_state_dir(), group=args.group,
                listen=args.listen, keys=args.keys, tcp_per_peer=args.tcp_per_peer, metrics=args.metrics,

@@ -1,6 +1,6 @@
 """The daemon's service: the registry of live ranks, capture records, and every handler, with no sockets.
 
-The transport (host/transport.py) hands each decoded message to Service.handle(route, msg) and sends what
+The daemon (host/daemon.py) hands each decoded message to Service.handle(route, msg) and sends what
 comes back, plus whatever the service queued in `outbox` (windows for ranks, delayed watch replies). Handlers
 of ondemandctl's commands live with their command (host/commands/, one class per command: both ends); a bad
 request raises BadRequest, whose text goes back to the sender; anything else is a bug, logged with its traceback.

@@ -461,6 +461,21 @@ def test_the_rank_link_batches_events_only_for_a_daemon_that_takes_them(tmp_path
             assert [m["type"] for m in msgs] == expected
             items = msgs[0]["events"] if expected == ["events"] else msgs
             assert [(i["capture_id"], i["event"]) for i in items] == [("CID1", "received"), ("CID1", "scheduled")]
+            if announced:  # a window the rank opened itself: its "opened" is told again at a registration, before
+                # where it is now (a daemon that took the rank for gone had dropped it: no record was made)
+                from ondemand_prof.core.requests import CaptureRequest, WindowDefaults, resolve
+
+                cid = "file-00000000000000ab"
+                window = resolve(CaptureRequest(steps=2), WindowDefaults.from_config(prof.config), 20, source="file",
+                                 capture_id=cid)
+                link.opened(window, lambda event, info: None)("scheduled", {"window": [20, 22]})
+                link.poll(time.monotonic())
+                received()
+                link.reregister()
+                link.poll(time.monotonic())
+                (reg,) = [m for m in received() if m["type"] == "register"]
+                assert [(r["capture_id"], r["event"]) for r in reg["recent"] if r["capture_id"] == cid] == [
+                    (cid, "opened"), (cid, "scheduled")]
             link.close()
             router.close(linger=0)
     finally:
@@ -781,3 +796,52 @@ def test_a_rank_signalled_as_another_dies_is_failed_with_its_own_words(tmp_path:
     assert parts["0"]["error"] == "rank 0 terminated by SIGTERM (at step 120, before the window [900, 902) began)"
     assert parts["1"]["error"].startswith("rank 1 is gone: process 11 on h exited"), parts["1"]
     assert not svc.registry.by_route
+
+
+def test_an_opened_window_is_checked_before_it_is_recorded(tmp_path: Path) -> None:
+    """A rank's "opened" event (a trigger file's or signal's window, recorded for list and show) from a hostile
+    or broken rank, as the attack review of issue 30 sent them: a request nested 60 deep (it made `list`'s reply
+    too deep for the CLI, for every user), a signal name carrying a forged log line, a signal id of another pid,
+    a file id that is not a trigger version, a second part for other steps, and a flood of records: each is
+    refused or cleaned; the record of a good one holds only plain request fields."""
+    from ondemand_prof.core.options import ProfileConfig
+    from ondemand_prof.core.protocol import decode, encode
+    from ondemand_prof.core.requests import CaptureRequest, WindowDefaults, resolve
+    from ondemand_prof.host import autocapture
+    from ondemand_prof.host.transport import SCHEMA
+
+    svc = make_service(tmp_path)
+    defaults = WindowDefaults.from_config(ProfileConfig())
+    for r in (0, 1):
+        svc.handle(b"r%d" % r, register_msg(r, 2, defaults=defaults.to_wire()))
+
+    def opened(rank: int, cid: str, source: str = "file", start: int = 200, **extra: Any) -> None:
+        window = resolve(CaptureRequest(steps=3), defaults, start, source=source, capture_id=cid, extra=extra)
+        frame = encode("event", capture_id=cid, event="opened", info={"window": window.to_wire()})
+        svc.handle(b"r%d" % rank, decode(frame, SCHEMA))  # as the daemon's decoder hands it on
+
+    def listed() -> dict[str, Any]:
+        reply = json.loads(svc.handle(b"cli", {"type": "list", "id": 1, "limit": 1000}))
+        assert reply["type"] == "ok", reply
+        return {c["capture_id"]: c for c in reply["data"]["captures"]}
+
+    deep: Any = 1
+    for _ in range(60):
+        deep = [deep]
+    opened(0, "file-00000000000000aa", x=deep, id="mine")
+    opened(0, "signal-10-1700000000000", source="signal", signal="X)\n2026-12-04 WARNING ondemand-profd: FORGED")
+    opened(0, "signal-999-1700000000000", source="signal", signal="SIGUSR2")  # not rank 0's pid (10)
+    opened(0, "file-", source="file")
+    caps = listed()
+    assert sorted(caps) == ["file-00000000000000aa", "signal-10-1700000000000"], sorted(caps)
+    record = svc.store.records["file-00000000000000aa"].data
+    assert record["request"] == {"steps": 3, "id": "mine"} and record["source"] == "file", record["request"]
+    signalled = svc.store.records["signal-10-1700000000000"].data
+    assert "signal" not in signalled["request"] and "\n" not in signalled["plan"]["note"], signalled
+    opened(1, "file-00000000000000aa", start=900)  # other steps: not a part of it
+    opened(1, "file-00000000000000aa")
+    assert sorted(svc.store.records["file-00000000000000aa"].data["parts"]) == ["0", "1"]
+    # a flood of new records: the hourly budget holds it, once a minute said
+    for n in range(autocapture.OPENED_PER_JOB_HOUR + 50):
+        opened(1, f"file-{n:016x}")
+    assert len(listed()) == autocapture.OPENED_PER_JOB_HOUR  # the two above counted

@@ -11,13 +11,15 @@ own rank and pid; a record is never replaced and belongs to the job (owner uid, 
 from __future__ import annotations
 
 import logging
+import re
 import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
 from ..core.bounds import MAX_STEP, bounded_int, finite_number
 from ..core.protocol import encode
-from ..core.requests import window_from_wire
+from ..core.requests import request_fields, window_from_wire
+from ..core.text import printable
 from .records import Plan, RecordRefused
 
 if TYPE_CHECKING:
@@ -26,6 +28,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("ondemand_prof.daemon")
 
 OPENED_KINDS = ("file", "signal")  # windows a rank opens itself that the daemon records from its "opened" event
+OPENED_PER_JOB_HOUR = 120  # records of such windows a job may add an hour (parts of one record count once)
+OPENED_PER_UID_HOUR = 360  # ... and a uid, over all its jobs
+# the ids a rank gives them (core/ids.capture_id): a trigger version (core/triggerfile.trigger_version), or the
+# signalled process's pid and the millisecond
+FILE_ID = re.compile(r"file-[0-9a-f]{16}")
+SIGNAL_ID = re.compile(r"signal-(\d{1,10})-\d{1,16}")
+SIGNAL_NAME = re.compile(r"SIG[A-Z0-9+]{1,12}")
+OPENED_EXTRA = ("anchor_step", "decided_by_rank", "signal")  # what the rank adds to the request (resolve's extra)
+MAX_NOTE = 200
 
 
 AUTO_PER_JOB_HOUR = 20  # automatic captures the daemon records per job per hour (a rank's own default is 4)
@@ -37,8 +48,9 @@ class AutoBudget:
     """The daemon's own bound on automatic captures, whatever a rank's configuration says: per job and per uid,
     over the last hour. A flood of auto_capture messages costs a counter, not records or log lines."""
 
-    def __init__(self, per_job: int = AUTO_PER_JOB_HOUR, per_uid: int = AUTO_PER_UID_HOUR) -> None:
-        self.per_job, self.per_uid = per_job, per_uid
+    def __init__(self, per_job: int = AUTO_PER_JOB_HOUR, per_uid: int = AUTO_PER_UID_HOUR,
+                 what: str = "automatic captures") -> None:
+        self.per_job, self.per_uid, self.what = per_job, per_uid, what
         self.jobs: dict[str, list[float]] = {}
         self.uids: dict[Any, list[float]] = {}
         self._logged: dict[Any, tuple[float, int]] = {}  # (uid, kind) -> (last logged, refused since)
@@ -51,7 +63,7 @@ class AutoBudget:
             times = [t for t in book.get(key, []) if now - t < 3600.0]
             book[key] = times
             if len(times) >= limit:
-                return f"the daemon's budget of {limit} automatic captures an hour for {what} is spent"
+                return f"the daemon's budget of {limit} {self.what} an hour for {what} is spent"
         self.jobs[info.job].append(now)
         self.uids[info.uid].append(now)
         if len(self.jobs) > 4096:  # forget jobs with nothing in the last hour
@@ -96,6 +108,7 @@ class RankCaptures:
     def __init__(self, service: Any) -> None:  # host/service.py Service (which imports this module)
         self.service = service
         self.budget = AutoBudget()
+        self.opened_budget = AutoBudget(OPENED_PER_JOB_HOUR, OPENED_PER_UID_HOUR, "trigger-file and signal captures")
 
     def on_auto_capture(self, route: bytes, msg: dict[str, Any]) -> bytes | None:
         """A rank opened an automatic window on itself: open the same one on the rank of its job whose step
@@ -173,45 +186,99 @@ class RankCaptures:
         """A rank opened a window from its trigger file or a signal (its "opened" event, sent before the
         window's first progress): recorded, with a part for each rank of the job on this host that says it
         opened the same capture (every rank reads the same trigger file: one record, `file-<version>`). The
-        events that follow move the parts as for the daemon's own windows. An id of another job, of another
-        kind, or of a record already settled is not taken (logged at debug: the window itself goes on)."""
+        events that follow move the parts as for the daemon's own windows.
+
+        What the rank says is checked (issue 30's attack review): the id of its kind (a signal's names this
+        rank's pid); the request kept to its known fields as plain values (a nested one made `list`'s reply
+        too deep for the CLI, for every user); the note printable on one line; a part joins only a running
+        record of its own job and owner, for the same steps; new records within a per-job and per-uid hourly
+        budget. Refusals are logged once a minute per uid and kind; the window itself goes on on the rank."""
         try:
-            wire = data.get("window") if isinstance(data, dict) else None
-            if not isinstance(wire, dict):
-                raise ValueError("no window")
-            window = window_from_wire(wire)
-            source = window.source
-            if source not in OPENED_KINDS or window.capture_id != capture_id or \
-                    not capture_id.startswith(f"{source}-"):
-                raise ValueError(f"capture id {capture_id!r} is not a trigger file's or a signal's")
+            window, source = self._opened_window(info, capture_id, data)
         except ValueError as exc:
-            log.debug("ondemand-profd: rank %d of job %s: opened window not recorded: %s", info.rank, info.job, exc)
+            self.opened_budget.refused(info, "bad", f"opened window {capture_id[:80]} not recorded: {exc}")
             return
-        store = self.service.store
-        record = store.records.get(capture_id)
+        record = self.service.store.records.get(capture_id)
         if record is not None:
-            if record.data.get("source") != source or record.data["job"] != info.job or \
-                    record.owner != info.uid or record.status != "running" or record.part(info.rank) is not None:
-                log.debug("ondemand-profd: rank %d of job %s: opened %s not recorded: the record is another's or "
-                          "settled", info.rank, info.job, capture_id)
-                return
-            record.add_part({"rank": info.rank, "host": info.host, "pid": info.pid, "uid": info.uid}, wall,
-                            info.estimated_step(wall))
-            self.service.changed(record)
+            self._join(info, record, window, source, wall)
+            return
+        held = self.opened_budget.take(info, time.monotonic())
+        if held:
+            self.opened_budget.refused(info, "budget", f"opened window {capture_id} not recorded: {held}")
             return
         assert window.end is not None  # window_from_wire checked it
-        what = "trigger file" if source == "file" else f"signal {window.requested.get('signal', '')}".rstrip()
+        requested = opened_request(window.requested)
+        what = "trigger file" if source == "file" else f"signal {requested.get('signal', '')}".rstrip()
+        note = " ".join(printable(window.note).split())[:MAX_NOTE]
         plan = Plan(window.start, window.end, {info.rank: info.estimated_step(wall)},
-                    note=f"opened by rank {info.rank}'s {what}" + (f"; {window.note}" if window.note else ""))
+                    note=f"opened by rank {info.rank}'s {what}" + (f"; {note}" if note else ""))
         try:
-            record = self.service.open_capture(capture_id, info.job, dict(window.requested), plan,
-                                               window.options.as_dict(), [info], wall,
-                                               owner=info.uid if info.uid is not None else -1, source=source)
+            self.service.open_capture(capture_id, info.job, requested, plan, window.options.as_dict(), [info], wall,
+                                      owner=info.uid if info.uid is not None else -1, source=source)
         except RecordRefused as exc:
-            self.budget.refused(info, "store", f"{what} capture {capture_id} not recorded: {exc}")
+            self.opened_budget.refused(info, "store", f"{what} capture {capture_id} not recorded: {exc}")
             return
         log.info("ondemand-profd: capture %s: opened by rank %d of job %s (%s), steps [%d, %d)", capture_id,
                  info.rank, info.job, what, window.start, window.end)
+
+    @staticmethod
+    def _opened_window(info: "RankInfo", capture_id: str, data: Any) -> tuple[Any, str]:
+        """The window of an "opened" event and its kind; ValueError says what is wrong with it."""
+        wire = data.get("window") if isinstance(data, dict) else None
+        if not isinstance(wire, dict):
+            raise ValueError("no window")
+        window = window_from_wire(wire)
+        source = window.source
+        if source not in OPENED_KINDS or window.capture_id != capture_id:
+            raise ValueError(f"capture id {capture_id[:80]!r} is not a trigger file's or a signal's")
+        if source == "file" and not FILE_ID.fullmatch(capture_id):
+            raise ValueError("a trigger file's id is file-<16 hex digits>")
+        if source == "signal":
+            m = SIGNAL_ID.fullmatch(capture_id)
+            pids = {info.pid, getattr(info, "ns_pid", None) or info.pid}  # the rank names it with its own pid
+            if m is None or int(m.group(1)) not in pids:
+                raise ValueError(f"a signal's id is signal-<pid>-<ms> with this rank's pid ({info.pid})")
+        return window, source
+
+    def _join(self, info: "RankInfo", record: Any, window: Any, source: str, wall: float) -> None:
+        """Another rank of the job opened the same capture: its part, if the record is of this kind, job and
+        owner, still running, for the same steps, and has no part of this rank yet."""
+        if record.data.get("source") != source or record.data["job"] != info.job or record.owner != info.uid:
+            self.opened_budget.refused(info, "another", f"opened window {record.capture_id} not recorded: that "
+                                       "id is another job's or owner's record")
+            return
+        if record.status != "running" or record.part(info.rank) is not None or \
+                record.data["window"] != [window.start, window.end]:
+            log.debug("ondemand-profd: rank %d of job %s: opened %s not joined (settled, joined already, or other "
+                      "steps)", info.rank, info.job, record.capture_id)
+            return
+        record.add_part({"rank": info.rank, "host": info.host, "pid": info.pid, "uid": info.uid}, wall,
+                        info.estimated_step(wall))
+        self.service.changed(record)
+
+
+def opened_request(requested: Any) -> dict[str, Any]:
+    """What a rank says it was asked for (a trigger file's request, a signal's name), kept to the request's
+    known fields as plain values: ints and booleans, short printable one-line strings, a list of ranks; a
+    signal name that is one. Anything else is dropped."""
+    out: dict[str, Any] = {}
+    if not isinstance(requested, dict):
+        return out
+    known = set(request_fields()) | set(OPENED_EXTRA)
+    for key, value in list(requested.items())[:64]:
+        if key not in known:
+            continue
+        if key == "signal":
+            if isinstance(value, str) and SIGNAL_NAME.fullmatch(value):
+                out[key] = value
+        elif key == "ranks":
+            if isinstance(value, list) and len(value) <= 1024 and all(bounded_int(r, -1, 1 << 30) for r in value):
+                out[key] = value
+        elif isinstance(value, bool) or bounded_int(value, -(1 << 62), 1 << 62):
+            out[key] = value
+        elif isinstance(value, str) and len(value) <= 128 and value.isprintable():
+            out[key] = value
+    return out
 
 
 def reference_rank(slow: "RankInfo", ranks: list["RankInfo"]) -> "RankInfo | None":

@@ -102,6 +102,7 @@ class DaemonLink(Extension):
         self._batch = 1  # events a message: what the daemon's "registered" reply allows (an older daemon: 1)
         self._recent: collections.OrderedDict[str, tuple[str, dict[str, Any]]] = collections.OrderedDict()
         self._recent_lock = threading.Lock()
+        self._opened: dict[str, dict[str, Any]] = {}  # "opened" of the captures in _recent that had one
         self._replies: collections.deque[bytes] = collections.deque()  # triage answers (rank/triage.py)
         self._last_words: tuple[str, int] | None = None  # (why, step): the process is ending (last_words)
         self._said = threading.Event()  # the last words left (or there was no daemon to hear them)
@@ -282,7 +283,11 @@ class DaemonLink(Extension):
         prof = self.agent.prof
         ident = prof.identity()
         with self._recent_lock:
-            recent = [{"capture_id": cid, "event": ev, "info": info} for cid, (ev, info) in self._recent.items()]
+            # a window this rank opened itself is told again first (a daemon that did not hear it, restarted or
+            # having taken us for gone, records it from that), then where it is now
+            recent = [{"capture_id": cid, "event": e, "info": i} for cid, (ev, info) in self._recent.items()
+                      for e, i in ((("opened", self._opened[cid]),) if cid in self._opened and ev != "opened"
+                                   else ()) + ((ev, info),)]
         body = encode("register", job=ident.job_id, rank=ident.rank, world_size=ident.world_size, host=ident.host,
                       pid=ident.pid, local_rank=ident.local_rank, save_root=prof.config.save_path,
                       trigger_dir=str(self.agent.trigger_dir),
@@ -403,8 +408,10 @@ class DaemonLink(Extension):
             self._outbox.append((capture_id, event, info))
             with self._recent_lock:
                 self._recent[capture_id] = (event, info)
+                if event == "opened":
+                    self._opened[capture_id] = info
                 while len(self._recent) > RECENT:
-                    self._recent.popitem(last=False)
+                    self._opened.pop(self._recent.popitem(last=False)[0], None)
             self.agent.wake()
 
         return listen

@@ -208,6 +208,25 @@ STARTS_PROCESSES = re.compile(r"\b(subprocess|Popen|start_ranks|run_ranks|start_
                               r"live_ranks|cluster|multiprocessing|os\.fork|mp\.spawn)\b")
 
 
+COMMANDS = "ondemand_prof.host.commands"
+SHARED_CONSOLE = {f"{COMMANDS}.base", f"{COMMANDS}.follow", f"{COMMANDS}.rendering"}  # what every command may use
+
+
+def sibling_imports(graph: dict[str, set[str]]) -> list[str]:
+    """A command module importing another command's module (not the base or a shared console helper)."""
+    return sorted(f"{mod} imports {dep}" for mod, deps in graph.items()
+                  if mod.startswith(f"{COMMANDS}.") and mod not in SHARED_CONSOLE
+                  for dep in deps if dep.startswith(f"{COMMANDS}.") and dep not in SHARED_CONSOLE)
+
+
+def test_a_command_imports_only_its_base_and_the_shared_console_helpers() -> None:
+    """Issue 30 item 5: capture imported report's rendering; commands are written against their base and the
+    shared console modules (follow, rendering), never each other. The check sees a sibling import (synthetic)."""
+    assert sibling_imports(import_graph()) == []
+    fake = {f"{COMMANDS}.capture": "from .report import Report\n"}
+    assert sibling_imports(import_graph(fake)) == [f"{COMMANDS}.capture imports {COMMANDS}.report"]
+
+
 def quick_module(source: str) -> bool:
     """Whether a test module puts all its tests in the quick tier (a top-level `pytestmark` naming it)."""
     for node in ast.parse(source).body:

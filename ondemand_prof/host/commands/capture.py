@@ -31,7 +31,7 @@ from ..service import BadRequest, Service, of_job
 from ..summaries import merge_summaries
 from .base import Command, add_job_flag, opt_str, window_text
 from .follow import exit_for, follow, result_text, running
-from .report import render_report, report_paths
+from .rendering import render_report, report_paths
 
 if TYPE_CHECKING:
     from ..fanout import Fanout

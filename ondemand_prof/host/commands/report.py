@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from ...core.config import ProfileConfig
 from ...core.ids import valid_id
-from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError, dumps
+from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError
 from ..multihost import ask
 from ..planning import failures, no_capture, one_capture
 from ...core.ids import match_id
 from ..service import BadRequest, Service
 from .base import Command, nothing_found_here, warn
+from .rendering import render_comparison, render_report, report_paths
 
 if TYPE_CHECKING:
     from ...report.model import Report as ReportData
@@ -264,49 +265,3 @@ def _one_capture(report: ReportData, given: str) -> Any:
     return report["captures"][0]
 
 
-def render_comparison(comparison: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None:
-    """Print a comparison (text or --json, under "comparison") and write --html."""
-    from ...report.text import render_comparison as text
-
-    if getattr(args, "html", None):
-        from ...report.html import render_comparison_html
-
-        try:
-            with open(args.html, "w", encoding="utf-8") as fh:
-                fh.write(render_comparison_html(comparison))
-        except OSError as exc:
-            raise CtlError(f"--html {args.html}: cannot write: {exc.strerror}") from None
-    if args.json:
-        out.write(dumps({"comparison": comparison}) + "\n")
-    else:
-        out.write(text(comparison, top=args.top))
-        if getattr(args, "html", None):
-            out.write(f"HTML report: {os.path.abspath(args.html)}\n")
-
-
-def report_paths(paths: list[Any], args: argparse.Namespace, out: TextIO) -> ReportData:
-    """Build, print (text or --json) and optionally write the HTML report; shared by report and capture."""
-    from ...report import build_report
-
-    data = build_report(paths, top=max(args.top, 15))
-    render_report(data, args, out)
-    return data
-
-
-def render_report(data: ReportData, args: argparse.Namespace, out: TextIO) -> None:
-    """Print a report's data (text or --json) and write --html; also ondemandctl's report across hosts."""
-    from ...report.html import render_html
-    from ...report.text import render_text
-
-    if getattr(args, "html", None):
-        try:
-            with open(args.html, "w", encoding="utf-8") as fh:
-                fh.write(render_html(data))
-        except OSError as exc:
-            raise CtlError(f"--html {args.html}: cannot write: {exc.strerror}") from None
-    if args.json:
-        out.write(dumps(data) + "\n")
-    else:
-        out.write(render_text(data, top=args.top, per_rank=not getattr(args, "summary", False)))
-        if getattr(args, "html", None):
-            out.write(f"HTML report: {os.path.abspath(args.html)}\n")

@@ -1,10 +1,10 @@
 """Planning a capture's window, pure. On one host (the daemon, host/commands/capture.py): plan_window, one
 absolute window every target rank can begin on time, after the windows already on them, with the lead that
 delivery to those ranks has been measured to need (DeliveryBook). Across hosts (ondemandctl): which job and
-ranks a capture means, one window for all of them, and one answer from many hosts' replies. Replies in, plans and merged records out: no sockets, no printing
-(the fan-out is host/multihost.py, the console each command's own). Two rules are shared with the daemon's
-planning on one host (host/commands/capture.py): every rank of a capture gets the same length cap, and a
-stalled job gets no window.
+ranks a capture means, one window for all of them, and one answer from many hosts' replies. Replies in, plans
+and merged records out: no sockets, no printing (the fan-out is host/multihost.py, the console each command's
+own). Two rules are shared by one host and many: every rank of a capture gets the same length cap, and a stalled
+job gets no window.
 
 A capture across hosts is aligned by steps, not clocks: every daemon's status gives its ranks' current steps
 and step times, each anchored at the time that host's answer arrived (our clock only), and one absolute

@@ -42,6 +42,7 @@ RECENT = 16  # the last events of this many captures are replayed at registratio
 LAST_WORDS_S = 0.5  # how long a thread ending the process (SIGTERM, exit) waits for the agent to say why
 BYE_LINGER_MS = 300  # how long the last words may take to leave the process (_let_go), within LAST_WORDS_S
 MAX_WHY = 400  # characters of a bye's why
+Listener = Callable[[str, dict[str, Any]], None]  # a window's progress: (event, info)
 
 
 def user_namespace_hint(problem: str) -> str:
@@ -386,7 +387,7 @@ class DaemonLink(Extension):
         """A window listener that reports progress to the daemon (automatic captures use it)."""
         return self._listener(capture_id)
 
-    def opened(self, window: Any, listener: Callable[[str, dict[str, Any]], None]) -> Callable[[str, dict[str, Any]], None]:
+    def opened(self, window: Any, listener: Listener) -> Listener:
         """Any thread: a window this rank opened itself (its trigger file, a signal). With a daemon that answered,
         it hears of it first ("opened", queued with the events, so before any progress) and records it (list,
         show); the listener returned tells both it and `listener`. Without one: `listener` alone."""

@@ -126,6 +126,7 @@ class FileTrigger(Extension):
     def poll(self, now: float) -> None:
         """Check the trigger when the watcher saw it change, and every RECHECK_S (or the poll period) anyway;
         then write what happened to this rank's triggers."""
+        self.watcher.name_late_threads()
         if self._fired.is_set():
             self._fired.clear()
             # inotify says when a writer is done (its close): look at once; polling cannot, so settle

@@ -44,6 +44,7 @@ MAX_TRIGGER_BYTES = MAX_MESSAGE_BYTES  # a trigger holds a request, as a message
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smbfs", "smb3", "lustre", "gpfs", "ceph", "beegfs", "glusterfs", "9p",
               "fuse.sshfs", "fuse.s3fs", "fuse.juicefs", "fuse.glusterfs", "afs", "orangefs", "virtiofs")
 KEEP_DECISIONS = 32
+NAME_LATE_S = 2.0  # how long threads watchdog starts once running are looked for (name_late_threads)
 
 
 def prepare_trigger_dir(path: Path, job_id: str) -> Path:
@@ -313,15 +314,23 @@ def prune_decisions(status_dir: Path, keep: int = KEEP_DECISIONS) -> None:
 
 def name_watchdog_threads(observer: Any, before: set[int | None]) -> None:
     """Name the threads watchdog started for `observer` (its dispatcher, the emitter that waits in watchdog's
-    delayed queue, the inotify reader) as ondemand_prof's own, so that stacks tell them from the program's
-    threads (they were Thread-1..3) and fold them."""
+    delayed queue, the inotify reader, and, since watchdog 7.1.1, the reader's own dispatcher thread, a plain
+    Thread it starts once running) as ondemand_prof's own, so that stacks tell them from the program's threads
+    (they were Thread-1..3, InotifyFD-Dispatcher) and fold them. Called again while that last one may still be
+    starting (DirWatcher.name_late_threads)."""
     from ..core.triagedefs import OWN_THREAD_PREFIX
 
     for t in threading.enumerate():
-        if t.ident in before or not type(t).__module__.startswith("watchdog"):
+        if t.ident in before or t.name.startswith(OWN_THREAD_PREFIX):
             continue
-        role = ("trigger-observer" if t is observer else
-                "trigger-emitter" if t in getattr(observer, "emitters", ()) else "trigger-inotify")
+        started_for = type(getattr(getattr(t, "_target", None), "__self__", None)).__module__  # a bound method's
+        if type(t).__module__.startswith("watchdog"):
+            role = ("trigger-observer" if t is observer else
+                    "trigger-emitter" if t in getattr(observer, "emitters", ()) else "trigger-inotify")
+        elif started_for.startswith("watchdog"):
+            role = "trigger-dispatcher"
+        else:
+            continue
         t.name = OWN_THREAD_PREFIX + role
 
 
@@ -336,6 +345,8 @@ class DirWatcher:
         self.mode = "poll"
         self.poll_s = poll_s
         self._observer: Any = None
+        self._before: set[int | None] = set()  # the threads before watchdog's (name_watchdog_threads)
+        self._name_until = 0.0  # watchdog's threads started late are named until then (name_late_threads)
         # whether a writer has the trigger open: a modification (a truncate, a write) not yet followed by its
         # close, so that an empty file is told apart from one a writer has truncated and not yet written
         # ("echo ... > capture" is open(O_TRUNC), write, close; a loaded host can stall it in between)
@@ -367,6 +378,7 @@ class DirWatcher:
             observer.start()
             self._observer = observer
             name_watchdog_threads(observer, before)
+            self._before, self._name_until = before, time.monotonic() + NAME_LATE_S
             self.mode = "inotify"
         except Exception as exc:  # noqa: BLE001 - e.g. inotify watch limit reached
             self.poll_s = 0.5
@@ -382,6 +394,14 @@ class DirWatcher:
             self.writer_open = False
         self.last_event_at = time.time()
         self.on_change()
+
+    def name_late_threads(self) -> None:
+        """The agent's poll, for NAME_LATE_S after the watcher started: name the threads watchdog's own threads
+        started after it returned (its reader's dispatcher)."""
+        if self._name_until and time.monotonic() < self._name_until:
+            name_watchdog_threads(self._observer, self._before)
+        else:
+            self._name_until = 0.0
 
     def stop(self) -> None:
         if self._observer is not None:

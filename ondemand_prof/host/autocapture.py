@@ -123,7 +123,7 @@ class RankCaptures:
             window = window_from_wire(msg["window"])
             baseline = isinstance(window.requested.get("auto_baseline"), dict)
             kind = "baseline" if baseline else "auto"
-            pids = {info.pid, getattr(info, "ns_pid", None) or info.pid}  # the rank names it with its own pid
+            pids = own_pids(info)
             if not window.capture_id.startswith(f"{kind}-") or not any(
                     window.capture_id.endswith(f"-r{info.rank}-{pid}") for pid in pids):
                 raise ValueError(f"capture id {window.capture_id!r} is not {kind}-...-r{info.rank}-{info.pid}")
@@ -235,7 +235,7 @@ class RankCaptures:
             raise ValueError("a trigger file's id is file-<16 hex digits>")
         if source == "signal":
             m = SIGNAL_ID.fullmatch(capture_id)
-            pids = {info.pid, getattr(info, "ns_pid", None) or info.pid}  # the rank names it with its own pid
+            pids = own_pids(info)
             if m is None or int(m.group(1)) not in pids:
                 raise ValueError(f"a signal's id is signal-<pid>-<ms> with this rank's pid ({info.pid})")
         return window, source
@@ -255,6 +255,11 @@ class RankCaptures:
         record.add_part({"rank": info.rank, "host": info.host, "pid": info.pid, "uid": info.uid}, wall,
                         info.estimated_step(wall))
         self.service.changed(record)
+
+
+def own_pids(info: "RankInfo") -> set[int]:
+    """The pids a rank names its own captures with: the daemon's view of it and, in a pod, its own."""
+    return {info.pid, getattr(info, "ns_pid", None) or info.pid}
 
 
 def opened_request(requested: Any) -> dict[str, Any]:

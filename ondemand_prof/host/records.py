@@ -118,6 +118,12 @@ Replan = Callable[["CaptureRecord", dict[int, dict[str, Any]], float], bool]
 UNANSWERED = ("sent", "received")  # a part whose rank has not yet said whether it takes its window
 
 
+def new_part(target: Mapping[str, Any], wall: float) -> dict[str, Any]:
+    """A target rank's part of a new capture: sent its window at `wall`."""
+    return {"rank": target["rank"], "host": target["host"], "pid": target["pid"], "uid": target.get("uid"),
+            "state": "sent", "history": [{"state": "sent", "at": iso_time(wall)}]}
+
+
 class CaptureRecord:
     """One capture: the request, the window, and a part per target rank."""
 
@@ -146,9 +152,7 @@ class CaptureRecord:
         """`plan` is the window as resolved (capped, moved after busy windows), which list and show report. Made
         by Service.open_capture, the one place a capture is made on the daemon."""
         plan = plan.as_dict() if isinstance(plan, Plan) else dict(plan)
-        parts = {str(t["rank"]): {"rank": t["rank"], "host": t["host"], "pid": t["pid"], "uid": t.get("uid"),
-                                  "state": "sent", "history": [{"state": "sent", "at": iso_time(wall)}]}
-                 for t in targets}
+        parts = {str(t["rank"]): new_part(t, wall) for t in targets}
         return cls({"capture_id": capture_id, "job": job, "created_at": iso_time(wall), "request": request,
                     "window": [plan["start_step"], plan["end_step"]], "plan": plan, "options": options,
                     "status": "running",
@@ -184,9 +188,7 @@ class CaptureRecord:
         for it, its step then in the plan's current_steps. Only while running (a settled record never moves)."""
         rank = int(target["rank"])
         assert self.status == "running" and self.part(rank) is None
-        self.data["parts"][str(rank)] = {"rank": rank, "host": target["host"], "pid": target["pid"],
-                                         "uid": target.get("uid"), "state": "sent",
-                                         "history": [{"state": "sent", "at": iso_time(wall)}]}
+        self.data["parts"][str(rank)] = new_part(target, wall)
         if step is not None:
             self.data["plan"].setdefault("current_steps", {})[str(rank)] = step
         self.open_parts += 1

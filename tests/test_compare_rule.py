@@ -13,16 +13,19 @@ from ondemand_prof.report.compare import compare_rank, conclude
 pytestmark = pytest.mark.quick
 
 
-def summary(rank: int, idle: float = 2.0, compute: float = 6.0, adds: int = 0) -> dict[str, Any]:
-    """A CPU rank's summary of 4 steps: aten::mm once a step, and `adds` aten::add calls a step (2 us each)."""
-    steps = [{"dur_ms": compute + idle + 2, "compute_ms": compute, "comm_ms": 2.0, "overlap_ms": 0.0,
-              "idle_ms": idle}] * 4
+def summary(rank: int, idle: float = 2.0, compute: float = 6.0, adds: int = 0, barriers: int = 0,
+            barrier_ms: float = 0.0) -> dict[str, Any]:
+    """A CPU rank's summary of 4 steps: aten::mm once a step, `adds` aten::add calls a step (2 us each), one
+    all_reduce (2 ms) and `barriers` barriers (`barrier_ms` in all) a step."""
+    steps = [{"dur_ms": compute + idle + 2 + barrier_ms, "compute_ms": compute, "comm_ms": 2.0 + barrier_ms,
+              "overlap_ms": 0.0, "idle_ms": idle}] * 4
     ops = [["aten::mm", 4, (compute - adds * 0.002) * 4000, (compute - adds * 0.002) * 4000]]
     if adds:
         ops.append(["aten::add", 4 * adds, adds * 8.0, adds * 8.0])
     return {"rank": rank, "world_size": 2, "basis": "cpu", "steps": steps,
             "step_ops": {"steps": 4, "ops": ops, "kernels": [], "complete": {"ops": True, "kernels": True}},
-            "collectives": [{"kind": "all_reduce", "count_per_step": 1, "ms_per_step": 2.0}],
+            "collectives": [{"kind": "all_reduce", "count_per_step": 1, "ms_per_step": 2.0}]
+            + ([{"kind": "barrier", "count_per_step": barriers, "ms_per_step": barrier_ms}] if barriers else []),
             "comm_libraries": [{"library": "gloo", "ms": 8.0}]}
 
 
@@ -42,3 +45,16 @@ def test_host_time_with_no_operator_added_is_input_or_sleeping() -> None:
     assert c["category"] == "host time outside operators (input, Python, sleeping)", c["cause"]
     few = cause(idle=32.0, compute=6.2, adds=100)  # 100 more calls do not explain 30 ms
     assert few["category"] == "host time outside operators (input, Python, sleeping)", few["cause"]
+
+
+def test_communication_that_grew_more_than_every_ranks_work_is_the_cause() -> None:
+    """20 more barriers a step (live, tests/test_compare.py; CI under load): every rank's host time outside
+    operators grew 3.8-4.3 ms (the Python of dist.barrier), its communication 11 ms: the cause is communication,
+    and the smaller own growth is said; had every rank's work grown more than its communication, it is the work."""
+    c = cause(idle=6.0, barriers=20, barrier_ms=11.0)
+    assert c["category"] == "communication" and c["culprits"] == [0, 1], c["cause"]
+    assert c["cause"].startswith("every rank: communication grew (+11.0 ms/step); own work grew less (rank 0 "
+                                 "+4.00, rank 1 +4.00 ms/step): barrier (new)"), c["cause"]
+    assert "0 -> 20 calls/step" in c["cause"], c["cause"]
+    work = cause(idle=14.0, barriers=20, barrier_ms=11.0)  # 12 ms more outside operators: the work grew more
+    assert work["category"] == "host time outside operators (input, Python, sleeping)", work["cause"]

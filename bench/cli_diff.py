@@ -213,6 +213,8 @@ class Client:
 class Fanout:
     """The fan-out across hosts, served by Hosts in-process."""
 
+    local = False  # (host/fanout.py Fanout: every host named, never this host's daemon alone)
+
     def __init__(self, targets: list[Any], keys: Any = None, timeout_s: float = 5.0) -> None:
         self.targets = targets
         self.keyed = keys is not None
@@ -381,6 +383,15 @@ def main() -> None:
     for cid in reversed(across):
         texts.append(run(["--hosts", "h1,h2", "show", cid]))
         texts.append(run(["--hosts", "h1,h2", "show", cid, "--json"]))
+    set_modes({("h1", 0): "silent", ("h1", 1): "silent", ("h2", 2): "silent", ("h2", 3): "silent"})
+    texts.append(run(["--hosts", "h1,h2", "capture", "--job", "j", "--no-wait"]))
+    running = HOSTS["h2"].service.store.newest(1)[0].capture_id
+    texts.append(run(["--hosts", "h1,h2", "cancel", running, "--json"]))
+    texts.append(run(["--hosts", "h1,h2", "cancel", running]))
+    texts.append(run(["--hosts", "h1,h2", "cancel", "nope"]))
+    texts.append(run(["cancel", "nope", "--json"]))
+    texts.append(run(["--hosts", "h1,h2", "stacks", "--job", "j"]))
+    texts.append(run(["--hosts", "h1,h2", "status", "--job", "other"]))
     text = "\n".join(texts)
     text = text.replace(str(WORK), "<WORK>")
     sys.stdout.write(text)

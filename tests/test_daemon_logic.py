@@ -382,7 +382,8 @@ def test_a_watch_answers_with_the_parts_changed_since_the_callers_version(tmp_pa
     """watch with changed_only: the reply carries only the parts that moved after the version the caller holds,
     and merged into the caller's copy it equals the whole record; a version from before the daemon read the
     record back (a restart), or one it never gave out, gets the whole record."""
-    from ondemand_prof.host.commands.follow import Watch, merge_watched
+    from ondemand_prof.host.commands.follow import merge_watched
+    from ondemand_prof.host.commands.watch import Watch
     from ondemand_prof.host.records import RecordStore
 
     store = RecordStore(tmp_path)

@@ -151,11 +151,16 @@ def test_summaries_are_read_safely_and_merged_with_the_failed_parts(tmp_path: Pa
     parts = part_summaries(record)
     assert [("summary" in p, p.get("error", "")[:10]) for p in parts] == [
         (True, ""), (False, "no summary"), (False, "no summary"), (False, "rank 3 is ")]
-    reply = {"capture_id": "c1", "job": "j", "window": [5, 6], "status": "partial", "options": {}, "parts": parts}
+    reply = {"capture_id": "c1", "job": "j", "window": [5, 6], "status": "partial", "options": {"level": "asked"},
+             "parts": parts}
     merged = merge_summaries([("node1", reply)])
     group = merged["captures"][0]
     assert merged["ranks_read"] == 1 and [r["rank"] for r in group["ranks"]] == [0]
     assert sorted(f["rank"] for f in group["failed"]) == [1, 2, 3]
+    assert group["options"] == {"level": "asked"}  # no summary holds options: those asked for (the record's)
+    parts[0]["summary"]["options"] = {"with_cpu": True, "level": "Level1"}  # as the rank recorded them
+    assert list(merge_summaries([("node1", reply)])["captures"][0]["options"].items()) == [
+        ("level", "Level1"), ("with_cpu", True)]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -363,8 +368,10 @@ def test_one_aligned_capture_across_hosts_with_one_id_and_summaries_merged(clust
     for r in group["ranks"]:
         assert [s["step"] for s in r["steps"]] == list(range(start, end)) and r["step_ms_mean"] > 0 and r["top_self"]
     assert group["slowest"]["rank"] in range(RANKS)
+    # the options as each rank recorded them, as the report from traces prints them (the record has with_cpu False)
+    assert group["options"]["with_cpu"] is True and list(group["options"]) == sorted(group["options"])
     text = cluster.ctl("report", capture_id)
-    assert text.returncode == 0 and "rank" in text.stdout
+    assert text.returncode == 0 and "rank" in text.stdout, text.stdout + text.stderr
 
 
 def test_a_capture_compared_with_a_baseline_across_hosts_from_summaries_alone(cluster: Cluster) -> None:

@@ -194,7 +194,8 @@ def test_the_circle_check_sees_lazy_and_type_only_imports() -> None:
                    "ondemand_prof.host.commands.capture": "from ..multihost import launch\n"}
     assert any({"ondemand_prof.host.commands", "ondemand_prof.host.commands.capture",
                 "ondemand_prof.host.multihost"} <= set(c) for c in circles(import_graph(via_package)))
-    via_module = {**via_package, "ondemand_prof.host.multihost": "from .commands.base import Command\n"}
+    via_module = {**via_package, "ondemand_prof.host.multihost": "from .commands.base import Command\n",
+                  "ondemand_prof.host.commands.base": "class Command: ...\n"}  # (the real base asks through multihost)
     assert circles(import_graph(via_module)) == []
     three = {"ondemand_prof.core.a": "from . import b\n", "ondemand_prof.core.b": "import ondemand_prof.core.c\n",
              "ondemand_prof.core.c": "from .a import x\n"}
@@ -225,6 +226,13 @@ def test_a_command_imports_only_its_base_and_the_shared_console_helpers() -> Non
     assert sibling_imports(import_graph()) == []
     fake = {f"{COMMANDS}.capture": "from .report import Report\n"}
     assert sibling_imports(import_graph(fake)) == [f"{COMMANDS}.capture imports {COMMANDS}.report"]
+
+
+def test_the_shared_console_helpers_hold_no_command() -> None:
+    """A command in a shared helper (watch was in follow.py) would let any command import it as a sibling."""
+    from ondemand_prof.host.commands import COMMANDS as ALL
+
+    assert not [type(c).__name__ for c in ALL if type(c).__module__ in SHARED_CONSOLE - {f"{COMMANDS}.base"}]
 
 
 def quick_module(source: str) -> bool:

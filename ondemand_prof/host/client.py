@@ -118,6 +118,7 @@ class OneHost:
     commands always did, rather than returned as a Reply."""
 
     name = "local"
+    local = True  # a fan-out of one: its reply is printed as it is (host/commands/base.py alone)
 
     def __init__(self, client: Client) -> None:
         self.client = client

@@ -12,7 +12,7 @@ from ..core.protocol import RUNTIME_ENV, default_runtime_dir
 from ..core.text import printable_streams
 from .client import EXIT_FAILED, EXIT_USAGE, Client, CtlError
 from .commands import CLI_COMMANDS
-from .multihost import add_global_flags, run_across, targets_from
+from .multihost import add_global_flags, targets_from
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,12 +47,15 @@ def _main(argv: list[str] | None) -> int:
     cmd = args.cmd
     try:
         targets = targets_from(args) if cmd.takes_hosts else None
-        if targets is not None:  # across hosts: every host's daemon over TCP, in parallel
-            return run_across(cmd, args, targets, sys.stdout)
+        if targets is not None:  # across hosts: every host's daemon over TCP, in parallel, one fan-out kept
+            from .fanout import Fanout  # (loaded only across hosts)
+
+            with Fanout(targets, args.keys, getattr(args, "connect_timeout", 5.0)) as fan:
+                return cmd.run_on(fan, args, sys.stdout)
         if not cmd.needs_daemon:
             return cmd.run(None, args, sys.stdout)
         with Client(args.runtime_dir or default_runtime_dir(), args.connect_timeout) as client:
-            return cmd.run(client, args, sys.stdout)
+            return cmd.run(client, args, sys.stdout)  # (Command.run: this daemon as a fan-out of one)
     except CtlError as exc:
         sys.stderr.write(f"ondemandctl {cmd.name}: error: {exc}\n")
         return exc.code

@@ -44,6 +44,8 @@ class _Peer:
 class Fanout:
     """Connections to every target, kept for the session (a capture asks each host several times)."""
 
+    local = False  # (client.OneHost: this host's daemon alone)
+
     def __init__(self, targets: list[Target], key_dir: Path | None, timeout_s: float = 5.0) -> None:
         self.targets = targets
         self.timeout_s = timeout_s

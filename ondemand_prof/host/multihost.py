@@ -1,5 +1,5 @@
 """ondemandctl across hosts (`--hosts`, `--hostfile`, `--slurm`): the flags that name the hosts, and the
-fan-out's rounds that the commands' `run_across` share: every host's daemon asked in parallel over
+fan-out's rounds that the commands' `run_on` share: every host's daemon asked in parallel over
 authenticated TCP (host/fanout.py), the hosts that did not answer explained (host/diagnose.py), a capture
 planned (host/planning.py, pure) and sent, and the hosts given up on sent a cancel.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 from ..core.protocol import TCP_PORT as DEFAULT_PORT
 from .client import EXIT_USAGE, CtlError
@@ -27,8 +27,7 @@ from .planning import Launched, plan_capture, unanswered
 from ..core.ids import capture_id as make_capture_id
 
 if TYPE_CHECKING:  # the fan-out, key and host-list modules load only when a command goes across hosts
-    from .client import Reply
-    from .commands.base import Command
+    from .client import OneHost, Reply
     from .fanout import Fanout
     from .hosts import Target
 
@@ -74,21 +73,15 @@ def targets_from(args: argparse.Namespace) -> list[Target] | None:
     return targets
 
 
-def run_across(cmd: Command, args: argparse.Namespace, targets: list[Target], out: TextIO) -> int:
-    """`cmd` on every host's daemon: its run_across, over one fan-out kept for the command."""
-    from .fanout import Fanout
-
-    with Fanout(targets, args.keys, getattr(args, "connect_timeout", 5.0)) as fan:
-        return cmd.run_across(fan, args, out)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Rounds
 
-def ask(fan: Fanout, msg_type: str, fields: dict[str, Any] | None = None, **kw: Any) -> dict[str, Reply]:
-    """fan.request, and then, for every host that did not answer, why (host/diagnose.py)."""
+def ask(fan: Fanout | OneHost, msg_type: str, fields: dict[str, Any] | None = None, **kw: Any) -> dict[str, Reply]:
+    """fan.request, and then, for every host that did not answer, why (host/diagnose.py). `fan` may be this
+    host's daemon alone (client.OneHost: its silence and errors raise CtlError)."""
     replies = fan.request(msg_type, fields, **kw)
-    explain(fan, replies)
+    if any(r.kind == "timeout" for r in replies.values()):
+        explain(fan, replies)  # type: ignore[arg-type]  (a OneHost never times out: it raises)
     return replies
 
 

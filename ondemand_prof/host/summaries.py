@@ -82,9 +82,17 @@ def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> Report:
     group = summarize_group((first["job"], first["capture_id"]), cast("list[RankResult]", members))
     start, end = first["window"]
     group["window"] = {"start": start, "end": end}
-    group["options"] = first.get("options")
+    group["options"] = recorded_options(members, first.get("options"))
     return {"captures": [group], "problems": [], "ranks_read": len(group["ranks"]),
             "seconds": round(time.monotonic() - t0, 3)}
+
+
+def recorded_options(members: list[dict[str, Any]], asked: Any) -> Any:
+    """The options a rank recorded with (its summary's, as a trace's metadata holds them: with_cpu is True on a CPU
+    capture, whatever was asked), in the metadata's key order, so that the report from summaries prints what the
+    report from traces prints; the options asked for (the daemon's record) where no summary holds them."""
+    recorded = next((m["options"] for m in members if isinstance(m.get("options"), dict)), None)
+    return dict(sorted(recorded.items())) if recorded is not None else asked
 
 
 def compare_records(now: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:

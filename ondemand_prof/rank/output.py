@@ -225,7 +225,8 @@ def run_postprocess(job: ExportJob, raw: Path, out_dir: Path) -> dict[str, Any]:
         "level": job.window.options.level, "simplify": job.window.options.data_simplification, "gzip": job.gzip,
         "rank": ident.rank, "world_size": ident.world_size, "export_type": job.window.options.export_type,
         "meta": {"job_id": ident.job_id, "rank": ident.rank, "world_size": ident.world_size,
-                 "capture_id": job.window.capture_id, "window": job.window.describe()},
+                 "capture_id": job.window.capture_id, "window": job.window.describe(),
+                 "options": job.metadata.get("options")},  # as recorded (the report across hosts prints these)
     }
     spec_path = out_dir / ".postprocess.json"
     spec_path.write_text(json.dumps(spec), encoding="utf-8")

@@ -7,12 +7,12 @@ from __future__ import annotations
 from .base import Command, Fields
 from .capture import Capture
 from .captures import Cancel, List, Show
-from .follow import Watch
 from .keygen import Keygen
 from .report import Compare, Report, Summaries
 from .status import Status
 from .triage import FlightRecorder, Memory, Stacks
 from .trigger import Trigger
+from .watch import Watch
 
 COMMANDS: list[Command] = [Status(), Capture(), Trigger(), List(), Show(), Cancel(), Report(), Stacks(), Memory(),
                            FlightRecorder(), Keygen(), Watch(), Summaries(), Compare()]

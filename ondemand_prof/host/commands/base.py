@@ -1,18 +1,19 @@
 """What an ondemandctl command is: one class holding both ends (the shape of circus's commands), registered
 once (host/commands/__init__.py). Its name and help (the docstrings are the help), its flags, the message it
 sends and the fields that message has (`fields`, checked by the transport), what the daemon executes for it
-(`execute`, run by host/service.py), how it runs against this host's daemon (`run`, over host/client.py)
-and across hosts (`run_across`, over host/fanout.py), and how the console shows the reply (`console`).
+(`execute`, run by host/service.py), how it runs against the daemons (`run_on`, written once: every host's
+over host/fanout.py, or this host's alone as a fan-out of one, client.OneHost), and how the console shows the
+reply (`console`).
 Below it, the console's small shared pieces."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Callable, TextIO
 
-from ..client import EXIT_OK, EXIT_USAGE, Client, CtlError, Reply, dumps
-from ..planning import nothing_found
+from ..client import EXIT_OK, EXIT_USAGE, Client, CtlError, OneHost, Reply, dumps
+from ..planning import exit_across, failures, nothing_found
 from ..service import BadRequest, Service
 
 if TYPE_CHECKING:
@@ -40,15 +41,41 @@ class Command:
         """The request's fields from the flags; CtlError (exit 2) for a bad flag value."""
         return {}
 
-    def run(self, client: Client, args: argparse.Namespace, out: TextIO) -> int:
-        """Against this host's daemon (client is None when needs_daemon is False)."""
-        data = client.request(self.name, **self.message(args))
-        out.write(dumps(data) + "\n" if args.json else self.console(data, args))
-        return self.exit_code(data)
+    across = True  # False: this host's daemon only (the triage commands act on this host's processes)
+    absent: Callable[[Reply], bool] = staticmethod(lambda reply: False)  # across hosts, an error meaning "nothing
+    # here" rather than a failure (status: no live job on that host)
 
-    def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
-        """Against every host's daemon at once (`fan`: host/fanout.py)."""
-        raise CtlError(f"{self.name} does not work across hosts; run it on the host", EXIT_USAGE)
+    def run(self, client: Client, args: argparse.Namespace, out: TextIO) -> int:
+        """Against this host's daemon: a fan-out of one (client.OneHost), so that each command is written once,
+        in run_on. (Commands that need no daemon, report and keygen and trigger, replace this; client is None.)"""
+        return self.run_on(OneHost(client), args, out)
+
+    def run_on(self, fan: Fanout | OneHost, args: argparse.Namespace, out: TextIO) -> int:
+        """Against the daemons of `fan`: every host's at once (host/fanout.py), or this host's alone. The request
+        on each; one host's reply printed as it is, several hosts' each under an `== host` header, and the hosts
+        that failed named on stderr."""
+        if not self.across and not fan.local:
+            raise CtlError(f"{self.name} does not work across hosts; run it on the host", EXIT_USAGE)
+        from ..multihost import ask
+
+        replies = ask(fan, self.name, self.message(args), wait_s=self.wait_s(args, fan.timeout_s))
+        if fan.local:
+            data = alone(fan, replies)
+            out.write(dumps(data) + "\n" if args.json else self.console(data, args))
+            return self.exit_code(data)
+        failed = failures(replies, self.absent)
+        if args.json:
+            out.write(dumps({"hosts": {n: r.as_dict() for n, r in replies.items()}}) + "\n")
+        else:
+            for name, reply in replies.items():
+                if reply.ok:
+                    out.write(f"== {name}\n" + self.console(reply.data, args))
+            warn(failed, sys.stderr)
+        return exit_across(failed, replies)
+
+    def wait_s(self, args: argparse.Namespace, timeout_s: float) -> float | None:
+        """How long a host has to answer (None: the connection's timeout, --connect-timeout)."""
+        return None
 
     def console(self, data: Any, args: argparse.Namespace) -> str:
         return dumps(data) + "\n"
@@ -91,6 +118,12 @@ def window_text(w: list[int] | None) -> str:
 def who(part: dict[str, Any], daemon: str | None = None) -> str:
     """The start of a line about one rank's part: its rank, and across hosts the daemon that has it."""
     return f"  rank {part['rank']:<4} " + (f"{daemon:<16} " if daemon is not None else "")
+
+
+def alone(fan: Fanout | OneHost, replies: dict[str, Reply]) -> Any:
+    """This host's daemon's reply when `fan` is that daemon alone (client.OneHost), printed as it is, as one host's
+    commands always printed it (no host column, no merge); None across hosts."""
+    return next(iter(replies.values())).data if fan.local else None
 
 
 def warn(failed: dict[str, str], out: TextIO) -> None:

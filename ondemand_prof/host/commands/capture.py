@@ -19,7 +19,7 @@ from ...core.ranks import RankSpecError, parse_ranks, spans
 from ...core.requests import CaptureRequest, RequestError, WindowDefaults, parse_request, resolve
 from ...core.window import Window, busy_window
 from ..alignment import late_refusal, refuse_parts
-from ..client import EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, OneHost, dumps
+from ..client import EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, CtlError, OneHost, dumps
 from ..multihost import give_up, launch
 from ..planning import capture_record, common_cap, no_window
 from ...core.ids import capture_id as make_capture_id
@@ -145,56 +145,59 @@ class Capture(Command):
         return {**record.view(), "asked_by": asker}  # the CLI says so when the job is another user's
 
     # ------------------------------------------------------------------------------------------------------
-    # ondemandctl: one host
+    # ondemandctl
 
-    def run(self, client: Client, args: argparse.Namespace, out: TextIO) -> int:
-        record = client.request("capture", **self.message(args))
-        wait = waits(args)
+    def run_on(self, fan: Fanout | OneHost, args: argparse.Namespace, out: TextIO) -> int:
+        """One aligned window on the target ranks, one capture id. On this host alone its daemon plans the window
+        (execute); across hosts ondemandctl plans it from every daemon's status and sends it to each
+        (host/planning.py). Then the same either way: followed until every rank is done (a silent host asked
+        again until --timeout, then given up on, host/multihost.py), the result, and with --report the report."""
+        if fan.local:
+            record = fan.request(self.name, self.message(args))[fan.name].data
+            run = None
+            found, failed, quiet = {fan.name: record}, {}, {}
+            head = _plan_text(record)
+        else:
+            run = launch(fan, self.message(args)["request"], args.job, args.slurm, baseline=args.baseline)
+            found, failed, quiet = run.found, run.failed, dict(run.quiet)  # (quiet: asked again until --timeout)
+            head = _plan_across_text(run)
+        capture_id = run.capture_id if run else record["capture_id"]
         if not args.json:
-            out.write(_plan_text(record))
+            out.write(head)
             out.flush()
-        if not wait:
+        wait = waits(args)
+        if not wait and run is None:
             out.write(dumps(record) + "\n" if args.json else
-                      f"not waiting; follow it with: ondemandctl show {record['capture_id']}\n")
+                      f"not waiting; follow it with: ondemandctl show {capture_id}\n")
             return EXIT_OK
-        one = OneHost(client)
-        found = {one.name: record}
-        finished = follow(one, found, {}, args.timeout, None if args.json else out)
-        record = found[one.name]  # its outcome settled by the daemon, on the record (misaligned too)
-        paths = [p["path"] for p in record["parts"].values() if p["state"] == "done" and p.get("path")]
-        self._result(record, result_text(record, finished), args, out,
-                     (lambda: report_paths(paths, args, out)) if paths else None)
-        return exit_for(record) if finished else EXIT_TIMEOUT
-
-    # ------------------------------------------------------------------------------------------------------
-    # ondemandctl: across hosts
-
-    def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
-        """One aligned window on the target ranks of every host, one capture id (host/planning.py); followed
-        on every host, a silent host asked again until --timeout, then given up on (host/multihost.py)."""
-        run = launch(fan, self.message(args)["request"], args.job, args.slurm, baseline=args.baseline)
-        if not args.json:
-            out.write(_plan_across_text(run))
-            out.flush()
-        wait = waits(args)
-        finished = True
-        quiet = dict(run.quiet)  # hosts that did not answer: asked again until --timeout when waiting
-        if wait:
-            finished = follow(fan, run.found, run.failed, args.timeout, None if args.json else out, quiet=quiet,
-                              capture_id=run.capture_id)
+        finished = not wait or follow(fan, found, failed, args.timeout, None if args.json else out, quiet=quiet,
+                                      capture_id=capture_id)
         if quiet:
-            give_up(fan, run.capture_id, quiet, run.found)
-        record = capture_record(run, quiet)
-        timed_out = not finished and any(running(d) for n, d in run.found.items() if n not in quiet)
+            give_up(fan, capture_id, quiet, found)  # type: ignore[arg-type]  (only across hosts: OneHost raises)
+        # one host: its outcome settled by the daemon, on the record (misaligned too); across: the records merged
+        record = found[fan.name] if run is None else capture_record(run, quiet)
+        timed_out = not finished and any(running(d) for n, d in found.items() if n not in quiet)
+        self._result(record, result_text(record, not timed_out, wait, across=run is not None), args, out,
+                     self._report(fan, record, run, args, out))
+        if not wait:
+            return EXIT_PARTIAL if failed or quiet else EXIT_OK
+        return EXIT_TIMEOUT if timed_out else exit_for(record)
 
-        def report() -> None:  # each daemon's summaries of its ranks' traces, merged (no trace crosses the network)
+    @staticmethod
+    def _report(fan: Fanout | OneHost, record: dict[str, Any], run: Launched | None, args: argparse.Namespace,
+                out: TextIO) -> Callable[[], Any] | None:
+        """--report: on one host, the report of the traces written (read here, as `ondemandctl report` reads
+        them: the full report, HTML too); across hosts, each daemon's summaries of its ranks' traces, merged (no
+        trace crosses the network). None when no rank wrote a trace here."""
+        if run is None:
+            paths = [p["path"] for p in record["parts"].values() if p["state"] == "done" and p.get("path")]
+            return (lambda: report_paths(paths, args, out)) if paths else None
+
+        def merged() -> None:
             summaries = fan.request("summaries", {"capture_id": run.capture_id}, hosts=list(run.found))
             render_report(merge_summaries((n, r.data) for n, r in summaries.items() if r.ok), args, out)
 
-        self._result(record, result_text(record, not timed_out, wait, across=True), args, out, report)
-        if not wait:
-            return EXIT_PARTIAL if run.failed or quiet else EXIT_OK
-        return EXIT_TIMEOUT if timed_out else exit_for(record)
+        return merged
 
     def _result(self, record: dict[str, Any], text: str, args: argparse.Namespace, out: TextIO,
                 report: Callable[[], Any] | None) -> None:

@@ -11,12 +11,12 @@ from ...core.bounds import checked_int
 from ...core.protocol import FINAL_STATES, encode
 from ...core.ranks import spans
 from ..alignment import MISALIGNED
-from ..client import EXIT_MISALIGNED, EXIT_OK, EXIT_PARTIAL, dumps
+from ..client import EXIT_MISALIGNED, EXIT_OK, EXIT_PARTIAL, OneHost, dumps
 from ..multihost import ask
 from ..planning import exit_across, failures, merge_lists, merged_record, no_capture, one_capture, unanswered
 from ...core.ids import match_id
 from ..service import BadRequest, Service
-from .base import Command, add_job_flag, nothing_found_here, opt_str, table, warn, who, window_text
+from .base import Command, add_job_flag, alone, nothing_found_here, opt_str, table, warn, who, window_text
 from .follow import exit_for, progress_text, result_text
 
 if TYPE_CHECKING:
@@ -54,11 +54,12 @@ class List(Command):
         return {"captures": [{**r.summary(), "baseline": r.capture_id in baselines}
                              for r in service.store.newest(limit, job)]}
 
-    def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
-        """Captures merged by id, with the hosts that have each."""
+    def run_on(self, fan: Fanout | OneHost, args: argparse.Namespace, out: TextIO) -> int:
+        """This host's captures, or every host's merged by id, with the hosts that have each."""
         replies = ask(fan, self.name, self.message(args))
         failed = failures(replies)
-        data = {"captures": merge_lists(replies, args.limit), "failed_hosts": failed}
+        data = alone(fan, replies) if fan.local else \
+            {"captures": merge_lists(replies, args.limit), "failed_hosts": failed}
         if args.json:
             out.write(dumps(data) + "\n")
         else:
@@ -110,15 +111,17 @@ class Show(OneCapture):
             shown["comparison"] = comparison_of(service, record)
         return shown
 
-    def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
-        """The records of every host that has the capture, merged into one (host/planning.py)."""
+    def run_on(self, fan: Fanout | OneHost, args: argparse.Namespace, out: TextIO) -> int:
+        """This host's record of the capture, or those of every host that has it merged into one
+        (host/planning.py)."""
         replies = ask(fan, self.name, self.message(args))
         found = one_capture(replies)
         if not found:
             raise nothing_found_here(replies)
         failed = {n: r.error for n, r in replies.items() if r.kind == "error" and not no_capture(r)}
         quiet = unanswered(replies)
-        record = merged_record({n: r.data for n, r in found.items()}, failed, quiet)
+        record = alone(fan, replies) if fan.local else merged_record({n: r.data for n, r in found.items()}, failed,
+                                                                       quiet)
         out.write(dumps(record) + "\n" if args.json else self.console(record, args))
         if record["status"] == MISALIGNED:
             return EXIT_MISALIGNED
@@ -171,9 +174,13 @@ class Cancel(OneCapture):
         service.changed(record)
         return {"capture_id": record.capture_id, "ranks": sent}
 
-    def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
-        """On every host that has the capture running."""
+    def run_on(self, fan: Fanout | OneHost, args: argparse.Namespace, out: TextIO) -> int:
+        """On this host, or on every host that has the capture running."""
         replies = ask(fan, self.name, self.message(args))
+        if fan.local:
+            data = alone(fan, replies)
+            out.write(dumps(data) + "\n" if args.json else self.console(data, args))
+            return EXIT_OK
         sent = {n: r.data["ranks"] for n, r in replies.items() if r.ok}
         failed = failures(replies, no_capture)
         if not sent:  # nothing to cancel anywhere

@@ -1,5 +1,5 @@
-"""A capture as it goes and as it ends, on one host or across hosts alike: `watch`, the daemon's long poll,
-and `follow`, which asks it and prints each rank's progress; `result_text` says what each rank wrote, or why
+"""A capture as it goes and as it ends, on one host or across hosts alike: `follow` asks the daemons' long
+poll (`watch`, host/commands/watch.py) and prints each rank's progress; `result_text` says what each rank wrote, or why
 not. One host's daemon is followed through client.OneHost, many through the fan-out (host/fanout.py). Used
 by `capture` (host/commands/capture.py) and `show` (host/commands/captures.py)."""
 
@@ -10,7 +10,6 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
-from ...core.bounds import checked_number
 from ...core.files import presence_note
 from ...core.protocol import FINAL_STATES
 from ...core.ranks import spans
@@ -18,8 +17,7 @@ from ..alignment import MISALIGNED
 from ..client import EXIT_FAILED, EXIT_MISALIGNED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, CtlError, OneHost
 from ..planning import fail_host, no_capture
 from ..stalls import stall_text
-from ..service import MAX_WATCH_S, BadRequest, Service
-from .base import Command, who, window_text
+from .base import who, window_text
 
 if TYPE_CHECKING:
     from ..fanout import Fanout
@@ -30,29 +28,6 @@ WATCH_HOLD_S = 1.0  # across hosts: each round of watches waits at most this lon
 
 def running(data: dict[str, Any]) -> bool:
     return data["status"] == "running"
-
-
-class Watch(Command):
-    """Long poll: reply when the capture changes from the version the caller has seen, or after timeout_s.
-    With changed_only (true), the reply holds only the parts changed since that version, marked changed_only,
-    when the daemon can tell which (else the whole record, unmarked); the caller merges them into its copy."""
-
-    name = "watch"
-    cli = False
-    fields = {"capture_id": (str,), "seen": (int,)}
-
-    def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
-        record = service.find(msg["capture_id"])
-        timeout = msg.get("timeout_s", 5.0)
-        try:
-            checked_number(timeout, 0, MAX_WATCH_S, "field 'timeout_s'")
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
-        since = msg["seen"] if msg.get("changed_only") is True else None
-        if record.version != msg["seen"] or record.status != "running" or timeout == 0:
-            return record.view(since)
-        service.watch(route, msg.get("id"), record, timeout, since)
-        return None
 
 
 def merge_watched(held: dict[str, Any] | None, reply: dict[str, Any]) -> dict[str, Any]:
@@ -79,7 +54,7 @@ def follow(fan: Fanout | OneHost, found: dict[str, dict[str, Any]], failed: dict
     are unreachable, and any other still pending timed out)."""
     quiet = {} if quiet is None else quiet
     capture_id = capture_id or next(iter(found.values()))["capture_id"]
-    one_host = isinstance(fan, OneHost)
+    one_host = fan.local
     progress = None if out is None else Progress(out, one_host)
     shown_stall = ""
     deadline = time.monotonic() + timeout

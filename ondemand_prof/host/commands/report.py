@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from ...core.config import ProfileConfig
 from ...core.ids import valid_id
-from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError
+from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError, OneHost
 from ..multihost import ask
 from ..planning import failures, no_capture, one_capture
 from ...core.ids import match_id
@@ -55,8 +55,9 @@ class Report(Command):
         data = report_paths(paths, args, out)
         return EXIT_OK if data["ranks_read"] else EXIT_FAILED
 
-    def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
-        """One capture id: every daemon's summaries of its ranks, merged (host/summaries.py)."""
+    def run_on(self, fan: Fanout | OneHost, args: argparse.Namespace, out: TextIO) -> int:
+        """Across hosts (--hosts ...; on this host `run` reads the files): one capture id, every daemon's
+        summaries of its ranks, merged (host/summaries.py)."""
         from ..summaries import merge_summaries
 
         if len(args.paths) != 1:

@@ -4,25 +4,21 @@ twice, slow) and what to run next."""
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any
 
 from ...core.ranks import spans
-from ..client import dumps
-from ..planning import exit_across, failures, no_live_job
+from ..planning import no_live_job
 from ..registry import owner_name, owner_text
 from ..stalls import stall_text, stalls
 from ..service import BadRequest, Service
-from .base import Command, add_job_flag, ms, opt_str, table, warn
-
-if TYPE_CHECKING:
-    from ..fanout import Fanout
+from .base import Command, add_job_flag, ms, opt_str, table
 
 
 class Status(Command):
     name = "status"
     help = "live ranks: job, rank, host, pid, current step, step time, state"
+    absent = staticmethod(no_live_job)  # across hosts: a host without the job is not a failure
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_job_flag(parser, only=True)
@@ -59,21 +55,6 @@ class Status(Command):
         return {"daemon": service.daemon_info(), "jobs": jobs if not msg.get("brief") else {}, "stragglers": slow,
                 "delivery_s": service.delivery.longer({name: keys[name] for name in jobs}), "stalled": stalled,
                 "conflicts": conflicts, "silent": silent}
-
-    def run_across(self, fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
-        """Each host's daemon and ranks, under `== host` headers."""
-        from ..multihost import ask
-
-        replies = ask(fan, self.name, self.message(args))
-        failed = failures(replies, no_live_job)
-        if args.json:
-            out.write(dumps({"hosts": {n: r.as_dict() for n, r in replies.items()}}) + "\n")
-        else:
-            for name, reply in replies.items():
-                if reply.ok:
-                    out.write(f"== {name}\n" + self.console(reply.data, args))
-            warn(failed, sys.stderr)
-        return exit_across(failed, replies)
 
     def console(self, data: Any, args: argparse.Namespace) -> str:
         d = data["daemon"]

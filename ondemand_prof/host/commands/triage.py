@@ -8,14 +8,14 @@ import argparse
 import logging
 import time
 from collections import deque
-from typing import Any, TextIO
+from typing import Any
 
 from ...core.bounds import checked_number
 from ...core.protocol import encode
 from ...core.ranks import RankSpecError, parse_ranks, spans
 from ...core.triagedefs import DEFAULT_MAX_ENTRIES, DEFAULT_MEMORY_STEPS, MEMORY_STACKS, OWN_THREAD_PREFIX, \
     check_args, format_thread
-from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError, dumps
+from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, CtlError
 from ...core.ids import capture_id
 from ..registry import select_ranks
 from ..service import BadRequest, Service
@@ -29,6 +29,7 @@ MAX_TRIAGE_S = 600.0
 class _TriageCommand(Command):
     """Send one triage action to the target ranks; the daemon replies when all answered or at the timeout."""
 
+    across = False  # (the processes of this host: a native dump, py-spy)
     action = ""
     default_ranks = "-1"
     default_timeout = 5.0
@@ -56,11 +57,8 @@ class _TriageCommand(Command):
             msg["job"] = args.job
         return msg
 
-    def run(self, client: Client, args: argparse.Namespace, out: TextIO) -> int:
-        msg = self.message(args)
-        data = client.request(self.name, wait_s=args.timeout + client.timeout_s, **msg)
-        out.write(dumps(data) + "\n" if args.json else self.console(data, args))
-        return self.exit_code(data)
+    def wait_s(self, args: argparse.Namespace, timeout_s: float) -> float | None:
+        return args.timeout + timeout_s  # the daemon answers when every rank has, or at --timeout
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
         from ..triage import Pending, target_of

@@ -162,8 +162,15 @@ class WindowDefaults:
 
 
 def resolve(request: CaptureRequest, defaults: WindowDefaults, start: int, *, source: str, capture_id: str,
-            extra: Mapping[str, Any] | None = None) -> Window:
-    """The one place a request becomes a window: the default length, the cap (said in the note), the options."""
+            extra: Mapping[str, Any] | None = None, configured: bool = False) -> Window:
+    """The one place a request becomes a window: the default length, the cap (said in the note), the options.
+    `configured`: the configuration's own static window (--profile-step-start/--profile-step-end): the length set
+    there is kept (the cap is for windows asked at run time), steps None is a window with no end (until close()),
+    and what was asked is `extra` alone (the two flags)."""
+    if configured:
+        options = WindowOptions(**{**asdict(defaults.options), **request.options})
+        end = None if request.steps is None else start + request.steps
+        return Window(start, end, options, source=source, capture_id=capture_id, requested=dict(extra or {}))
     asked = defaults.steps if request.steps is None else request.steps
     steps = min(asked, defaults.max_steps)
     note = f"steps capped from {asked} to {steps} (--profile-max-window-steps)" if steps < asked else ""

@@ -28,8 +28,9 @@ from typing import Any, Callable, Mapping
 from ..core.version import __version__
 from ..core.files import iso_time
 from ..core.ids import capture_id as make_capture_id
-from ..core.options import ConfigError, ProfileConfig, WindowOptions, config_from_args, config_from_env, \
+from ..core.options import ConfigError, ProfileConfig, config_from_args, config_from_env, \
     config_from_mapping, default_job_id
+from ..core.requests import CaptureRequest, WindowDefaults, resolve
 from ..core.window import Window
 from .backends import Backend, Identity, Session, select_backend
 from .layout import CaptureLayout, trace_path
@@ -115,9 +116,10 @@ class OnDemandProfiler:
     def _queue_static(self) -> None:
         config = self.config
         end = None if config.step_end == -1 else config.step_end
-        static = Window(config.step_start, end, WindowOptions.from_config(config), source="static",
-                        capture_id=make_capture_id("static", self.job_id, config.step_start, config.step_end),
-                        requested={"start_step": config.step_start, "end_step": config.step_end})
+        request = CaptureRequest(steps=None if end is None else end - config.step_start, start_step=config.step_start)
+        static = resolve(request, WindowDefaults.from_config(config), config.step_start, source="static",
+                         capture_id=make_capture_id("static", self.job_id, config.step_start, config.step_end),
+                         extra={"start_step": config.step_start, "end_step": config.step_end}, configured=True)
         self.scheduler.submit(static)
         if end is None:
             log.warning("ondemand_prof: static window from step %d has no end (--profile-step-end -1): it "

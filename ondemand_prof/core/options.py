@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .bounds import MAX_STEP
 from .configbase import ConfigMethods, WindowMethods
 from .ids import MAX_ID, safe_id, valid_id
-from .ranks import RankSpecError, parse_ranks, selects
+from .ranks import RankSpecError, parse_ranks
 
 log = logging.getLogger(__name__)
 

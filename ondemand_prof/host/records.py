@@ -489,7 +489,7 @@ def record_problem(data: Any) -> str | None:
                 not bounded_int(part.get("pid"), 0, PID_MAX) or not isinstance(part.get("history", []), list) or \
                 not all(isinstance(h, dict) and h.get("state") in PART_STATES for h in part.get("history", [])):
             return f"part {key}: state, host, pid or history malformed"
-        for field, check in PART_FIELDS.items():
-            if part.get(field) is not None and check(part[field]) is None:
-                return f"part {key}: {field} malformed"
+        for name, check in PART_FIELDS.items():
+            if part.get(name) is not None and check(part[name]) is None:
+                return f"part {key}: {name} malformed"
     return None

@@ -547,7 +547,7 @@ from ondemand_prof.rank.output import run_postprocess
 raw, out = Path(sys.argv[1]), Path(sys.argv[2])
 window = Window(3, 5, WindowOptions.from_config(ProfileConfig()), capture_id="c1")
 job = SimpleNamespace(identity=Identity(0, 1, 0, "h", os.getpid(), "job"), out=SimpleNamespace(trace_name="t.json"),
-                      recorded_steps=[3, 4], window=window, gzip=False)
+                      recorded_steps=[3, 4], window=window, gzip=False, metadata={})
 run_postprocess(job, raw, out)
 """
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..core.protocol import TCP_PORT as DEFAULT_PORT
 from .client import EXIT_USAGE, CtlError
@@ -80,8 +80,8 @@ def ask(fan: Fanout | OneHost, msg_type: str, fields: dict[str, Any] | None = No
     """fan.request, and then, for every host that did not answer, why (host/diagnose.py). `fan` may be this
     host's daemon alone (client.OneHost: its silence and errors raise CtlError)."""
     replies = fan.request(msg_type, fields, **kw)
-    if any(r.kind == "timeout" for r in replies.values()):
-        explain(fan, replies)  # type: ignore[arg-type]  (a OneHost never times out: it raises)
+    if not fan.local and any(r.kind == "timeout" for r in replies.values()):  # (a OneHost never times out: it raises)
+        explain(cast("Fanout", fan), replies)
     return replies
 
 

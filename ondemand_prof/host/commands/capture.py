@@ -152,10 +152,11 @@ class Capture(Command):
         (execute); across hosts ondemandctl plans it from every daemon's status and sends it to each
         (host/planning.py). Then the same either way: followed until every rank is done (a silent host asked
         again until --timeout, then given up on, host/multihost.py), the result, and with --report the report."""
-        if fan.local:
-            record = fan.request(self.name, self.message(args))[fan.name].data
+        if isinstance(fan, OneHost):  # (fan.local, said so that the type checker sees which)
+            here = fan.name
+            record = fan.request(self.name, self.message(args))[here].data
             run = None
-            found, failed, quiet = {fan.name: record}, {}, {}
+            found, failed, quiet = {here: record}, {}, {}
             head = _plan_text(record)
         else:
             run = launch(fan, self.message(args)["request"], args.job, args.slurm, baseline=args.baseline)
@@ -172,10 +173,10 @@ class Capture(Command):
             return EXIT_OK
         finished = not wait or follow(fan, found, failed, args.timeout, None if args.json else out, quiet=quiet,
                                       capture_id=capture_id)
-        if quiet:
-            give_up(fan, capture_id, quiet, found)  # type: ignore[arg-type]  (only across hosts: OneHost raises)
+        if quiet and not isinstance(fan, OneHost):  # (only across hosts: a OneHost that is silent raises)
+            give_up(fan, capture_id, quiet, found)
         # one host: its outcome settled by the daemon, on the record (misaligned too); across: the records merged
-        record = found[fan.name] if run is None else capture_record(run, quiet)
+        record = found[here] if run is None else capture_record(run, quiet)
         timed_out = not finished and any(running(d) for n, d in found.items() if n not in quiet)
         self._result(record, result_text(record, not timed_out, wait, across=run is not None), args, out,
                      self._report(fan, record, run, args, out))

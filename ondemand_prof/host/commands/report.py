@@ -85,7 +85,7 @@ def _check_top(args: argparse.Namespace) -> None:
         raise CtlError(f"--top {args.top}: expected 1 or more", EXIT_USAGE)
 
 
-def compare_across(fan: Fanout, args: argparse.Namespace, out: TextIO) -> int:
+def compare_across(fan: Fanout | OneHost, args: argparse.Namespace, out: TextIO) -> int:
     """report NOW --baseline BASE --hosts ...: each daemon compares its ranks' summaries of the two captures
     (`compare`), and the ranks of every host are concluded on here (no trace crosses the network)."""
     from ..summaries import conclude_replies

@@ -82,15 +82,20 @@ def test_capture_records_the_same_steps_on_every_rank(env: dict[str, Any]) -> No
     for state in ("received", "scheduled", "recording", "writing", "done"):
         # each state once per rank ("recording step k of N" progress lines are not states)
         assert len(re.findall(rf"^  rank \d\s+{state}\b(?! step)", res.stdout, re.M)) == 3, (state, res.stdout)
-    assert "late by" not in res.stdout
+    # the steps planned, or (a window that reached the ranks after its start: the first capture of a job plans with
+    # the default delivery time, which a loaded host can exceed) the same 3 steps later on every rank, said as late
+    recorded = {tuple(map(int, m)) for m in re.findall(r"^  rank \d\s+/\S+\s+steps (\d+)\.\.(\d+)$", res.stdout, re.M)}
+    ((first, last),) = recorded
+    assert last - first == end - start - 1 and (first == start or f"late by {first - start} steps" in res.stdout), \
+        res.stdout
 
     caps = captures(env["save"])
     assert sorted(c["rank"] for c in caps) == [0, 1, 2]
     for cap in caps:
-        assert trace_steps(cap) == list(range(start, end)), cap["rank"]
+        assert trace_steps(cap) == list(range(first, last + 1)), cap["rank"]
         assert cap["options"]["level"] == "level1" and cap["options"]["record_shapes"] is True
         assert cap["trigger"]["source"] == "daemon" and cap["folder"] == folder
-        assert f"{folder / Path(cap['trace_file']).name}  steps {start}..{end - 1}" in res.stdout
+        assert f"{folder / Path(cap['trace_file']).name}  steps {first}..{last}" in res.stdout
 
     # the record: list, show (by id prefix), --json
     (listed,) = ctl_json(env["run"], "list")["captures"]

@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -240,6 +241,18 @@ def trace_steps(capture: dict[str, Any]) -> list[int]:
         if name.startswith("ProfilerStep#") and ev.get("ph") == "X":
             steps.append(int(name.split("#")[1]))
     return sorted(steps)
+
+
+def recorded_steps(stdout: str, start: int, end: int) -> tuple[int, int]:
+    """The first and last step every rank recorded, from `capture --wait`'s trace lines ("  rank N  PATH  steps
+    A..B"): the same on every rank and as many as planned in [start, end); the planned ones, or (a window that
+    reached the ranks after its start: a job's first capture plans with the default delivery time, which a loaded
+    host can exceed) later, which the output must say ("late by K steps")."""
+    recorded = {(int(a), int(b)) for a, b in re.findall(r"^  rank \d+\s+/\S+\s+steps (\d+)\.\.(\d+)$", stdout, re.M)}
+    assert len(recorded) == 1, stdout
+    ((first, last),) = recorded
+    assert last - first == end - start - 1 and (first == start or f"late by {first - start} steps" in stdout), stdout
+    return first, last
 
 
 @pytest.fixture

@@ -167,14 +167,13 @@ def resolve(request: CaptureRequest, defaults: WindowDefaults, start: int, *, so
     `configured`: the configuration's own static window (--profile-step-start/--profile-step-end): the length set
     there is kept (the cap is for windows asked at run time), steps None is a window with no end (until close()),
     and what was asked is `extra` alone (the two flags)."""
+    options = WindowOptions(**{**asdict(defaults.options), **request.options})
     if configured:
-        options = WindowOptions(**{**asdict(defaults.options), **request.options})
         end = None if request.steps is None else start + request.steps
         return Window(start, end, options, source=source, capture_id=capture_id, requested=dict(extra or {}))
     asked = defaults.steps if request.steps is None else request.steps
     steps = min(asked, defaults.max_steps)
     note = f"steps capped from {asked} to {steps} (--profile-max-window-steps)" if steps < asked else ""
-    options = WindowOptions(**{**asdict(defaults.options), **request.options})
     return Window(start, start + steps, options, source=source, capture_id=capture_id,
                   requested={**request.as_dict(), **(extra or {})}, note=note)
 

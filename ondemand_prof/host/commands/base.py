@@ -60,9 +60,7 @@ class Command:
 
         replies = ask(fan, self.name, self.message(args), wait_s=self.wait_s(args, fan.timeout_s))
         if fan.local:
-            data = alone(fan, replies)
-            out.write(dumps(data) + "\n" if args.json else self.console(data, args))
-            return self.exit_code(data)
+            return self.print_alone(replies, args, out)
         failed = failures(replies, self.absent)
         if args.json:
             out.write(dumps({"hosts": {n: r.as_dict() for n, r in replies.items()}}) + "\n")
@@ -72,6 +70,12 @@ class Command:
                     out.write(f"== {name}\n" + self.console(reply.data, args))
             warn(failed, sys.stderr)
         return exit_across(failed, replies)
+
+    def print_alone(self, replies: dict[str, Reply], args: argparse.Namespace, out: TextIO) -> int:
+        """This host's daemon's reply, printed as one host's commands always printed it (no host header)."""
+        data = alone(replies)
+        out.write(dumps(data) + "\n" if args.json else self.console(data, args))
+        return self.exit_code(data)
 
     def wait_s(self, args: argparse.Namespace, timeout_s: float) -> float | None:
         """How long a host has to answer (None: the connection's timeout, --connect-timeout)."""
@@ -120,10 +124,10 @@ def who(part: dict[str, Any], daemon: str | None = None) -> str:
     return f"  rank {part['rank']:<4} " + (f"{daemon:<16} " if daemon is not None else "")
 
 
-def alone(fan: Fanout | OneHost, replies: dict[str, Reply]) -> Any:
-    """This host's daemon's reply when `fan` is that daemon alone (client.OneHost), printed as it is, as one host's
-    commands always printed it (no host column, no merge); None across hosts."""
-    return next(iter(replies.values())).data if fan.local else None
+def alone(replies: dict[str, Reply]) -> Any:
+    """The data of the one reply a fan-out of one (client.OneHost) gets: this host's daemon's, taken as it is (no
+    host column, no merge; its errors and silence raised CtlError already)."""
+    return next(iter(replies.values())).data
 
 
 def warn(failed: dict[str, str], out: TextIO) -> None:

@@ -58,7 +58,7 @@ class List(Command):
         """This host's captures, or every host's merged by id, with the hosts that have each."""
         replies = ask(fan, self.name, self.message(args))
         failed = failures(replies)
-        data = alone(fan, replies) if fan.local else \
+        data = alone(replies) if fan.local else \
             {"captures": merge_lists(replies, args.limit), "failed_hosts": failed}
         if args.json:
             out.write(dumps(data) + "\n")
@@ -120,7 +120,7 @@ class Show(OneCapture):
             raise nothing_found_here(replies)
         failed = {n: r.error for n, r in replies.items() if r.kind == "error" and not no_capture(r)}
         quiet = unanswered(replies)
-        record = alone(fan, replies) if fan.local else merged_record({n: r.data for n, r in found.items()}, failed,
+        record = alone(replies) if fan.local else merged_record({n: r.data for n, r in found.items()}, failed,
                                                                        quiet)
         out.write(dumps(record) + "\n" if args.json else self.console(record, args))
         if record["status"] == MISALIGNED:
@@ -178,9 +178,7 @@ class Cancel(OneCapture):
         """On this host, or on every host that has the capture running."""
         replies = ask(fan, self.name, self.message(args))
         if fan.local:
-            data = alone(fan, replies)
-            out.write(dumps(data) + "\n" if args.json else self.console(data, args))
-            return EXIT_OK
+            return self.print_alone(replies, args, out)
         sent = {n: r.data["ranks"] for n, r in replies.items() if r.ok}
         failed = failures(replies, no_capture)
         if not sent:  # nothing to cancel anywhere

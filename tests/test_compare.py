@@ -122,13 +122,13 @@ def test_a_baseline_that_is_not_there_is_an_error_that_says_so(tmp_path: Path) -
 def job() -> Iterator[dict[str, Any]]:
     run, state = short_dir("odpcmp"), short_dir("odpcmps")
     work = Path(short_dir("odpcmpw"))
-    inject = work / "inject.json"
-    inject.write_text("{}")
+    inject_file = work / "inject.json"
+    inject_file.write_text("{}")
     daemon = start_daemon(run, state)
     procs = start_ranks(["--steps", "1000000", "--step-sleep", "0.02", "--status-file", str(work / "steps.jsonl"),
-                         "--inject-file", str(inject)], world=2, env={"ONDEMAND_PROF_RUNTIME_DIR": str(run)},
+                         "--inject-file", str(inject_file)], world=2, env={"ONDEMAND_PROF_RUNTIME_DIR": str(run)},
                         cwd=work)  # the default save path: ./profile of the job's directory
-    env = {"run": run, "work": work, "inject": inject, "procs": procs}
+    env = {"run": run, "work": work, "inject": inject_file, "procs": procs}
     try:
         wait_for(lambda: len(status_lines(work / "steps.jsonl")) > 60 or any(p.poll() is not None for p in procs),
                  180, "the job to warm up")
@@ -137,6 +137,13 @@ def job() -> Iterator[dict[str, Any]]:
         yield env
     finally:
         end_test_env([*procs, daemon], run, state, work)
+
+
+def inject(path: Path, spec: dict[str, Any]) -> None:
+    """Switch a slowdown on ({} off) as a whole file: the ranks never read half of it."""
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_text(json.dumps(spec))
+    tmp.replace(path)
 
 
 def steps_done(env: dict[str, Any]) -> int:
@@ -156,13 +163,13 @@ def capture(env: dict[str, Any], *extra: str) -> str:
 
 def slowed(env: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     """Switch the slowdown on, let it run 25 steps, capture, switch it off; the comparison with the baseline."""
-    env["inject"].write_text(json.dumps(spec))
+    inject(env["inject"], spec)
     n = steps_done(env)
     wait_for(lambda: steps_done(env) > n + 25, 120, "steps with the slowdown")
     try:
         now = capture(env)
     finally:
-        env["inject"].write_text("{}")
+        inject(env["inject"], {})
     return report_json(now, "--baseline", env["baseline"], cwd=env["work"], run=env["run"])
 
 
@@ -205,13 +212,13 @@ def test_more_small_operators_on_every_rank_are_compute(job: dict[str, Any]) -> 
 def test_the_comparison_as_text_and_html(job: dict[str, Any], tmp_path: Path) -> None:
     """What the engineer paged at 3 a.m. reads: the cause line first, the per-rank table; and the HTML page,
     rendered by a real browser, names both captures and shows the cause."""
-    job["inject"].write_text(json.dumps({"kind": "straggler", "rank": 1, "amount": 12}))
+    inject(job["inject"], {"kind": "straggler", "rank": 1, "amount": 12})
     n = steps_done(job)
     wait_for(lambda: steps_done(job) > n + 25, 120, "steps with the slowdown")
     try:
         now = capture(job)
     finally:
-        job["inject"].write_text("{}")
+        inject(job["inject"], {})
     page = tmp_path / "cmp.html"
     res = ctl(job["run"], "report", now, "--baseline", job["baseline"], "--html", str(page), cwd=job["work"])
     assert res.returncode == 0, res.stderr
@@ -244,11 +251,11 @@ def test_an_automatic_capture_is_compared_with_the_automatic_baseline(tmp_path: 
     as `vs <baseline>`, and `show` and `report` print the comparison without --baseline. A second baseline by hand
     (capture --baseline) then replaces it, and a restarted daemon still knows it."""
     run, state, work = short_dir("odpab"), short_dir("odpabs"), Path(short_dir("odpabw"))
-    inject = work / "inject.json"
-    inject.write_text("{}")
+    inject_path = work / "inject.json"
+    inject_path.write_text("{}")
     daemon = start_daemon(run, state)
     procs = start_ranks(["--steps", "1000000", "--step-sleep", "0.02", "--status-file", str(work / "steps.jsonl"),
-                         "--inject-file", str(inject), "--profile-auto", "2.5", "--profile-auto-steps", "4",
+                         "--inject-file", str(inject_path), "--profile-auto", "2.5", "--profile-auto-steps", "4",
                          "--profile-baseline-at", "40", "--profile-auto-cooldown", "0", "--profile-auto-budget", "100"],
                         world=2,
                         env={"ONDEMAND_PROF_RUNTIME_DIR": str(run), "ONDEMAND_PROF_LOG": "INFO"}, cwd=work)
@@ -261,13 +268,13 @@ def test_an_automatic_capture_is_compared_with_the_automatic_baseline(tmp_path: 
                         pause=0.5)
         assert base["capture_id"].startswith("baseline-") and base["ranks"] == 2, base
         assert "BASELINE" in ctl(run, "list").stdout
-        inject.write_text(json.dumps({"kind": "straggler", "rank": 1, "amount": 40}))
+        inject(inject_path, {"kind": "straggler", "rank": 1, "amount": 40})
         # (a loaded host may slow the job on its own first: those captures are compared too, and are not this one)
         auto = wait_for(lambda: next((c for c in listed() if c["capture_id"].startswith("auto-") and
                                       c["status"] != "running" and "rank 1: compute grew" in c.get("cause", "")),
                                      None), 180, "an automatic capture of the straggler compared with the baseline",
                         pause=0.5)
-        inject.write_text("{}")
+        inject(inject_path, {})
         assert auto["compare_with"] == base["capture_id"], auto
         assert auto["cause"].startswith("rank 1: compute grew"), auto["cause"]
         assert f"vs {base['capture_id']}" in ctl(run, "list").stdout

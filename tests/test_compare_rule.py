@@ -58,3 +58,30 @@ def test_communication_that_grew_more_than_every_ranks_work_is_the_cause() -> No
     assert "0 -> 20 calls/step" in c["cause"], c["cause"]
     work = cause(idle=14.0, barriers=20, barrier_ms=11.0)  # 12 ms more outside operators: the work grew more
     assert work["category"] == "host time outside operators (input, Python, sleeping)", work["cause"]
+
+
+def test_the_slowdown_switch_is_read_again_when_its_bytes_land_under_the_same_time(tmp_path: Any) -> None:
+    """The live comparisons switch slowdowns on through toy_train's --inject-file. A write stamps the file's time
+    before its bytes land: a rank that reads in between finds it empty under the final time, and reading again only
+    when the time changes lost the slowdown for the rest of the run (CI: 'rank 1: compute grew' for 20 barriers that
+    never ran, both ranks having read in step)."""
+    import os
+
+    from ondemand_prof.demo.toy_train import Injection
+
+    path = tmp_path / "inject.json"
+    path.write_text("")
+    injection = Injection(str(path))
+    injection.refresh()
+    assert injection.spec == {}
+    stamp = path.stat().st_mtime_ns
+    path.write_text('{"kind": "sync", "amount": 20}')
+    os.utime(path, ns=(stamp, stamp))  # the bytes landed, the time is the one already read
+    injection.refresh()
+    assert injection.applies("sync", 1) == 20
+    path.write_text('{"kind": "sync", "amo')  # half written: not taken, and read again at the next step
+    injection.refresh()
+    assert injection.applies("sync", 1) == 20
+    path.write_text('{"kind": "sync", "amount": 4}')
+    injection.refresh()
+    assert injection.applies("sync", 1) == 4

@@ -60,7 +60,7 @@ class Injection:
 
     def __init__(self, path: str | None) -> None:
         self.path = path
-        self.mtime: int | None = None
+        self.seen: tuple[int, int, int] | None = None
         self.spec: dict[str, Any] = {}
         self._buffers: dict[str, torch.Tensor] = {}
 
@@ -68,17 +68,20 @@ class Injection:
         if not self.path:
             return
         try:
-            mtime = os.stat(self.path).st_mtime_ns
+            st = os.stat(self.path)
         except OSError:
             self.spec = {}
             return
-        if mtime != self.mtime:
-            self.mtime = mtime
+        # The size too, not only the time: a write stamps the time before its bytes land, so a read in between
+        # finds the file empty under the final time (both ranks, in step after the all_reduce, lost a slowdown so)
+        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if seen != self.seen:
             try:
                 spec = json.loads(open(self.path).read() or "{}")
-                self.spec = spec if isinstance(spec, dict) else {}
             except (OSError, ValueError):
-                pass  # half written: the next step reads it again
+                return  # half written: the next step reads it again
+            self.seen = seen
+            self.spec = spec if isinstance(spec, dict) else {}
 
     def applies(self, kind: str, rank: int) -> int:
         spec = self.spec

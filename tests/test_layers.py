@@ -8,7 +8,10 @@ What counts as an import, for circles: every import statement in the module, at 
 (run when it is called: a lazy import that closes a circle is a circle that waits) and under `if TYPE_CHECKING:`
 (a loop only the type checker follows is still two modules that cannot be read, changed or tested apart). A
 package counts as its __init__: `from .commands import Command` imports the package's __init__, which imports
-every command; `from .commands.base import Command` imports base alone."""
+every command. Importing a submodule runs every package above it first: `from ..host.commands.base import table`
+in report/text.py imports base and commands/__init__ (every command) and host/__init__; a module inside a
+package does not import that package again (commands/capture.py importing .base runs no commands/__init__: it
+is already running)."""
 
 from __future__ import annotations
 
@@ -118,8 +121,20 @@ def imported(path: Path, known: set[str], source: str | None = None) -> set[str]
         found = next((m for m in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if m in known), None)
         if found is not None:
             out.add(found)
+    # importing a.b.c runs a/__init__ and a/b/__init__ first: the packages above every module imported, except
+    # those above the importer (already running when it is read; an edge to them would make every package that
+    # imports its own submodules a circle)
+    own = _ancestors(_module_name(path)) | {_module_name(path)}
+    out |= {a for m in out for a in _ancestors(m) if a in known and a not in own}
     out.discard(_module_name(path))
     return out
+
+
+def _ancestors(module: str) -> set[str]:
+    """The packages above `module`: ondemand_prof.host.commands.base -> ondemand_prof.host.commands,
+    ondemand_prof.host, ondemand_prof."""
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
 
 
 def import_graph(sources: dict[str, str] | None = None) -> dict[str, set[str]]:
@@ -189,14 +204,27 @@ def test_the_circle_check_sees_lazy_and_type_only_imports() -> None:
                                                 "    from .agent import Agent\n",
              "ondemand_prof.rank.agent": "from .file_trigger import FileTrigger\n"}
     assert circles(import_graph(typed)) == [["ondemand_prof.rank.agent", "ondemand_prof.rank.file_trigger"]]
-    # a package is its __init__: naming a class of the package closes a circle through it, a submodule does not
+    # a package is its __init__: naming a class of the package closes a circle through it
     via_package = {"ondemand_prof.host.multihost": "from .commands import Command\n",
                    "ondemand_prof.host.commands.capture": "from ..multihost import launch\n"}
     assert any({"ondemand_prof.host.commands", "ondemand_prof.host.commands.capture",
                 "ondemand_prof.host.multihost"} <= set(c) for c in circles(import_graph(via_package)))
+    # so does a submodule of it, from outside: its package's __init__ runs first (and imports every command)
     via_module = {**via_package, "ondemand_prof.host.multihost": "from .commands.base import Command\n",
-                  "ondemand_prof.host.commands.base": "class Command: ...\n"}  # (the real base asks through multihost)
-    assert circles(import_graph(via_module)) == []
+                  "ondemand_prof.host.commands.base": "class Command: ...\n"}
+    assert any({"ondemand_prof.host.commands", "ondemand_prof.host.commands.capture",
+                "ondemand_prof.host.multihost"} <= set(c) for c in circles(import_graph(via_module)))
+    # the audit's case: commands/__init__ -> capture -> rendering -> report.text -> (base, so) commands/__init__
+    parent = {"ondemand_prof.report.text": "from ..host.commands.base import table\n",
+              "ondemand_prof.host.commands.capture": "from .rendering import print_report\n",
+              "ondemand_prof.host.commands.rendering": "def f():\n    from ...report.text import render_text\n"}
+    assert any({"ondemand_prof.host.commands", "ondemand_prof.host.commands.capture",
+                "ondemand_prof.host.commands.rendering", "ondemand_prof.report.text"} <= set(c)
+               for c in circles(import_graph(parent)))
+    # from inside the package it is no circle: capture importing its sibling base does not run commands/__init__
+    inside = {"ondemand_prof.host.commands.capture": "from .base import Command\n",
+              "ondemand_prof.host.commands.base": "from ..client import dumps\n"}
+    assert circles(import_graph(inside)) == []
     three = {"ondemand_prof.core.a": "from . import b\n", "ondemand_prof.core.b": "import ondemand_prof.core.c\n",
              "ondemand_prof.core.c": "from .a import x\n"}
     assert circles(import_graph(three)) == [["ondemand_prof.core.a", "ondemand_prof.core.b", "ondemand_prof.core.c"]]

@@ -84,3 +84,35 @@ def test_a_misaligned_capture_is_misaligned_in_list_show_json_metrics_and_across
     assert merged["status"] == "misaligned", merged
     shown_across = ctl(env["run"], "--hosts", hosts, "show", listed["capture_id"])
     assert shown_across.returncode == 6 and text in shown_across.stdout, shown_across.stdout
+
+
+@pytest.mark.quick
+def test_the_capture_counter_says_who_asked_for_every_kind_of_capture() -> None:
+    """ondemand_prof_captures_total's source label, read from the record: a trigger file's and a signal's captures
+    (recorded by the daemon since issue 30) were counted as `ondemandctl`, and an automatic baseline too; the
+    automatic-capture counter counts slowdowns, not baselines."""
+    from types import SimpleNamespace
+
+    from ondemand_prof.host.metrics import CaptureCounts
+    from ondemand_prof.host.records import CaptureRecord, Plan
+
+    def record(cid: str, request: dict[str, Any], **marks: Any) -> CaptureRecord:
+        r = CaptureRecord.new(cid, "job", request, Plan(10, 12), {}, [{"rank": 0, "host": "h", "pid": 1}], 0.0)
+        r.data.update(marks)
+        return r
+
+    store = SimpleNamespace(records={})
+    counts = CaptureCounts(store)  # type: ignore[arg-type]
+    kinds = {"cli": record("20261206-000000-aaaaaa", {"steps": 2}),
+             "file": record("file-3", {"steps": 2}, source="file"),
+             "signal": record("signal-1-2", {"signal": "SIGUSR2"}, source="signal"),
+             "auto": record("auto-1-r0-1", {"auto": "slower", "slow_rank": 0}),
+             "baseline": record("baseline-1-r0-1", {"auto_baseline": "at step 40"}, baseline=True)}
+    store.records = {r.capture_id: r for r in kinds.values()}
+    counts.update(store)  # type: ignore[arg-type]
+    assert counts.auto == {"job": 1}
+    for r in kinds.values():
+        r.data["status"] = "done"
+    counts.update(store)  # type: ignore[arg-type]
+    assert counts.outcomes == {("ondemandctl", "done"): 1, ("file", "done"): 1, ("signal", "done"): 1,
+                               ("auto", "done"): 2}

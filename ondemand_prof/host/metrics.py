@@ -114,9 +114,16 @@ def rank_rows(ranks: Iterable["RankInfo"], names: dict[Any, str] | None = None) 
                          i.step_began_at, i.observed_step_time, i.sent_at, i.heard_at) for i in ranks)
 
 
-def capture_source(request: Any) -> str:
-    """Who asked: an automatic capture (a rank slowed down) or ondemandctl (any host's)."""
-    return "auto" if isinstance(request, dict) and "auto" in request else "ondemandctl"
+def capture_source(record: dict[str, Any]) -> str:
+    """Who asked, from a capture record: `file` or `signal` (a rank opened the window from its trigger file or a
+    signal), `auto` (--profile-auto: a rank slowed down, or its job's automatic baseline) or `ondemandctl` (any
+    host's)."""
+    source = record.get("source")
+    if source in ("file", "signal"):
+        return str(source)
+    request = record.get("request")
+    return "auto" if isinstance(request, dict) and ("auto" in request or "auto_baseline" in request) else \
+        "ondemandctl"
 
 
 class CaptureCounts:
@@ -137,14 +144,15 @@ class CaptureCounts:
             status, before = record.status, seen.get(cid)
             if status == before:
                 continue
+            source = capture_source(record.data)
             request = record.data.get("request")
-            if before is None and capture_source(request) == "auto":
+            if before is None and isinstance(request, dict) and "auto" in request:  # a slowdown's, not a baseline
                 job = record.data.get("job", "")
                 self.auto[job] = self.auto.pop(job, 0) + 1
                 while len(self.auto) > MAX_JOBS:
                     del self.auto[next(iter(self.auto))]
             if status != "running":
-                key = (capture_source(request), status)
+                key = (source, status)
                 self.outcomes[key] = self.outcomes.get(key, 0) + 1
             seen[cid] = status
         if len(seen) > len(store.records):
@@ -281,8 +289,9 @@ def families(snap: Snapshot, now_wall: float) -> Iterator[Any]:
     yield world
 
     captures = CounterMetricFamily("ondemand_prof_captures", "Captures finished since the daemon started, by who "
-                                   "asked (ondemandctl, auto) and outcome (done, partial, failed, cancelled; "
-                                   "refused: the daemon turned the request down)", labels=["source", "outcome"])
+                                   "asked (ondemandctl; auto: --profile-auto; file, signal: a rank's trigger file or "
+                                   "signal) and outcome (done, partial, failed, cancelled, misaligned; refused: the "
+                                   "daemon turned the request down)", labels=["source", "outcome"])
     for (source, outcome), n in sorted(snap.captures.items()):
         captures.add_metric([source, outcome], n)
     yield captures

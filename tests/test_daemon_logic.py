@@ -846,3 +846,21 @@ def test_an_opened_window_is_checked_before_it_is_recorded(tmp_path: Path) -> No
     for n in range(autocapture.OPENED_PER_JOB_HOUR + 50):
         opened(1, f"file-{n:016x}")
     assert len(listed()) == autocapture.OPENED_PER_JOB_HOUR  # the two above counted
+
+
+def test_an_adopted_capture_id_follows_the_one_id_rule(tmp_path: Path) -> None:
+    """ondemandctl across hosts names one capture id on every host: the daemon takes it by core/ids.py's rule
+    (it kept a stricter copy of its own), and refuses one that could name a path or an option."""
+    from ondemand_prof.core.options import ProfileConfig
+    from ondemand_prof.core.requests import WindowDefaults
+    svc = make_service(tmp_path)
+    svc.handle(b"r0", register_msg(0, 1, step_time=0.1, defaults=WindowDefaults.from_config(ProfileConfig()).to_wire()))
+
+    def capture(cid: Any) -> dict[str, Any]:
+        return json.loads(svc.handle(b"cli", {"type": "capture", "id": 1, "request": {"steps": 2}, "capture_id": cid}))
+
+    for bad in ("../x", "-x", ".hidden", "a/b", "x" * 129, 7):
+        reply = capture(bad)
+        assert reply["type"] == "error" and "capture_id" in reply["error"] and "expected 1-128" in reply["error"], reply
+    assert capture("20261206-000000-abcdef")["data"]["capture_id"] == "20261206-000000-abcdef"
+    assert "already exists on this host" in capture("20261206-000000-abcdef")["error"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import re
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, TextIO
@@ -22,6 +21,7 @@ from ..alignment import late_refusal, refuse_parts
 from ..client import EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, CtlError, OneHost, dumps
 from ..multihost import give_up, launch
 from ..planning import capture_record, common_cap, no_window
+from ...core.ids import BadId, check_id
 from ...core.ids import capture_id as make_capture_id
 from ..records import CaptureRecord, Plan
 from ..planning import plan_window
@@ -321,16 +321,15 @@ def _common_defaults(targets: list[Any]) -> WindowDefaults:
     return dataclasses.replace(known[0], max_steps=common_cap(d.max_steps for d in known))
 
 
-_CAPTURE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
 def _adopted_id(service: Service, msg: dict[str, Any]) -> str | None:
     """A capture id chosen by the caller (ondemandctl across hosts: one id on every host), when well-formed."""
     value = msg.get("capture_id")
     if value is None:
         return None
-    if not isinstance(value, str) or not _CAPTURE_ID.match(value):
-        raise BadRequest(f"capture_id {value!r}: expected 1-64 letters, digits, '.', '_' or '-'")
+    try:
+        check_id(value, "capture_id")  # the one id rule (core/ids.py)
+    except BadId as exc:
+        raise BadRequest(str(exc)) from None
     if value in service.store.records:
         raise BadRequest(f"capture {value} already exists on this host")
     return value

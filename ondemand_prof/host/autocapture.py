@@ -1,8 +1,8 @@
 """Captures the ranks open themselves, as the daemon records them: automatic ones (a rank's slowdown, opened
-again on a median-speed rank of its job for comparison; a job's baseline, on every rank of it on this host),
-within the daemon's own budget; and windows a rank opened from its trigger file or a signal, recorded from the
-rank's "opened" event so that `ondemandctl list` and `show` have them with their outcome. Also the straggler
-figures of status (each rank against its job's median step time).
+again on the reference rank of its job, the one whose step time is closest to the job's median, for comparison;
+a job's baseline, on every rank of it on this host), within the daemon's own budget (AutoBudget); and windows a
+rank opened from its trigger file or a signal, recorded from the rank's "opened" event so that `ondemandctl
+list` and `show` have them with their outcome. (The straggler figures of status are host/stalls.py's.)
 
 A rank names these captures itself, so its word is checked: the id is of its kind and, for automatic ones, its
 own rank and pid; a record is never replaced and belongs to the job (owner uid, job id) that opened it.

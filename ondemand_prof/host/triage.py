@@ -1,7 +1,9 @@
 """The daemon's side of triage (ondemandctl stacks, memory, flight-recorder): requests waiting for their ranks'
-answers, the native-dump fallback for ranks that cannot answer, and the pure functions that fold many ranks'
-answers into something a person reads: identical stacks grouped with a rank list, the collective sequence
-numbers some ranks entered and others did not, each rank's distance from the job's median step time.
+answers (TriageBook), each answer kept with only its checked fields and a container's paths in this host's
+terms, the native-dump fallback for ranks that cannot answer, and the pure functions that fold many ranks'
+answers into something a person reads: identical stacks grouped with a rank list, and the collective sequence
+numbers some ranks entered and others did not. (Each rank's step time against its job's median, for status
+and the metrics, is host/stalls.py's.)
 
 A request is answered once every target rank has answered, or at its deadline. Before the deadline, ranks that
 did not answer (their agent thread cannot run: a thread holds the GIL in native code) and that registered a

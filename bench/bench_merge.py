@@ -30,7 +30,8 @@ from bench_daemon import print_table  # noqa: E402
 from ondemand_prof.core.protocol import MAX_REPLY_BYTES, decode, reply_ok  # noqa: E402
 from ondemand_prof.host.client import REPLIES  # noqa: E402
 from ondemand_prof.host.summaries import merge_summaries  # noqa: E402
-from ondemand_prof.rank.postprocess import SUMMARY_FILE, write_rank_summary  # noqa: E402
+from ondemand_prof.core.tracedefs import SUMMARY_FILE  # noqa: E402
+from ondemand_prof.rank.postprocess import write_rank_summary  # noqa: E402
 from ondemand_prof.report.text import render_text  # noqa: E402
 
 

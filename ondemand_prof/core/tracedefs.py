@@ -10,6 +10,10 @@ from typing import Sequence
 STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 CPU_TREE_CATS = frozenset({"cpu_op", "user_annotation"})
 DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+# each rank's report, written beside its trace (rank/postprocess.py) and read back by its host's daemon
+# (host/summaries.py): with the SUMMARY_TOP operators and kernels that took most time
+SUMMARY_FILE = "summary.json"
+SUMMARY_TOP = 15
 
 
 def thread_self_times(ts: Sequence[float], dur: Sequence[float]) -> array:

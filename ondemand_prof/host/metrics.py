@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Protocol
 
 from .hosts import is_loopback
+from .records import record_source
 from .stalls import stalled_for, time_in_step
 from .stalls import stragglers
 
@@ -115,15 +116,10 @@ def rank_rows(ranks: Iterable["RankInfo"], names: dict[Any, str] | None = None) 
 
 
 def capture_source(record: dict[str, Any]) -> str:
-    """Who asked, from a capture record: `file` or `signal` (a rank opened the window from its trigger file or a
-    signal), `auto` (--profile-auto: a rank slowed down, or its job's automatic baseline) or `ondemandctl` (any
-    host's)."""
-    source = record.get("source")
-    if source in ("file", "signal"):
-        return str(source)
-    request = record.get("request")
-    return "auto" if isinstance(request, dict) and ("auto" in request or "auto_baseline" in request) else \
-        "ondemandctl"
+    """Who asked, from a capture record (records.record_source): `file` or `signal` (a rank's trigger file or
+    signal), `auto` (--profile-auto: a slowdown, or the job's automatic baseline) or `ondemandctl` (any host's)."""
+    source = record_source(record)
+    return "ondemandctl" if source == "daemon" else source
 
 
 class CaptureCounts:

@@ -124,6 +124,17 @@ def new_part(target: Mapping[str, Any], wall: float) -> dict[str, Any]:
             "state": "sent", "history": [{"state": "sent", "at": iso_time(wall)}]}
 
 
+def record_source(data: Mapping[str, Any]) -> str:
+    """What opened a capture, as its ranks name their window's source (their metadata's `source`): `file` or
+    `signal` (a rank's trigger file or signal, recorded from its "opened" event), `auto` (--profile-auto: a
+    slowdown, or the job's automatic baseline) or `daemon` (ondemandctl capture, on this host or across hosts)."""
+    source = data.get("source")
+    if source in ("file", "signal"):
+        return str(source)
+    request = data.get("request")
+    return "auto" if isinstance(request, dict) and ("auto" in request or "auto_baseline" in request) else "daemon"
+
+
 class CaptureRecord:
     """One capture: the request, the window, and a part per target rank."""
 

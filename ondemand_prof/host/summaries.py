@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterable, cast
 
 from ..core import safejson
 from ..core.files import read_beneath_root
+from ..core.tracedefs import SUMMARY_FILE
 
 if TYPE_CHECKING:  # the report package is imported where it is used (the daemon never loads it)
     from ..report.model import RankResult, Report
@@ -19,7 +20,6 @@ if TYPE_CHECKING:  # the report package is imported where it is used (the daemon
 log = logging.getLogger("ondemand_prof.daemon")
 
 MAX_SUMMARY_BYTES = 512 * 1024
-SUMMARY_FILE = "summary.json"  # rank/postprocess.py writes it (not imported: the daemon and CLI need not load it)
 
 
 def read_summary(rank_dir: str, owner: int | None = None) -> dict[str, Any]:
@@ -50,7 +50,8 @@ def part_summaries(record: dict[str, Any]) -> list[dict[str, Any]]:
     parts = []
     for part in sorted(record["parts"].values(), key=lambda p: p["rank"]):
         entry: dict[str, Any] = {"rank": part["rank"], "host": part["host"], "pid": part["pid"],
-                                 "state": part["state"], "path": part.get("path"), "late_by": part.get("late_by")}
+                                 "state": part["state"], "path": part.get("path"), "late_by": part.get("late_by"),
+                                 "trace": part.get("trace"), "steps": part.get("steps"), "window": part.get("window")}
         entry.update(_summary_of(part))
         parts.append(entry)
     return parts
@@ -58,11 +59,16 @@ def part_summaries(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> Report:
     """(daemon name, `summaries` reply) pairs -> the report's data (what report/text.py renders): one capture
-    group with a member per rank, the across-ranks figures computed by the report's own summarize_group."""
+    group with a member per rank, the across-ranks figures computed by the report's own summarize_group; its
+    header as the report from traces has it (the source, the steps recorded, each rank's folder found), so that
+    both print the same but for where the capture id was read ("the daemon's record", not metadata.json)."""
     from ..report import summarize_group
 
     t0 = time.monotonic()
+    replies = list(replies)
     members: list[dict[str, Any]] = []
+    sources: list[dict[str, Any]] = []
+    ran: list[tuple[int, Any, Any]] = []  # (rank, the window it ran as it said: moved where it began late, steps)
     first: dict[str, Any] | None = None
     for daemon, reply in replies:
         first = first or reply
@@ -70,20 +76,32 @@ def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> Report:
             member = {"kind": "capture", "rank": part["rank"], "host": part["host"], "daemon": daemon,
                       "pid": part["pid"], "path": part.get("path") or "", "capture_id": reply["capture_id"],
                       "job_id": reply["job"], "status": part["state"], "late_by": part.get("late_by"),
-                      "warnings": []}
+                      "trace": part.get("trace"), "source": reply.get("source"), "warnings": []}
             if part.get("summary") is not None:
                 member.update({k: v for k, v in part["summary"].items() if k not in member or member[k] is None})
+                where = f"{daemon}:{member['path']}" if len(replies) > 1 else member["path"]
+                sources.append({"path": where, "format": SUMMARY_FILE, "status": "found", "capture": 1})
+                ran.append((part["rank"], part.get("window"), part.get("steps")))
             else:
                 member["error"] = part.get("error") or "no summary"
             members.append(member)
     if first is None:
         return {"captures": [], "problems": [], "ranks_read": 0, "seconds": 0.0}
     # each member is a RankResult: our fields, then the rank's summary.json (written by rank/postprocess.py)
-    group = summarize_group((first["job"], first["capture_id"]), cast("list[RankResult]", members))
-    start, end = first["window"]
+    job, cid = first["job"], first["capture_id"]
+    group = summarize_group((job, cid), cast("list[RankResult]", members),
+                            f"capture id {cid}" + (f" of job {job}" if job else "") + " (the daemon's record)")
+    # the window as the lowest rank ran it (its part's; the report from traces reads its metadata): where every rank
+    # began late, one moved the record's planned window
+    _, window, recorded = min(ran, key=lambda r: r[0], default=(0, None, None))
+    start, end = window if isinstance(window, list) and len(window) == 2 else first["window"]
     group["window"] = {"start": start, "end": end}
+    if recorded:
+        group["window"]["recorded_steps"] = recorded
+    group["source"] = first.get("source")
     group["options"] = recorded_options(members, first.get("options"))
-    return {"captures": [group], "problems": [], "ranks_read": len(group["ranks"]),
+    sources.sort(key=lambda e: e["path"])
+    return {"captures": [group], "problems": [], "sources": sources, "ranks_read": len(group["ranks"]),
             "seconds": round(time.monotonic() - t0, 3)}
 
 

@@ -28,7 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..core.tracedefs import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
+from ..core.tracedefs import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, SUMMARY_FILE, SUMMARY_TOP, thread_self_times
 
 
 # Data simplification: args that only serve torch's internal bookkeeping, or duplicate what the event
@@ -260,8 +260,6 @@ def write_db(path: Path, events: list[dict[str, Any]], steps: list[dict[str, Any
         con.close()
 
 
-SUMMARY_FILE = "summary.json"  # host/summaries.py reads it back
-SUMMARY_TOP = 15
 
 
 def write_rank_summary(out_dir: Path, trace: dict[str, Any], spec: dict[str, Any]) -> str:

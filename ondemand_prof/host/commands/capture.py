@@ -28,10 +28,9 @@ from ..planning import plan_window
 from ..registry import owner_text, select_ranks
 from ..stalls import stalls
 from ..service import BadRequest, Service, of_job
-from ..summaries import merge_summaries
 from .base import Command, add_job_flag, opt_str, window_text
 from .follow import exit_for, follow, result_text, running
-from .rendering import render_report, report_paths
+from .rendering import report_capture, report_paths
 
 if TYPE_CHECKING:
     from ..fanout import Fanout
@@ -187,18 +186,20 @@ class Capture(Command):
     @staticmethod
     def _report(fan: Fanout | OneHost, record: dict[str, Any], run: Launched | None, args: argparse.Namespace,
                 out: TextIO) -> Callable[[], Any] | None:
-        """--report: on one host, the report of the traces written (read here, as `ondemandctl report` reads
-        them: the full report, HTML too); across hosts, each daemon's summaries of its ranks' traces, merged (no
-        trace crosses the network). None when no rank wrote a trace here."""
-        if run is None:
-            paths = [p["path"] for p in record["parts"].values() if p["state"] == "done" and p.get("path")]
-            return (lambda: report_paths(paths, args, out)) if paths else None
+        """--report: the capture's one report (rendering.report_capture: every daemon's summaries of its ranks,
+        merged, on one host as across hosts); on one host the traces here are read where the summaries do not
+        hold it all. None when no rank wrote a trace here."""
+        if run is not None:
+            return lambda: report_capture(fan, run.capture_id, args, out, hosts=list(run.found))
+        paths = [p["path"] for p in record["parts"].values() if p["state"] == "done" and p.get("path")]
+        if not paths:
+            return None
 
-        def merged() -> None:
-            summaries = fan.request("summaries", {"capture_id": run.capture_id}, hosts=list(run.found))
-            render_report(merge_summaries((n, r.data) for n, r in summaries.items() if r.ok), args, out)
+        def here() -> None:
+            if report_capture(fan, record["capture_id"], args, out, whole=True) is None:
+                report_paths(paths, args, out)
 
-        return merged
+        return here
 
     def _result(self, record: dict[str, Any], text: str, args: argparse.Namespace, out: TextIO,
                 report: Callable[[], Any] | None) -> None:

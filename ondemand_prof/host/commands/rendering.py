@@ -1,16 +1,21 @@
-"""How ondemandctl prints a report or a comparison (text, or --json) and writes --html: shared by report and
-capture (its --report), whether the data came from traces read here or from the daemons' summaries."""
+"""How ondemandctl prints a report or a comparison (text, or --json) and writes --html, and the one report of a
+capture id (report_capture, from the daemons' summaries): shared by report and capture (its --report)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ..client import CtlError, dumps
+from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, CtlError, OneHost, dumps
+from ..multihost import ask
+from ..planning import failures, no_capture, one_capture
+from .base import nothing_found_here, warn
 
 if TYPE_CHECKING:
     from ...report.model import Report as ReportData
+    from ..fanout import Fanout
 
 
 def write_html(args: argparse.Namespace, render: Any, data: Any) -> None:
@@ -62,3 +67,32 @@ def render_report(data: ReportData, args: argparse.Namespace, out: TextIO) -> No
     else:
         out.write(render_text(data, top=args.top, per_rank=not getattr(args, "summary", False)))
         html_written(args, out)
+
+
+def report_capture(fan: Fanout | OneHost, capture_id: str, args: argparse.Namespace, out: TextIO, *,
+                   hosts: list[str] | None = None, whole: bool = False) -> int | None:
+    """The one report of a capture id, on one host or many (`report ID`, `capture --report`): every daemon's
+    summaries of its ranks (the summary.json each rank wrote beside its trace; host/summaries.py), merged, printed
+    and written as --html; the exit status. No trace is read or crosses the network. `whole`: None instead where
+    the summaries do not hold what the traces here would give (a rank that wrote a trace and no summary, --top
+    above the rows a summary keeps, no rank done): the caller reads the traces here."""
+    from ...core.tracedefs import SUMMARY_TOP
+    from ..summaries import merge_summaries
+
+    replies = ask(fan, "summaries", {"capture_id": capture_id}, **({"hosts": hosts} if hosts else {}))
+    found = one_capture(replies)
+    if not found:
+        raise nothing_found_here(replies)
+    if whole:
+        parts = [p for r in found.values() for p in r.data["parts"]]
+        done = [p for p in parts if p["state"] == "done"]
+        if not done or args.top > SUMMARY_TOP or any(p.get("summary") is None for p in done):
+            return None
+    failed = failures(replies, no_capture)
+    data = merge_summaries((n, r.data) for n, r in found.items())
+    data["failed_hosts"] = failed
+    render_report(data, args, out)
+    warn(failed, sys.stderr)
+    if failed:
+        return EXIT_PARTIAL
+    return EXIT_OK if data["ranks_read"] else EXIT_FAILED

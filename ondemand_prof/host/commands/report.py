@@ -18,7 +18,7 @@ from ..planning import failures, no_capture, one_capture
 from ...core.ids import match_id
 from ..service import BadRequest, Service
 from .base import Command, nothing_found_here, warn
-from .rendering import render_comparison, render_report, report_paths
+from .rendering import render_comparison, report_capture, report_paths
 
 if TYPE_CHECKING:
     from ...report.model import Report as ReportData
@@ -46,38 +46,38 @@ class Report(Command):
                             "for the daemon's answer (default 5)")
 
     def run(self, client: Client | None, args: argparse.Namespace, out: TextIO) -> int:
+        """On this host: a capture id, its daemon's summaries of the ranks (report_capture, as across hosts);
+        files and folders given, or a capture whose ranks' summaries do not hold the report, read here."""
         _check_top(args)
         if args.baseline is None and len(args.paths) == 1:
             args.baseline = automatic_baseline(args.paths[0], args)
         if args.baseline is not None:
             return compare_here(args, out)
+        if len(args.paths) == 1 and not _is_path(args.paths[0]):
+            from ...core.protocol import default_runtime_dir
+
+            try:
+                with Client(args.runtime_dir or default_runtime_dir(), args.connect_timeout) as daemon:
+                    merged = report_capture(OneHost(daemon), args.paths[0], args, out, whole=True)
+            except CtlError:
+                merged = None  # no daemon, or a capture it does not know: its folder here (local_paths says why not)
+            if merged is not None:
+                return merged
         paths = [p for given in args.paths for p in local_paths(given, args)]
         data = report_paths(paths, args, out)
         return EXIT_OK if data["ranks_read"] else EXIT_FAILED
 
     def run_on(self, fan: Fanout | OneHost, args: argparse.Namespace, out: TextIO) -> int:
-        """Across hosts (--hosts ...; on this host `run` reads the files): one capture id, every daemon's
-        summaries of its ranks, merged (host/summaries.py)."""
-        from ..summaries import merge_summaries
-
+        """Across hosts (--hosts ...): one capture id, every daemon's summaries of its ranks, merged."""
         if len(args.paths) != 1:
             raise CtlError("across hosts, report takes one capture id (the traces stay on their hosts; each daemon "
                            "returns its ranks' summaries)", EXIT_USAGE)
         _check_top(args)
         if args.baseline is not None:
             return compare_across(fan, args, out)
-        replies = ask(fan, "summaries", {"capture_id": args.paths[0]})
-        found = one_capture(replies)
-        if not found:
-            raise nothing_found_here(replies)
-        failed = failures(replies, no_capture)
-        data = merge_summaries((n, r.data) for n, r in found.items())
-        data["failed_hosts"] = failed
-        render_report(data, args, out)
-        warn(failed, sys.stderr)
-        if failed:
-            return EXIT_PARTIAL
-        return EXIT_OK if data["ranks_read"] else EXIT_FAILED
+        code = report_capture(fan, args.paths[0], args, out)
+        assert code is not None  # (whole=False never declines)
+        return code
 
 
 def _check_top(args: argparse.Namespace) -> None:
@@ -137,11 +137,12 @@ class Summaries(Command):
     fields = {"capture_id": (str,)}
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        from ..records import record_source
         from ..summaries import part_summaries
 
         record = service.find(msg["capture_id"])
         return {**{k: record.data.get(k) for k in ("capture_id", "job", "window", "status", "options")},
-                "parts": part_summaries(record.data)}
+                "source": record_source(record.data), "parts": part_summaries(record.data)}
 
 
 DEFAULT_SAVE = Path(ProfileConfig.save_path)  # ./profile: where a rank started from this directory saves

@@ -243,14 +243,17 @@ class Agent:
 
     def schedule(self, window: Window, listener: Callable[[str, dict[str, Any]], None]) -> None:
         """Hand a window to the training thread; the listener hears 'scheduled' or 'rejected', then progress."""
+        self.prof.call_at_next_step(lambda step: self.submit_now(window, listener, step))
 
-        def submit(step: int) -> None:
-            ok, reason = self.prof.submit(window, listener)
+    def submit_now(self, window: Window, listener: Callable[[str, dict[str, Any]], None] | None,
+                   step: int) -> tuple[bool, str]:
+        """On the training thread (at `step`): the window to the scheduler, and the listener told 'scheduled' or
+        'rejected' (why); what every entry's window goes through (schedule; a signal's, already on that thread)."""
+        ok, reason = self.prof.submit(window, listener)
+        if listener is not None:
+            info = {"capture_id": window.capture_id, "window": [window.start, window.end], "current_step": step}
             if ok:
-                listener("scheduled", {"capture_id": window.capture_id, "window": [window.start, window.end],
-                                       "current_step": step})
+                listener("scheduled", info)
             else:
-                listener("rejected", {"capture_id": window.capture_id, "window": [window.start, window.end],
-                                      "error": reason})
-
-        self.prof.call_at_next_step(submit)
+                listener("rejected", {**info, "error": reason})
+        return ok, reason

@@ -83,11 +83,8 @@ class SignalTrigger:
         link = getattr(agent, "link", None)
         if link is not None and listener is not None:  # the daemon records it (list, show)
             listener = link.opened(window, listener)
-        ok, reason = prof.submit(window, listener)
+        ok, reason = agent.submit_now(window, listener, step) if agent is not None else prof.submit(window)
         if ok:
             log.info("ondemand_prof: %s: window %s scheduled", self.sig.name, window.describe())
         else:
             log.info("ondemand_prof: %s ignored: %s", self.sig.name, reason)
-        if listener:
-            listener("scheduled" if ok else "rejected", {"window": [window.start, window.end], "current_step": step,
-                                                         **({} if ok else {"error": reason})})

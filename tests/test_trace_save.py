@@ -431,6 +431,92 @@ def test_a_gloo_rank_stops_the_profiler_once_no_gloo_collective_runs() -> None:
         dist.destroy_process_group()
 
 
+def test_a_capture_is_post_processed_while_the_native_build_is_stopped(in_process_trace: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's first capture starts the native save's build in the background (its own session, the compiler in
+    its group, SCHED_IDLE), and the capture's post-processing child runs at the same priority: they shared what
+    CPU training left, and the first capture took seconds longer than later ones (issue 32). publish stops the
+    build's whole group while the real post-processing child works and continues it once the capture is out.
+    The raw trace here is a named pipe, so the child waits reading it for as long as the test looks; the build is
+    a stand-in group of two (a shell and its 'compiler'). Fails if publish does not pause the build."""
+    import datetime
+
+    import psutil
+
+    from ondemand_prof.core.options import ProfileConfig, WindowOptions
+    from ondemand_prof.core.window import Window
+    from ondemand_prof.rank.backends.base import Export, Identity, Written
+    from ondemand_prof.rank.layout import CaptureLayout
+    from ondemand_prof.rank.output import ExportJob, publish
+
+    def group_states() -> list[str]:  # each process of the build's group: 'stopped' or not
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if os.getpgid(proc.pid) == build.pid:
+                    found.append(proc.status())
+            except (OSError, psutil.Error):
+                continue
+        return found
+
+    def postprocessing_child() -> Any:  # among this process's children (zombies of other tests' too)
+        for proc in psutil.Process().children():
+            try:
+                if "ondemand_prof.rank.postprocess" in " ".join(proc.cmdline()):
+                    return proc
+            except psutil.Error:
+                continue
+        return None
+
+    def write(staging: Path) -> Written:  # what the torch backend hands over: a raw trace in the staging dir
+        staging.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(staging / "raw.pt.trace.json")
+        return Written(staging, staging / "raw.pt.trace.json")
+
+    def pipe_reader() -> int | None:  # open for writing once the child has opened the raw trace to read it
+        try:
+            return os.open(out.staging / "raw.pt.trace.json", os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            return None
+
+    build = subprocess.Popen(["sh", "-c", "sleep 600 & wait"], start_new_session=True)
+    monkeypatch.setattr(native_save.SAVER, "_build", build)  # what NativeSaver._load keeps of the build it starts
+    out = CaptureLayout(tmp_path / "save", "h", os.getpid()).plan("c1", 0, datetime.datetime.now())
+    window = Window(0, 3, WindowOptions.from_config(ProfileConfig()), capture_id="c1")
+    job = ExportJob(export=Export(write), window=window, identity=Identity(0, 1, 0, "h", os.getpid(), "job"),
+                    out=out, metadata={}, recorded_steps=STEPS, gzip=False)
+    results: list[dict[str, Any]] = []
+    publisher = threading.Thread(target=lambda: results.append(publish(job)), daemon=True)
+    try:
+        wait_for(lambda: len(group_states()) == 2 and psutil.STATUS_STOPPED not in group_states(), 30,
+                 "the stand-in build running")
+        publisher.start()
+        child = wait_for(postprocessing_child, 300, "the post-processing child")
+        wait_for(lambda: group_states() == [psutil.STATUS_STOPPED] * 2, 30,
+                 "the build stopped while the capture is post-processed")
+        fd = wait_for(pipe_reader, 300, "the child to open the raw trace")
+        assert child.status() != psutil.STATUS_STOPPED
+        assert group_states() == [psutil.STATUS_STOPPED] * 2  # still, with the child reading the trace
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "wb") as pipe:
+            pipe.write(in_process_trace.read_bytes())
+        publisher.join(300)
+        assert results and results[0]["status"] == "ok", results
+        assert results[0]["steps_in_trace"] == STEPS and steps_of(out.folder / out.trace_name) == STEPS
+        wait_for(lambda: psutil.STATUS_STOPPED not in group_states(), 30, "the build continued once published")
+        assert len(group_states()) == 2
+    finally:
+        os.killpg(build.pid, signal.SIGKILL)
+        build.wait()
+        if publisher.is_alive():  # a failure above: the child still waits for the trace; end of file ends it
+            fd = pipe_reader()
+            if fd is not None:
+                os.close(fd)
+            publisher.join(60)
+    with native_save.SAVER.paused():  # a build that has ended: nothing to stop, nothing raised
+        pass
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Issue 31: a capture never harms the run (the native save's hazards)
 

@@ -513,7 +513,7 @@ def test_records_are_ordered_by_time_not_text_across_a_dst_fold(tmp_path: Path, 
     `list` (one host, and merged from two), the order read back from disk and so what is evicted first follow
     time; a record whose created_at is no time is skipped when read back, and says why."""
     from ondemand_prof.host.client import Reply
-    from ondemand_prof.host.planning import merge_lists
+    from ondemand_prof.host.merge import merge_lists
     from ondemand_prof.host.records import RecordStore
 
     monkeypatch.setenv("TZ", "Europe/Berlin")

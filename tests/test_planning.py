@@ -13,9 +13,9 @@ import pytest
 from ondemand_prof.core.options import ProfileConfig
 from ondemand_prof.core.requests import WindowDefaults
 from ondemand_prof.host.client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, CtlError, Reply
-from ondemand_prof.host.planning import (Launched, capture_record, common_cap, exit_across, fail_host, merge_lists,
-                                         merge_status, merged_record, nothing_found, one_capture, pick_job,
-                                         plan_capture, rank_infos, stalled_refusal)
+from ondemand_prof.host.planning import common_cap, pick_job, plan_capture, rank_infos, stalled_refusal
+from ondemand_prof.host.merge import (Launched, capture_record, exit_across, fail_host, merge_lists, merge_status,
+                                     merged_record, nothing_found, one_capture)
 from ondemand_prof.host.records import Plan
 from ondemand_prof.host.registry import RankInfo
 

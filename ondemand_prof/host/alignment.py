@@ -9,7 +9,7 @@ Two checks, one on each side of a capture:
 - after: a record whose ranks recorded different steps is `misaligned`, settled once on the record when its last
   part is final (host/records.py CaptureRecord._settle), so that list, show, capture --wait, --json and the
   metrics say the same; across hosts the merge of one capture's records applies the same rule to all its ranks
-  (host/planning.py), and `list` compares the steps each host's ranks recorded (`recorded`).
+  (host/merge.py), and `list` compares the steps each host's ranks recorded (`recorded`).
 """
 
 from __future__ import annotations

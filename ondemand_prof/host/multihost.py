@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ..core.protocol import TCP_PORT as DEFAULT_PORT
 from .client import EXIT_USAGE, CtlError
-from .planning import Launched, plan_capture, unanswered
+from .planning import plan_capture
+from .merge import Launched, unanswered
 from ..core.ids import capture_id as make_capture_id
 
 if TYPE_CHECKING:  # the fan-out, key and host-list modules load only when a command goes across hosts

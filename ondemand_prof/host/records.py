@@ -287,7 +287,7 @@ class CaptureRecord:
         return self.update(rank, "failed", {"error": error}, wall)
 
     def _settle(self) -> None:
-        """The outcome, once every part is final: the one place a record's status is decided (host/planning.py
+        """The outcome, once every part is final: the one place a record's status is decided (host/merge.py
         merges the statuses of one capture's records on several hosts, by the same alignment rule)."""
         states = [p["state"] for p in self.data["parts"].values()]
         done = states.count("done")

@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 from ..client import EXIT_OK, EXIT_USAGE, Client, CtlError, OneHost, Reply, dumps
-from ..planning import exit_across, failures, nothing_found
+from ..merge import exit_across, failures, nothing_found
 from ..service import BadRequest, Service
 
 if TYPE_CHECKING:
@@ -137,7 +137,7 @@ def warn(failed: dict[str, str], out: TextIO) -> None:
 
 
 def nothing_found_here(replies: dict[str, Reply]) -> CtlError:
-    """Across hosts, no host could act on a capture (planning.nothing_found), once the hosts that did not
+    """Across hosts, no host could act on a capture (merge.nothing_found), once the hosts that did not
     answer are named: the capture may be there."""
     warn({n: r.error for n, r in replies.items() if r.kind != "error"}, sys.stderr)
     return nothing_found(replies)

@@ -20,7 +20,8 @@ from ...core.window import Window, busy_window
 from ..alignment import late_refusal, refuse_parts
 from ..client import EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, CtlError, OneHost, dumps
 from ..multihost import give_up, launch
-from ..planning import capture_record, common_cap, no_window
+from ..planning import common_cap, no_window
+from ..merge import capture_record
 from ...core.ids import BadId, check_id
 from ...core.ids import capture_id as make_capture_id
 from ..records import CaptureRecord, Plan
@@ -34,7 +35,7 @@ from .rendering import report_capture, report_paths
 
 if TYPE_CHECKING:
     from ..fanout import Fanout
-    from ..planning import Launched
+    from ..merge import Launched
 
 log = logging.getLogger("ondemand_prof.daemon")
 

@@ -13,7 +13,8 @@ from ...core.ranks import spans
 from ..alignment import MISALIGNED
 from ..client import EXIT_MISALIGNED, EXIT_OK, EXIT_PARTIAL, OneHost, dumps
 from ..multihost import ask
-from ..planning import exit_across, failures, merge_lists, merged_record, no_capture, one_capture, unanswered
+from ..merge import (exit_across, failures, merge_lists, merged_record, no_capture, one_capture,
+                     unanswered)
 from ...core.ids import match_id
 from ..service import BadRequest, Service
 from .base import Command, add_job_flag, alone, nothing_found_here, opt_str, table, warn, who, window_text
@@ -113,7 +114,7 @@ class Show(OneCapture):
 
     def run_on(self, fan: Fanout | OneHost, args: argparse.Namespace, out: TextIO) -> int:
         """This host's record of the capture, or those of every host that has it merged into one
-        (host/planning.py)."""
+        (host/merge.py)."""
         replies = ask(fan, self.name, self.message(args))
         found = one_capture(replies)
         if not found:

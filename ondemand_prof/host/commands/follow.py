@@ -15,7 +15,7 @@ from ...core.protocol import FINAL_STATES
 from ...core.ranks import spans
 from ..alignment import MISALIGNED
 from ..client import EXIT_FAILED, EXIT_MISALIGNED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, CtlError, OneHost
-from ..planning import fail_host, no_capture
+from ..merge import fail_host, no_capture
 from ..stalls import stall_text
 from .base import who, window_text
 
@@ -242,7 +242,7 @@ def _part_result(p: dict[str, Any], here: str, across: bool) -> str:
 
 
 def _host_lines(record: dict[str, Any]) -> list[str]:
-    """What is wrong with hosts (a record merged from several, host/planning.py)."""
+    """What is wrong with hosts (a record merged from several, host/merge.py)."""
     lines = []
     for name, host in (record.get("hosts") or {}).items():
         if host["status"] in ("unreachable", "failed") and host.get("error"):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, CtlError, OneHost, dumps
 from ..multihost import ask
-from ..planning import failures, no_capture, one_capture
+from ..merge import failures, no_capture, one_capture
 from .base import nothing_found_here, warn
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from ...core.config import ProfileConfig
 from ...core.ids import valid_id
 from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError, OneHost
 from ..multihost import ask
-from ..planning import failures, no_capture, one_capture
+from ..merge import failures, no_capture, one_capture
 from ...core.ids import match_id
 from ..service import BadRequest, Service
 from .base import Command, nothing_found_here, warn

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ...core.ranks import spans
-from ..planning import no_live_job
+from ..merge import no_live_job
 from ..registry import owner_name, owner_text
 from ..stalls import stall_text, stalls
 from ..service import BadRequest, Service

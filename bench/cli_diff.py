@@ -101,8 +101,7 @@ class Rank:
             shift = 3 if mode == "late" else 0
             folder = self.save / cid / f"rank{self.rank}"
             folder.mkdir(parents=True, exist_ok=True)
-            trace = folder / f"rank{self.rank}.pt.trace.json.gz"
-            trace.write_bytes(b"x")
+            trace = write_rank_files(folder, self.rank, self.world, list(range(start + shift, end + shift)))
             events += [("scheduled", {**win, "current_step": self.step}),
                        ("recording", {**win, "late_by": shift,
                                       **({"note": "it got the window late"} if shift else {})}),
@@ -117,6 +116,30 @@ class Rank:
         event, info = self.todo.pop(0)
         self.host.rank_msg(self, "event", capture_id=info.pop("capture_id"), event=event, info=info)
         return True
+
+
+def write_rank_files(folder: Path, rank: int, world: int, steps: list[int]) -> Path:
+    """What a rank of ours writes for a window, small and real: a Kineto-shaped trace of the recorded steps (a
+    ProfilerStep and an aten::mm each; odd ranks' twice as long) and its summary.json, by the package's own
+    writer (rank/postprocess.py), which `report` reads: from the traces (a folder, a baseline) or the summaries
+    (a capture id, one host or many)."""
+    import gzip
+
+    from ondemand_prof.rank.postprocess import write_rank_summary
+
+    events: list[dict[str, Any]] = []
+    for i, step in enumerate(steps):
+        t = 1_000_000 + 10_000 * i
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "ts": t, "dur": 9000,
+                       "pid": 1, "tid": 1})
+        events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t + 100, "dur": 3000 * (1 + rank % 2),
+                       "pid": 1, "tid": 1})
+    trace = {"traceEvents": events, "distributedInfo": {"rank": rank, "world_size": world}}
+    path = folder / f"rank{rank}.pt.trace.json.gz"
+    with gzip.GzipFile(path, "wb", mtime=0) as fh:  # (no time in the header: the same bytes every run)
+        fh.write(json.dumps(trace).encode())
+    write_rank_summary(folder, trace, {"rank": rank, "world_size": world})
+    return path
 
 
 class Host:
@@ -291,6 +314,9 @@ def run(argv: list[str]) -> str:
             rank.beat()
 
     ctl.Client = lambda runtime_dir, timeout=5.0: Client(HOSTS["h1"], timeout)  # type: ignore[assignment]
+    from ondemand_prof.host.commands import report as report_command
+
+    report_command.Client = ctl.Client  # type: ignore[attr-defined]  # report asks this host's daemon itself
     fanout.Fanout = Fanout  # type: ignore[assignment,misc]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -361,6 +387,9 @@ def main() -> None:
     import logging
 
     logging.disable(logging.CRITICAL)
+    import ondemand_prof.report as report_package
+
+    report_package.usable_cores = lambda: 1  # traces read in this process: no pool, nothing out of order
     setup()
     texts: list[str] = []
     for modes, argv in LOCAL:
@@ -372,6 +401,13 @@ def main() -> None:
         texts.append(run(["show", cid, "--json"]))
     texts.append(run(["show", "nope"]))
     texts.append(run(["show", ""]))
+    done = [r.capture_id for r in HOSTS["h1"].service.store.newest(1000) if r.status == "done" and r.data["job"] == "j"]
+    for argv in (["report", done[0]], ["report", done[0], "--json"], ["report", done[0], "--summary", "--top", "3"],
+                 ["report", done[0], "--top", "20"], ["report", done[0], "--baseline", done[-1]],
+                 ["report", done[0], "--baseline", done[-1], "--json"], ["report", "nope"]):
+        texts.append(run(argv))
+    set_modes({})
+    texts.append(run(["capture", "--job", "j", "--wait", "--report", "--summary"]))
     set_modes({("h1", 0): "silent", ("h1", 1): "silent"})
     texts.append(run(["capture", "--job", "j", "--no-wait"]))
     texts.append(run(["cancel", HOSTS["h1"].service.store.newest(1)[0].capture_id]))
@@ -383,6 +419,11 @@ def main() -> None:
     for cid in reversed(across):
         texts.append(run(["--hosts", "h1,h2", "show", cid]))
         texts.append(run(["--hosts", "h1,h2", "show", cid, "--json"]))
+    done = [r.capture_id for r in HOSTS["h2"].service.store.newest(1000) if r.status == "done"]
+    for argv in (["report", done[0]], ["report", done[0], "--json"], ["report", done[0], "--baseline", done[-1]]):
+        texts.append(run(["--hosts", "h1,h2", *argv]))
+    set_modes({})
+    texts.append(run(["--hosts", "h1,h2", "capture", "--job", "j", "--wait", "--report", "--summary"]))
     set_modes({("h1", 0): "silent", ("h1", 1): "silent", ("h2", 2): "silent", ("h2", 3): "silent"})
     texts.append(run(["--hosts", "h1,h2", "capture", "--job", "j", "--no-wait"]))
     running = HOSTS["h2"].service.store.newest(1)[0].capture_id

@@ -197,7 +197,11 @@ class Capture(Command):
             return None
 
         def here() -> None:
-            if report_capture(fan, record["capture_id"], args, out, whole=True) is None:
+            try:
+                merged = report_capture(fan, record["capture_id"], args, out, whole=True)
+            except CtlError:  # the daemon went away since: the traces are still here
+                merged = None
+            if merged is None:
                 report_paths(paths, args, out)
 
         return here

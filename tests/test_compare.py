@@ -49,6 +49,7 @@ def _hta_diff(tmp_path: Path, control: Path, test: Path, *devices: str) -> list[
                                      device_type=getattr(DeviceType, device)) for device in devices]
 
 
+@pytest.mark.quick
 def test_operators_and_kernels_match_htas_tracediff_on_its_real_pair(tmp_path: Path) -> None:
     """HTA's trace_diff pair (real A100 traces): our per-step tables, times the steps, are HTA's counts and total
     durations for every CPU operator on both sides and every kernel of the control. The test side has 614

@@ -62,6 +62,7 @@ HOSTILE = {  # rank -> what its post-processing wrote on the capture's side, and
 }
 
 
+@pytest.mark.quick
 def test_a_hostile_summary_is_its_ranks_problem_never_the_daemons(tmp_path: Path) -> None:
     """What a rank writes into its summary.json cannot fail `compare`, `show` of an automatic capture or its cause
     line for the other ranks: each such rank is 'not compared' with the field named, and every reply is what the
@@ -94,6 +95,7 @@ def test_a_hostile_summary_is_its_ranks_problem_never_the_daemons(tmp_path: Path
     assert auto.data["cause"].startswith("rank 0: compute grew"), auto.data["cause"]
 
 
+@pytest.mark.quick
 def test_a_summary_cannot_take_another_ranks_place(tmp_path: Path) -> None:
     """A rank is its record's part: rank 1's summary saying "rank": 0 took rank 0's place in the comparison, so
     rank 0 was named the cause of rank 1's slowdown and rank 1 was not in it."""
@@ -104,6 +106,7 @@ def test_a_summary_cannot_take_another_ranks_place(tmp_path: Path) -> None:
     assert result["cause"].startswith("rank 1: compute grew") and result["culprits"] == [1], result["cause"]
 
 
+@pytest.mark.quick
 def test_an_automatic_baseline_is_of_every_rank_of_its_job_beside_another_users_job_of_the_same_id(
         tmp_path: Path) -> None:
     """Another user registering a rank with this job's id (jobs are then shown owner:id) made this job's automatic
@@ -203,6 +206,7 @@ def test_the_capture_itself_is_no_baseline_and_nothing_compared_is_a_failure(tmp
     assert same["type"] == "error" and "the baseline is the capture itself (now)" in same["error"], same
 
 
+@pytest.mark.quick
 def test_every_step_value_is_checked_on_the_fast_path_too() -> None:
     """A column of step times is checked by builtins over the whole column (a value a call held a host's loop
     90 ms a rank of 7,000 steps): min and max skip a NaN, so it must still be refused, as must everything _ms
@@ -233,6 +237,7 @@ def test_a_captures_metadata_json_is_read_bounded(tmp_path: Path) -> None:
             in res.stderr, res.stderr[-2000:]
 
 
+@pytest.mark.quick
 def test_a_name_from_a_summary_cannot_forge_a_line_of_the_daemons_log(tmp_path: Path) -> None:
     """The cause line, which the daemon logs for an automatic capture and list and show print, names the operator
     that grew: a summary's operator named 'aten::mm\\nondemand-profd: ...' wrote a line of its choosing into the

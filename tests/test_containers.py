@@ -64,6 +64,7 @@ STEP_S = "0.05"
 # The pure parts
 
 
+@pytest.mark.quick
 def test_default_job_ids_name_where_the_job_is(monkeypatch: pytest.MonkeyPatch) -> None:
     """A single process (no RANK, or a world of 1) is named by its pid and where it runs, never by a
     MASTER_PORT alone; a distributed launch by its port and its master (this host for a loopback one), the same
@@ -84,6 +85,7 @@ def test_default_job_ids_name_where_the_job_is(monkeypatch: pytest.MonkeyPatch) 
     assert default_job_id({"RANK": "3", "WORLD_SIZE": "4"}) == f"pid{os.getppid()}@{here}"  # the launcher's
 
 
+@pytest.mark.quick
 def test_a_refused_rank_says_so_and_both_fixes() -> None:
     from pathlib import Path as P
 
@@ -99,6 +101,7 @@ def test_a_refused_rank_says_so_and_both_fixes() -> None:
     assert "not registering with ondemand-profd at ipc:///r/profd.sock: it is nobody's" in line
 
 
+@pytest.mark.quick
 def test_a_path_is_found_again_through_the_hosts_own_mounts(tmp_path: Path) -> None:
     """podpath: a mount point with a space (mountinfo's escapes), and this process's own files (the same mount
     namespace: the same path)."""
@@ -439,6 +442,7 @@ def test_a_daemon_that_cannot_see_the_pods_pids(host: dict[str, Any], pods: list
 # The Kubernetes deployment (deploy/kubernetes/), checked against Kubernetes' own schemas
 
 
+@pytest.mark.quick
 def test_the_kubernetes_manifests_are_valid() -> None:
     """Every resource in deploy/kubernetes/ passes kubernetes-validate (the API's OpenAPI schemas, bundled:
     no cluster), strictly (an unknown field is an error); the DaemonSet and the training pod share the runtime

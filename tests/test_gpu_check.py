@@ -93,6 +93,7 @@ def _cuda_trace(kernel_past_end_us: float = 0.0) -> dict[str, Any]:
     return {"traceEvents": [*steps, *device, *ops], "record_shapes": 1}
 
 
+@pytest.mark.quick
 def test_device_kernels_past_a_step_are_counted_outside() -> None:
     inside = gc.events_in_steps(_cuda_trace(), cuda=True)
     assert (inside["steps"], inside["events"], inside["kernels"], inside["outside"]) == ([7, 8], 3, 2, 0)
@@ -104,6 +105,7 @@ def test_device_kernels_past_a_step_are_counted_outside() -> None:
     assert gc.events_in_steps(_cuda_trace(), cuda=False)["events"] == 1
 
 
+@pytest.mark.quick
 def test_a_level_that_breaks_its_promise_on_cuda_is_named() -> None:
     facts = gc.trace_facts(_cuda_trace())
     assert (facts["device"], facts["cpu_op"], facts["shapes"], facts["flops"], facts["steps"]) == (3, 2, 1, 0, 2)
@@ -160,6 +162,7 @@ def test_torchs_analyzer_reads_a_one_rank_nccl_dump_as_written(tmp_path: Path) -
     assert not old["loader"]["ok"] and not old["full"]["ok"], old
 
 
+@pytest.mark.quick
 def test_a_cuda_table_fills_the_readme_section_and_a_cpu_table_does_not(tmp_path: Path) -> None:
     readme = tmp_path / "README.md"
     readme.write_text((ROOT / "README.md").read_text())  # the real README's markers
@@ -191,6 +194,7 @@ asleep 5; save 295 native, post 2473)
 """
 
 
+@pytest.mark.quick
 def test_the_benchmarks_runs_are_read_in_either_form_and_a_lost_window_fails() -> None:
     assert gc.parse_bench(BENCH_PER_PROCESS) == {"torch": [(189.8, 800.8)], "ours": [(68.4, -432.5)]}
     assert gc.parse_bench(BENCH_SAME_PROCESS) == {"torch": [(260.8, 212.8)], "ours": [(138.9, 346.8)]}

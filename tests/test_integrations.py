@@ -200,6 +200,7 @@ def test_enable_window_steps_hold_their_own_optimizer_step(tmp_path: Path) -> No
     assert not [b for b in begins for lo, hi in optimizer if lo < b < hi], "a step began inside an optimizer step"
 
 
+@pytest.mark.quick
 def test_enable_refuses_a_bad_option_by_name() -> None:
     from ondemand_prof import ConfigError
     from ondemand_prof.integrations import config_from_options

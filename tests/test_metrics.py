@@ -161,6 +161,7 @@ def test_a_bad_metrics_address_is_one_clear_line() -> None:
             assert res.returncode == 1 and says in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
+@pytest.mark.quick
 def test_scraping_4096_synthetic_ranks_in_a_loop_costs_one_snapshot_a_second() -> None:
     """The daemon object is real (its sockets, its HTTP server); its 4096 ranks are SYNTHETIC: registered and
     heart-beating through Daemon.dispatch from this thread, which plays the daemon's loop (dispatch, then the

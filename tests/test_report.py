@@ -239,6 +239,7 @@ def fixture_ascend_output(root: Path, rank: int) -> Path:
     return out.parent
 
 
+@pytest.mark.quick
 def test_fixture_ascend_profiler_output(tmp_path: Path) -> None:
     d = fixture_ascend_output(tmp_path, 3)
     (r,) = build_report([d])["captures"][0]["ranks"]

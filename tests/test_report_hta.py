@@ -130,6 +130,7 @@ def test_cpu_split_against_tensorboards_profiler_plugin(two_rank_capture: list[d
                                          "(TensorBoard)", cap["rank"], ours["comm_pct"] + ours["overlap_pct"], tb_pct)
 
 
+@pytest.mark.quick
 def test_hta_runs_its_critical_path_analysis(tmp_path: Path) -> None:
     """HTA 0.5's critical path analysis on a real ROCm trace: under pandas 3 it raises ValueError ("Cannot specify
     both 'axis' and 'index'/'columns'"), which is why the test extra pins pandas<3."""

@@ -339,6 +339,7 @@ def test_trigger_dir_owned_by_another_user_is_refused(tmp_path: Path, other_user
     assert f"belongs to uid {other_user['uid']}" in err, err[-3000:]
 
 
+@pytest.mark.quick
 def test_job_ids_cannot_leave_the_trigger_base() -> None:
     from ondemand_prof.rank.triggers import default_trigger_dir, job_dir_name
 
@@ -348,6 +349,7 @@ def test_job_ids_cannot_leave_the_trigger_base() -> None:
         assert default_trigger_dir(bad).parent.name == f"ondemand_prof-{os.getuid()}"
 
 
+@pytest.mark.quick
 def test_atomic_writes_never_follow_a_planted_link(tmp_path: Path) -> None:
     from ondemand_prof.core.files import write_json_atomic
     from ondemand_prof.rank.triggers import claim_decision
@@ -1200,6 +1202,7 @@ def test_wire_ids_cannot_name_paths_or_replace_or_flood_out_records(
     assert log.count("not recorded: the daemon's budget of") == 1, log[-3000:]
 
 
+@pytest.mark.quick
 def test_the_record_store_stays_within_its_cap_and_only_evicts_the_flooders_records(tmp_path: Path) -> None:
     from ondemand_prof.host.records import KEEP_PER_UID, KEEP_RECORDS, CaptureRecord, RecordRefused, RecordStore
 
@@ -1447,6 +1450,7 @@ def test_tcp_connections_without_a_key_cannot_take_the_unix_sockets_descriptors(
 # Round 2, the smaller items
 
 
+@pytest.mark.quick
 def test_triage_files_are_written_by_the_one_atomic_writer(tmp_path: Path) -> None:
     """write_private used a predictable temporary name opened with O_TRUNC: a link planted there was followed."""
     from ondemand_prof.rank.triage import write_private
@@ -1501,6 +1505,7 @@ def test_a_trace_a_member_cannot_read_is_not_called_missing(tmp_path: Path, othe
         shutil.rmtree(hidden, ignore_errors=True)
 
 
+@pytest.mark.quick
 def test_a_capture_far_ahead_does_not_make_later_captures_wait_for_it() -> None:
     """One capture with --start 100000 made every later relative capture plan after it (busy for days)."""
     from ondemand_prof.host.planning import plan_window
@@ -1518,6 +1523,7 @@ def test_a_capture_far_ahead_does_not_make_later_captures_wait_for_it() -> None:
     assert plan["start_step"] == 100_012
 
 
+@pytest.mark.quick
 def test_export_sched_is_a_known_variable(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     from ondemand_prof.core import options
     from ondemand_prof.core.options import config_from_env

@@ -134,6 +134,7 @@ def test_fallback_is_logged_with_the_reason(monkeypatch: pytest.MonkeyPatch, tmp
     assert "exit status 3" in caplog.text
 
 
+@pytest.mark.quick
 def test_no_fork_when_turned_off_or_failing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     forks: list[int] = []
 
@@ -150,6 +151,7 @@ def test_no_fork_when_turned_off_or_failing(monkeypatch: pytest.MonkeyPatch, tmp
     assert forks == [1] and len(written) == 2
 
 
+@pytest.mark.quick
 def test_an_in_process_save_error_reaches_the_exporter(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # what the exporter records as the capture's error, as before the fork existed
     monkeypatch.setenv(trace_save.FORK_ENV, "0")
@@ -330,6 +332,7 @@ FLAWS = {
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("flaw", FLAWS)
 def test_a_cached_module_is_refused_unless_it_is_ours(flaw: str, native_module: Any, tmp_path: Path) -> None:
     if flaw == "file of another user" and os.getuid() != 0:
@@ -345,6 +348,7 @@ def test_a_cached_module_is_refused_unless_it_is_ours(flaw: str, native_module: 
     assert expected in why
 
 
+@pytest.mark.quick
 def test_a_module_built_for_another_torch_or_source_is_not_used(native_module: Any, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "native"
@@ -380,6 +384,7 @@ def test_a_failed_build_is_remembered_and_the_trace_written_in_process(tmp_path:
     assert failed.stat().st_mtime_ns == noted
 
 
+@pytest.mark.quick
 def test_an_unknown_save_mode_is_named_and_auto_used(monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv(trace_save.FORK_ENV)
@@ -389,6 +394,7 @@ def test_an_unknown_save_mode_is_named_and_auto_used(monkeypatch: pytest.MonkeyP
     assert "ONDEMAND_PROF_TRACE_SAVE=forked is not one of auto, in-process, fork" in caplog.text
 
 
+@pytest.mark.quick
 def test_a_gloo_rank_stops_the_profiler_once_no_gloo_collective_runs() -> None:
     """torch's gloo workers end a collective's profiler range after completing its future (torch_backend.py): the
     stop waits until every gloo worker waits for its next work item, at most the bound. A collective still
@@ -521,6 +527,7 @@ def test_a_capture_is_post_processed_while_the_native_build_is_stopped(in_proces
 # Issue 31: a capture never harms the run (the native save's hazards)
 
 
+@pytest.mark.quick
 def test_a_result_the_native_module_cannot_take_is_saved_in_process(native_module: Any, auto_mode: None,
                                                                     tmp_path: Path) -> None:
     """pybind11 answers a failed cast with cast_error, a RuntimeError in Python (not TypeError): the module says

@@ -182,6 +182,7 @@ def synthetic_fr_dump(rank: int, last_seq: int, state_of_last: str = "scheduled"
             "entries": entries}
 
 
+@pytest.mark.quick
 def test_flight_recorder_summary_names_the_collective_a_rank_did_not_enter() -> None:
     from ondemand_prof.host.triage import summarize_flight_recorder
     from ondemand_prof.rank.triage import flight_recorder_digest
@@ -235,6 +236,7 @@ class FakeCudaMemory:
         return synthetic_cuda_snapshot()
 
 
+@pytest.mark.quick
 def test_memory_recording_switches_history_on_for_the_steps_then_off(tmp_path: Path) -> None:
     from ondemand_prof.rank.triage import MemoryRecording
 
@@ -276,6 +278,7 @@ def test_a_slowdown_opens_one_automatic_window_then_the_cooldown_holds(tmp_path:
     assert "no automatic capture: cooldown" in err, err[-3000:]  # the slowdown went on; the cooldown held
 
 
+@pytest.mark.quick
 def test_auto_is_off_by_default_and_checked(tmp_path: Path) -> None:
     from ondemand_prof import OnDemandProfiler
     from ondemand_prof.core.options import ConfigError, config_from_mapping
@@ -332,6 +335,7 @@ def test_the_daemon_adds_a_reference_rank_and_status_marks_the_straggler(env: di
         p.kill()
 
 
+@pytest.mark.quick
 def test_slow_step_monitor_fires_on_k_consecutive_slow_steps_only() -> None:
     from ondemand_prof.rank.autocapture import SlowStepMonitor
 
@@ -358,6 +362,7 @@ def test_slow_step_monitor_fires_on_k_consecutive_slow_steps_only() -> None:
     assert len(fired) == 1
 
 
+@pytest.mark.quick
 def test_cooldown_and_hourly_budget_bound_automatic_captures() -> None:
     from types import SimpleNamespace
 

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -70,8 +71,6 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 def end_test_env(procs: list[subprocess.Popen], *dirs: Path) -> None:
     """The end of a test's environment: its processes with everything under them, then its directories."""
-    import shutil
-
     for p in procs:
         kill_tree(p)
     for d in dirs:
@@ -322,6 +321,16 @@ def live_ranks(run_dir: Path, job: str | None = None) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------------------------------
 # A daemon's test environment: its runtime and state directories (short paths: a unix socket path holds 107
 # bytes), where ranks save, and the processes to end (ranks first, then daemons: examples start children)
+
+@pytest.fixture
+def dirs() -> Iterator[dict[str, Path]]:
+    """A daemon's runtime and state directories alone (short paths), removed after: for a test that starts and
+    ends its daemon itself (test_security, test_hardening3)."""
+    run_dir, state_dir = short_dir("odpd"), short_dir("odpds")
+    yield {"run": run_dir, "state": state_dir}
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(state_dir, ignore_errors=True)
+
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[dict[str, Any]]:

@@ -33,6 +33,7 @@ from ondemand_prof.host.transport import SCHEMA  # noqa: E402
 from ondemand_prof.rank.triggers import read_trigger  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # conftest's helpers, for the daemon fuzz
+from conftest import register_msg  # noqa: E402
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -90,7 +91,8 @@ def test_protocol_decoder_accepts_or_refuses_cleanly(frame: bytes) -> None:
         json.dumps(msg, ensure_ascii=False).encode("utf-8")
 
 
-REGISTER = {"v": 1, "type": "register", "job": "j", "rank": 0, "world_size": 1, "host": "h", "pid": 1, "step": 0}
+REGISTER = {"v": 1, **register_msg(pid=1, step=0)}
+del REGISTER["began"]  # the step last: a tail cut into the frame extends that integer, which the decoder bounds
 
 
 def _required_ints_bounded(msg: dict[str, Any]) -> bool:
@@ -290,8 +292,9 @@ def fuzz_daemon() -> Any:
     rank.setsockopt(zmq.LINGER, 0)
     rank.connect(f"ipc://{run}/profd.sock")
     config = make_config_class()()
-    base = {"v": 1, "type": "register", "job": "fz", "rank": 0, "world_size": 2, "host": "h", "pid": os.getpid(),
-            "step": 5, "save_root": str(state), "defaults": WindowDefaults.from_config(config).to_wire()}
+    base = {"v": 1, **register_msg(0, 2, job="fz", pid=os.getpid(), step=5, save_root=str(state),
+                                   defaults=WindowDefaults.from_config(config).to_wire())}
+    del base["began"]  # (a rank that says no step time, as this base always was)
     env = {"run": run, "proc": proc, "rank": rank, "base": base, "ctx": ctx, "capture": None,
            "options": WindowOptions.from_config(config)}
     yield env

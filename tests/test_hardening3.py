@@ -25,20 +25,12 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import ROOT, base_env, ctl, short_dir, start_daemon, status_lines, wait_for
+from conftest import ROOT, base_env, ctl, start_daemon, status_lines, wait_for
 from test_security import as_user, other_user, published, stop, train  # noqa: F401 - other_user is a fixture
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="openat, SO_PEERCRED and /proc: Linux only")
 
 SCRAPE_TIMEOUT_S = 10.0  # Prometheus's default scrape_timeout: what "served within its timeout" means
-
-
-@pytest.fixture
-def dirs() -> Iterator[dict[str, Path]]:
-    run, state = short_dir("odph3"), short_dir("odph3s")
-    yield {"run": run, "state": state}
-    shutil.rmtree(run, ignore_errors=True)
-    shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture

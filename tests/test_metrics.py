@@ -7,7 +7,6 @@ in a tight loop cost the daemon's loop at most one snapshot a second."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -24,7 +23,8 @@ import pytest
 pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from conftest import ROOT, base_env, ctl, ctl_json, daemon, register_msg, short_dir, wait_for  # noqa: E402
+from conftest import ROOT, base_env, ctl, ctl_json, daemon, inprocess_daemon, register_msg, short_dir, \
+    wait_for  # noqa: E402
 from test_triage import ranks, stalled  # noqa: E402
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -162,27 +162,16 @@ def test_a_bad_metrics_address_is_one_clear_line() -> None:
 
 
 @pytest.mark.quick
-def test_scraping_4096_synthetic_ranks_in_a_loop_costs_one_snapshot_a_second() -> None:
+def test_scraping_4096_synthetic_ranks_in_a_loop_costs_one_snapshot_a_second(tmp_path: Path) -> None:
     """The daemon object is real (its sockets, its HTTP server); its 4096 ranks are SYNTHETIC: registered and
     heart-beating through Daemon.dispatch from this thread, which plays the daemon's loop (dispatch, then the
     tick the loop runs) while another thread scrapes /metrics as fast as it can."""
-    from ondemand_prof.core.options import ProfileConfig
     from ondemand_prof.core.protocol import encode
-    from ondemand_prof.core.requests import WindowDefaults
-    from ondemand_prof.host.daemon import Daemon
 
     n = 4096
-    run_dir, state_dir = short_dir("odpm"), short_dir("odpms")
-    d = Daemon(run_dir, state_dir, metrics="127.0.0.1:0")
-    d.open()
+    d, _ = inprocess_daemon(tmp_path, n, metrics="127.0.0.1:0")  # registered through dispatch as routes r/0 ...
     try:
-        d._send = lambda route, body: None  # noqa: SLF001 - nobody is there to read replies
-        defaults = WindowDefaults.from_config(ProfileConfig(save_path="/tmp/synthetic")).to_wire()
         routes = [b"r/%d" % r for r in range(n)]
-        for r, route in enumerate(routes):
-            d.dispatch(route, encode("register", job="synthetic", rank=r, world_size=n, host="h", pid=os.getpid(),
-                                     local_rank=r, save_root="/tmp/synthetic", defaults=defaults, step=0,
-                                     began=time.time(), state="idle", step_time=0.01))
         url = f"http://{d.metrics.address}/metrics"
         bodies: list[bytes] = []
         stop = threading.Event()

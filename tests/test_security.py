@@ -21,17 +21,9 @@ from typing import Any, Iterator
 import pytest
 import zmq
 
-from conftest import ROOT, base_env, ctl, ctl_json, short_dir, start_daemon, status_lines, wait_for
+from conftest import ROOT, base_env, ctl, ctl_json, register_msg, short_dir, start_daemon, status_lines, wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="unix sockets, SO_PEERCRED and /proc: Linux only")
-
-
-@pytest.fixture
-def dirs() -> Iterator[dict[str, Path]]:
-    run_dir, state_dir = short_dir("odpsec"), short_dir("odpsecs")
-    yield {"run": run_dir, "state": state_dir}
-    shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def stop(proc: subprocess.Popen) -> tuple[str, str]:
@@ -849,9 +841,10 @@ def _register(rank: UserRank, job: str, pid: int, **extra: Any) -> dict[str, Any
     from ondemand_prof.core.options import make_config_class
     from ondemand_prof.core.requests import WindowDefaults
 
-    defaults = WindowDefaults.from_config(make_config_class()()).to_wire()
-    rank.send(type="register", job=job, rank=0, world_size=1, host=socket.gethostname(), pid=pid, step=5,
-              defaults=defaults, **extra)
+    msg = register_msg(job=job, pid=pid, step=5, host=socket.gethostname(),
+                       defaults=WindowDefaults.from_config(make_config_class()()).to_wire(), **extra)
+    del msg["began"]  # (this rank says no step time)
+    rank.send(**msg)
     return rank.reply()
 
 

@@ -12,8 +12,9 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
-from ..client import EXIT_OK, EXIT_USAGE, Client, CtlError, OneHost, Reply, dumps
-from ..merge import exit_across, failures, nothing_found
+from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError, OneHost, Reply, dumps
+from ..merge import exit_across, failures, no_capture, nothing_found, one_capture
+from ..multihost import ask
 from ..service import BadRequest, Service
 
 if TYPE_CHECKING:
@@ -141,3 +142,23 @@ def nothing_found_here(replies: dict[str, Reply]) -> CtlError:
     answer are named: the capture may be there."""
     warn({n: r.error for n, r in replies.items() if r.kind != "error"}, sys.stderr)
     return nothing_found(replies)
+
+
+def capture_replies(fan: Fanout | OneHost, msg_type: str, fields: dict[str, Any],
+                    **kw: Any) -> tuple[dict[str, Reply], dict[str, str]]:
+    """Ask every daemon about one capture: the replies of the hosts that have it (one capture, however partial
+    its id), and the hosts that failed, which the caller warns of once it has printed (CtlError: none has it)."""
+    replies = ask(fan, msg_type, fields, **kw)
+    found = one_capture(replies)
+    if not found:
+        raise nothing_found_here(replies)
+    return found, failures(replies, no_capture)
+
+
+def warned_exit(failed: dict[str, str], succeeded: bool) -> int:
+    """After a report or comparison printed: the failed hosts said on stderr; partial when there are some, else
+    whether anything was reported."""
+    warn(failed, sys.stderr)
+    if failed:
+        return EXIT_PARTIAL
+    return EXIT_OK if succeeded else EXIT_FAILED

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, CtlError, OneHost, dumps
-from ..multihost import ask
-from ..merge import failures, no_capture, one_capture
-from .base import nothing_found_here, warn
+from ..client import CtlError, OneHost, dumps
+from .base import capture_replies, warned_exit
 
 if TYPE_CHECKING:
     from ...report.model import Report as ReportData
@@ -79,20 +76,13 @@ def report_capture(fan: Fanout | OneHost, capture_id: str, args: argparse.Namesp
     from ...core.tracedefs import SUMMARY_TOP
     from ..summaries import merge_summaries
 
-    replies = ask(fan, "summaries", {"capture_id": capture_id}, **({"hosts": hosts} if hosts else {}))
-    found = one_capture(replies)
-    if not found:
-        raise nothing_found_here(replies)
+    found, failed = capture_replies(fan, "summaries", {"capture_id": capture_id}, **({"hosts": hosts} if hosts else {}))
     if whole:
         parts = [p for r in found.values() for p in r.data["parts"]]
         done = [p for p in parts if p["state"] == "done"]
         if not done or args.top > SUMMARY_TOP or any(p.get("summary") is None for p in done):
             return None
-    failed = failures(replies, no_capture)
     data = merge_summaries((n, r.data) for n, r in found.items())
     data["failed_hosts"] = failed
     render_report(data, args, out)
-    warn(failed, sys.stderr)
-    if failed:
-        return EXIT_PARTIAL
-    return EXIT_OK if data["ranks_read"] else EXIT_FAILED
+    return warned_exit(failed, bool(data["ranks_read"]))

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ...core.config import ProfileConfig
 from ...core.ids import valid_id
-from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError, OneHost
-from ..multihost import ask
-from ..merge import failures, no_capture, one_capture
+from ..client import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Client, CtlError, OneHost
 from ...core.ids import match_id
 from ..service import BadRequest, Service
-from .base import Command, nothing_found_here, warn
+from .base import Command, capture_replies, warned_exit
 from .rendering import render_comparison, report_capture, report_paths
 
 if TYPE_CHECKING:
@@ -90,18 +87,11 @@ def compare_across(fan: Fanout | OneHost, args: argparse.Namespace, out: TextIO)
     (`compare`), and the ranks of every host are concluded on here (no trace crosses the network)."""
     from ..summaries import conclude_replies
 
-    replies = ask(fan, "compare", {"capture_id": args.paths[0], "baseline_id": args.baseline})
-    found = one_capture(replies)
-    if not found:
-        raise nothing_found_here(replies)
-    failed = failures(replies, no_capture)
+    found, failed = capture_replies(fan, "compare", {"capture_id": args.paths[0], "baseline_id": args.baseline})
     comparison = conclude_replies((n, r.data) for n, r in found.items())
     comparison["failed_hosts"] = failed
     render_comparison(comparison, args, out)
-    warn(failed, sys.stderr)
-    if failed:
-        return EXIT_PARTIAL
-    return EXIT_OK if compared(comparison) else EXIT_FAILED
+    return warned_exit(failed, compared(comparison))
 
 
 def compared(comparison: dict[str, Any]) -> bool:

@@ -63,6 +63,7 @@ def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> Report:
     header as the report from traces has it (the source, the steps recorded, each rank's folder found), so that
     both print the same but for where the capture id was read ("the daemon's record", not metadata.json)."""
     from ..report import summarize_group
+    from ..report.grouping import by_capture_id
 
     t0 = time.monotonic()
     replies = list(replies)
@@ -90,7 +91,7 @@ def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> Report:
     # each member is a RankResult: our fields, then the rank's summary.json (written by rank/postprocess.py)
     job, cid = first["job"], first["capture_id"]
     group = summarize_group((job, cid), cast("list[RankResult]", members),
-                            f"capture id {cid}" + (f" of job {job}" if job else "") + " (the daemon's record)")
+                            by_capture_id(job, cid, "the daemon's record"))
     # the window as the lowest rank ran it (its part's; the report from traces reads its metadata): where every rank
     # began late, one moved the record's planned window
     _, window, recorded = min(ran, key=lambda r: r[0], default=(0, None, None))

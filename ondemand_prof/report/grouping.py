@@ -37,6 +37,12 @@ SLOW_RULE = (f"marked when at least {SLOW_MIN_RANKS} ranks have steps and its me
 Group = tuple[tuple[Any, Any], str, list[RankResult]]  # (job id, capture id), why these ranks, the ranks
 
 
+def by_capture_id(job: Any, capture_id: Any, read_from: str) -> str:
+    """Why ranks are one capture: their capture id (and job), as `read_from` gives it (metadata.json, the
+    daemon's record)."""
+    return f"capture id {capture_id}" + (f" of job {job}" if job else "") + f" ({read_from})"
+
+
 def group_ranks(members: list[RankResult]) -> list[Group]:
     """The rank reports grouped into captures (module docstring), each with a sentence saying why."""
     ours: dict[tuple[Any, Any], list[RankResult]] = {}
@@ -49,7 +55,7 @@ def group_ranks(members: list[RankResult]) -> list[Group]:
             rest.setdefault((m.get("folder") or "", family, _world(m), m.get("job_id")), []).append(m)
     groups: list[Group] = []
     for (job, cid), ms in ours.items():
-        groups.append(((job, cid), f"capture id {cid}" + (f" of job {job}" if job else "") + " (metadata.json)", ms))
+        groups.append(((job, cid), by_capture_id(job, cid, "metadata.json"), ms))
     for (folder, family, world, job), ms in rest.items():
         buckets = _split(ms)
         for k, bucket in enumerate(buckets):

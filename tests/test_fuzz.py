@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.quick  # in-process: the quick tier (conftest.py)
+# the quick tier (conftest.py) holds every test here but the last, which starts a daemon: each marked
 
 hypothesis = pytest.importorskip("hypothesis", reason="the test extra (pip install -e '.[test]') brings hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -74,6 +74,7 @@ def frames() -> st.SearchStrategy[bytes]:
     )
 
 
+@pytest.mark.quick
 @FUZZ
 @given(frames())
 def test_protocol_decoder_accepts_or_refuses_cleanly(frame: bytes) -> None:
@@ -102,6 +103,7 @@ def _required_ints_bounded(msg: dict[str, Any]) -> bool:
                for k, v in ints.items())
 
 
+@pytest.mark.quick
 @FUZZ
 @given(st.sampled_from(["rank", "world_size", "pid", "step"]),
        st.integers() | st.integers(-3, 1 << 23) | st.floats() | st.booleans())
@@ -119,6 +121,7 @@ def test_rank_messages_carry_ints_exactly_within_their_bounds(field: str, value:
     assert msg[field] == value
 
 
+@pytest.mark.quick
 @FUZZ
 @given(st.binary(max_size=300))
 def test_a_rank_message_cut_and_extended_is_refused_or_bounded(tail: bytes) -> None:
@@ -130,6 +133,7 @@ def test_a_rank_message_cut_and_extended_is_refused_or_bounded(tail: bytes) -> N
     assert msg["type"] in RANK_MESSAGES and _required_ints_bounded(msg), msg
 
 
+@pytest.mark.quick
 @FUZZ
 @given(st.lists(st.from_regex(r"-?[0-9]{1,40}(\.[0-9]{1,40})?([eE][+-]?[0-9]{1,4})?", fullmatch=True),
                 min_size=1, max_size=4))
@@ -150,6 +154,7 @@ def test_numbers_are_taken_or_refused_as_the_checking_decoder_does(numbers: list
     assert got == expected, text
 
 
+@pytest.mark.quick
 def test_only_utf8_without_lone_surrogates_is_taken() -> None:
     """UTF-8 only (a byte-order mark allowed): UTF-16 hid brackets from the depth scan (an escaped quote read as
     UTF-8), and a lone surrogate, escaped or raw, could be stored and printed to other users."""
@@ -163,6 +168,7 @@ def test_only_utf8_without_lone_surrogates_is_taken() -> None:
     assert loads(b'{"a":"\\\\ud800"}', 1 << 20) == {"a": "\\ud800"}  # an escaped backslash, not an escape
 
 
+@pytest.mark.quick
 @FUZZ
 @given(st.integers(1, 200_000), st.integers(0, 3))
 def test_nesting_depth_is_measured_without_recursion(depth: int, kind: int) -> None:
@@ -178,6 +184,7 @@ def test_nesting_depth_is_measured_without_recursion(depth: int, kind: int) -> N
         assert kind == 2 or depth <= 64
 
 
+@pytest.mark.quick
 @FUZZ
 @given(st.one_of(st.binary(max_size=3000), json_values.map(lambda v: json.dumps(v).encode()),
                  st.integers(1, 80_000).map(nested),
@@ -205,6 +212,7 @@ rank_items = st.one_of(st.integers(-5, 2**40), st.text(alphabet="0123456789-, ",
                        st.booleans(), st.floats(), st.none())
 
 
+@pytest.mark.quick
 @FUZZ
 @given(st.one_of(rank_items, st.lists(rank_items, max_size=6)), st.one_of(st.none(), st.integers(1, 1 << 20)))
 def test_rank_grammar_is_bounded(spec: object, world: int | None) -> None:
@@ -224,6 +232,7 @@ config_keys = st.sampled_from(["profile", "profile_step_start", "profile_step_en
                                "profile_file_mode", "profile_min_free_mb", "unknown_key"])
 
 
+@pytest.mark.quick
 @FUZZ
 @given(st.dictionaries(config_keys, config_values, max_size=6))
 def test_config_parser_accepts_or_names_the_bad_option(values: dict) -> None:

@@ -1,5 +1,6 @@
 """Stress: thousands of capture windows back to back, each saved while the next one records, on 2-rank gloo jobs
-beside CPU hogs, with glibc's malloc checking on. Any crash is read from its core and attributed.
+beside CPU hogs, with glibc's malloc checking on (auto and in-process; the fork mode without it: below). Any crash
+is read from its core and attributed.
 
     python bench/bench_save_stress.py --modes auto,in-process,fork --windows 300 [--jobs 1] [--hogs 1]
 
@@ -17,9 +18,9 @@ The ranks run with GLIBC_TUNABLES=glibc.malloc.check=3:glibc.malloc.perturb=165:
 and libc_malloc_debug.so preloaded (`--no-malloc-check`: glibc's defaults): a heap inconsistency aborts at once,
 freed memory is overwritten, and a late write into a freed block of 64 KiB or more faults at the write. The fork
 mode runs without the debug library (its arena locks survive a fork held: the child hangs), with glibc's own
-checks, perturb and the mmap threshold. A rank
-that dies leaves a core (RLIMIT_CORE raised; core_pattern `core`); gdb's stack of the faulting thread is printed
-and attributed: to torch's gloo race when a gloo worker faulted in the profiler's end callback, to us when a
+checks, perturb (which skips blocks kept in the per-thread cache) and the mmap threshold. A rank that dies
+leaves a core (RLIMIT_CORE raised; core_pattern `core`); gdb's stack of the faulting thread is printed and
+attributed: to torch's gloo race when a gloo worker faulted in the profiler's end callback, to us when a
 frame of odp_save or trace_save is on it, else to be read.
 
 Prints a row per job and mode (windows per rank, traces checked, how it ended) and the totals; docs/faults.md

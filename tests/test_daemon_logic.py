@@ -31,16 +31,16 @@ def test_plan_starts_after_the_furthest_rank_with_lead_for_delivery() -> None:
     # rank 1 reported step 12 at t=100 with 0.1 s steps; at t=100.35 it is running step 15
     ranks = [rank(0, 10), rank(1, 12), rank(2, 11, step_time=None)]
     plan = plan_window(ranks, 100.35, start=None, start_step=None, steps=3)
-    assert plan["current_steps"] == {0: 13, 1: 15, 2: 11}
+    assert plan.current_steps == {0: 13, 1: 15, 2: 11}
     # delivery (0.05 s) may spill into the next step; the boundary after it begins the warmup step
-    assert plan["lead_steps"] == 3
-    assert (plan["start_step"], plan["end_step"]) == (18, 21)
+    assert plan.lead_steps == 3
+    assert (plan.start_step, plan.end_step) == (18, 21)
     # fast steps need more lead: 5 ms steps -> ceil(0.05 / 0.005) + 2
     fast = plan_window([rank(0, 10, step_time=0.005)], 100.0, start=None, start_step=None, steps=1)
-    assert fast["lead_steps"] == 12 and fast["start_step"] == 22
+    assert fast.lead_steps == 12 and fast.start_step == 22
     # a larger requested offset wins over the lead
     later = plan_window(ranks, 100.35, start=30, start_step=None, steps=2)
-    assert later["start_step"] == 45
+    assert later.start_step == 45
 
 
 def test_heartbeat_progress_corrects_a_median_still_weighed_by_slow_first_steps() -> None:
@@ -101,8 +101,8 @@ def test_plan_goes_after_windows_already_on_the_ranks() -> None:
     busy = rank(1, 12)
     busy.windows = [{"capture_id": "file-abc", "start": 14, "end": 40, "source": "file", "state": "scheduled"}]
     plan = plan_window([rank(0, 10), busy], 100.0, start=None, start_step=None, steps=2)
-    assert (plan["start_step"], plan["end_step"]) == (40, 42)
-    assert plan["note"] == ("planned after window(s) file-abc already scheduled or running on rank(s) 1 "
+    assert (plan.start_step, plan.end_step) == (40, 42)
+    assert plan.note == ("planned after window(s) file-abc already scheduled or running on rank(s) 1 "
                             "(from step 15 to 40)")
     busy.windows[0]["end"] = None
     with pytest.raises(ValueError, match=r"rank 1 records an open-ended window \[14, close\)"):
@@ -111,9 +111,9 @@ def test_plan_goes_after_windows_already_on_the_ranks() -> None:
 
 def test_absolute_start_names_the_ranks_that_will_be_late() -> None:
     plan = plan_window([rank(0, 10), rank(1, 20)], 100.0, start=None, start_step=21, steps=2)
-    assert (plan["start_step"], plan["end_step"]) == (21, 23)
-    assert plan["late_ranks"] == [1] and plan["past_ranks"] == []  # close to it: may be late, not past it
-    assert plan_window([rank(0, 10), rank(1, 20)], 100.0, start=None, start_step=15, steps=2)["past_ranks"] == [1]
+    assert (plan.start_step, plan.end_step) == (21, 23)
+    assert plan.late_ranks == (1,) and plan.past_ranks == ()  # close to it: may be late, not past it
+    assert plan_window([rank(0, 10), rank(1, 20)], 100.0, start=None, start_step=15, steps=2).past_ranks == (1,)
 
 
 def test_registry_selects_live_ranks_and_names_missing_ones() -> None:

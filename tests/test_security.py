@@ -1508,12 +1508,12 @@ def test_a_capture_far_ahead_does_not_make_later_captures_wait_for_it() -> None:
     near = {"capture_id": "near", "start": 12, "end": 20, "source": "file", "state": "queued"}
     rank = RankInfo(route=b"r", job="j", rank=0, world_size=1, host="h", pid=1, step=10, windows=[far])
     plan = plan_window([rank], 0.0, start=None, start_step=None, steps=2)
-    assert (plan["start_step"], plan["end_step"]) == (12, 14) and "after" not in plan
+    assert (plan.start_step, plan.end_step) == (12, 14) and plan.after is None
     rank.windows = [near, far]
     plan = plan_window([rank], 0.0, start=None, start_step=None, steps=2)
-    assert plan["start_step"] == 20 and plan["after"]["capture_ids"] == ["near"]
+    assert plan.start_step == 20 and plan.after is not None and plan.after["capture_ids"] == ["near"]
     plan = plan_window([rank], 0.0, start=100_000, start_step=None, steps=2)  # [100010, 100012): after the far one
-    assert plan["start_step"] == 100_012
+    assert plan.start_step == 100_012
 
 
 @pytest.mark.quick

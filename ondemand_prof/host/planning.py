@@ -97,7 +97,7 @@ class DeliveryBook:
 
 
 def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, start_step: int | None,
-                steps: int, delivery_s: float = DELIVERY_S) -> dict[str, Any]:
+                steps: int, delivery_s: float = DELIVERY_S) -> Plan:
     """One absolute window [first, first + steps) that every target can begin on time.
 
     A relative start is counted from the furthest-ahead target's current step; the window is put at least
@@ -120,7 +120,6 @@ def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, 
     else:
         first = max(furthest + (start or 1), earliest)
         late, past = [], []
-    plan: dict[str, Any] = {"current_steps": current, "lead_steps": lead, "late_ranks": late, "past_ranks": past}
     # only windows that share a step with [first, first + steps) are in the way: one planned far ahead (a capture
     # with --start 100000) leaves the steps before it free
     blocking = _overlapping(targets, first, steps)
@@ -129,21 +128,22 @@ def plan_window(targets: Iterable[RankInfo], wall: float, *, start: int | None, 
         if not more:
             break
         blocking += more  # moved after these, the window meets the next ones
+    after: dict[str, Any] | None = None
+    note = ""
     if blocking and start_step is None:
         open_ended = [(r, w) for r, w in blocking if w["end"] is None]
         if open_ended:
             rank, w = open_ended[0]
             raise ValueError(f"rank {rank} records an open-ended window [{w['start']}, close) "
                              f"({w['source']}, {w['capture_id']}); cancel it first")
-        after = max(w["end"] for _, w in blocking)
-        if after > first:
+        last = max(w["end"] for _, w in blocking)
+        if last > first:
             ids = sorted({w["capture_id"] for _, w in blocking})
-            plan["after"] = {"capture_ids": ids, "ranks": sorted({r for r, _ in blocking}), "moved_from": first}
-            plan["note"] = (f"planned after window(s) {', '.join(ids)} already scheduled or running on rank(s) "
-                            f"{spans(r for r, _ in blocking)} (from step {first} to {after})")
-            first = after
-    plan.update(start_step=first, end_step=first + steps)
-    return plan
+            after = {"capture_ids": ids, "ranks": sorted({r for r, _ in blocking}), "moved_from": first}
+            note = (f"planned after window(s) {', '.join(ids)} already scheduled or running on rank(s) "
+                    f"{spans(r for r, _ in blocking)} (from step {first} to {last})")
+            first = last
+    return Plan(first, first + steps, current, lead, tuple(late), tuple(past), after, note)
 
 
 def _overlapping(targets: list[RankInfo], first: int, steps: int) -> list[tuple[int, dict[str, Any]]]:
@@ -298,9 +298,9 @@ def plan_across(targets: dict[str, list[RankInfo]], request: dict[str, Any], rou
     ranks = [i for infos in targets.values() for i in infos]
     slowest = max((i.step_time or 0.0) for i in ranks)
     try:
-        return Plan.of(plan_window(ranks, time.time() if now is None else now, start=request.get("start"),
-                                   start_step=request.get("start_step"), steps=request["steps"],
-                                   delivery_s=local_delivery_s + 2 * round_trip_s + slowest), note)
+        return plan_window(ranks, time.time() if now is None else now, start=request.get("start"),
+                           start_step=request.get("start_step"), steps=request["steps"],
+                           delivery_s=local_delivery_s + 2 * round_trip_s + slowest).noted(note)
     except ValueError as exc:
         raise CtlError(str(exc)) from None
 

@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -96,13 +96,9 @@ class Plan:
     after: Mapping[str, Any] | None = None
     note: str = ""
 
-    @classmethod
-    def of(cls, planned: Mapping[str, Any], *notes: str) -> "Plan":
-        """From the planner's answer (planning.plan_window), with `notes` said before the planner's own."""
-        return cls(planned["start_step"], planned["end_step"], dict(planned.get("current_steps") or {}),
-                   planned.get("lead_steps", 0), tuple(planned.get("late_ranks") or ()),
-                   tuple(planned.get("past_ranks") or ()), planned.get("after"),
-                   "; ".join(filter(None, [*notes, planned.get("note", "")])))
+    def noted(self, *notes: str) -> "Plan":
+        """The same plan with `notes` said before its own (a length cap's, a replan's reason)."""
+        return replace(self, note="; ".join(filter(None, [*notes, self.note])))
 
     def as_dict(self) -> dict[str, Any]:
         """The record's `plan` (ranks as text keys: what JSON makes of them anyway)."""

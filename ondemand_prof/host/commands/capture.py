@@ -24,7 +24,7 @@ from ..planning import common_cap, no_window
 from ..merge import capture_record
 from ...core.ids import BadId, check_id
 from ...core.ids import capture_id as make_capture_id
-from ..records import CaptureRecord, Plan
+from ..records import CaptureRecord
 from ..planning import plan_window
 from ..registry import owner_text, select_ranks
 from ..stalls import stalls
@@ -122,9 +122,9 @@ class Capture(Command):
         except (RequestError, ValueError) as exc:
             raise BadRequest(str(exc)) from None
         capture_id = _adopted_id(service, msg) or make_capture_id(wall=wall)
-        windows = Windows(request, defaults, planned["start_step"], capture_id, targets)
+        windows = Windows(request, defaults, planned.start_step, capture_id, targets)
         first = windows.first
-        plan = Plan.of(planned, first.note)  # the plan whole (the cap's note too) before any window leaves
+        plan = planned.noted(first.note)  # the plan whole (the cap's note too) before any window leaves
         record = service.open_capture(capture_id, live[0].job, request.as_dict(), plan, first.options.as_dict(),
                                       targets, wall, save=False)
         late = late_refusal(plan) if msg.get("across_hosts") is True else None
@@ -291,15 +291,15 @@ class Replanner:
         except ValueError:  # an open-ended window in the way: the refusal stands
             return False
         old = record.data["window"]
-        if planned["start_step"] <= old[0]:
+        if planned.start_step <= old[0]:
             return False  # nothing to move it after (the window refused for has ended)
         named = sorted({(w["start"], w["end"], w["source"], w["capture_id"]) for w in blocking.values() if w})
         why = (f"replanned after window{'s' if len(named) > 1 else ''} " +
                ", ".join(f"[{a}, {'close' if b is None else b}) ({src}, {c})" for a, b, src, c in named) +
                f", which held rank(s) {spans(sorted(busy))} and the daemon had not heard of (from step {old[0]} to "
-               f"{planned['start_step']})")
-        windows = Windows(self.request, self.defaults, planned["start_step"], cid, known)
-        plan = dataclasses.replace(Plan.of(planned), note="; ".join(filter(None, [windows.first.note, why])))
+               f"{planned.start_step})")
+        windows = Windows(self.request, self.defaults, planned.start_step, cid, known)
+        plan = dataclasses.replace(planned, note="; ".join(filter(None, [windows.first.note, why])))
         record.planned_again(plan, why)
         windows.send(self.service, known, plan.note)
         log.info("ondemand-profd: capture %s: %s", cid, why)

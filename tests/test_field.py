@@ -95,6 +95,15 @@ def test_the_default_relative_save_path_captures_through_the_daemon(env: dict[st
     capture_id = folder.name
     rep = ctl(env["run"], "report", capture_id[:17], "--summary")
     assert rep.returncode == 0 and re.search(r"^\s+1\s+2\s+[\d.]+", rep.stdout, re.M), rep.stdout + rep.stderr
+    # a rank's summary.json that cannot stand for its trace (its own word, valid JSON): said, and the traces read
+    summary = next(c for c in caps if c["rank"] == 1)["dir"] / "summary.json"
+    kept = summary.read_text()
+    summary.write_text(json.dumps({**json.loads(kept), "steps": "x"}))
+    fell_back = ctl(env["run"], "report", capture_id[:17], "--summary")
+    summary.write_text(kept)
+    assert fell_back.returncode == 0 and re.search(r"^\s+1\s+2\s+[\d.]+", fell_back.stdout, re.M), fell_back.stdout
+    assert "rank 1: summary.json: steps is 'x', not a list: its trace is read here" in fell_back.stderr, \
+        fell_back.stderr
     gone = ctl(env["run"], "report", "no-such-capture")
     assert gone.returncode == 1 and "is not a file or directory here, not a folder under profile, and not a " \
         "capture the daemon knows" in gone.stderr, gone.stderr

@@ -129,18 +129,34 @@ def test_late_and_misaligned_captures_are_named() -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Summaries and merged states
 
+def write_summary(folder: Path, rank: int, steps: list[int], mm_us: float = 3000.0, **meta: Any) -> dict[str, Any]:
+    """A rank's summary.json as its post-processing writes it (rank/postprocess.py's writer), of a small trace
+    built here (SYNTHETIC: a ProfilerStep of 9 ms and an aten::mm of `mm_us` each step); `meta`: the metadata
+    fields a rank adds (capture_id, job_id, options)."""
+    from ondemand_prof.rank.postprocess import write_rank_summary
+
+    events = []
+    for i, step in enumerate(steps):
+        t = 1_000_000 + 10_000 * i
+        events += [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "ts": t, "dur": 9000,
+                    "pid": 1, "tid": 1},
+                   {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t + 100, "dur": mm_us, "pid": 1, "tid": 1}]
+    folder.mkdir(parents=True, exist_ok=True)
+    write_rank_summary(folder, {"traceEvents": events}, {"rank": rank, "world_size": 2, "meta": meta})
+    return json.loads((folder / "summary.json").read_text())
+
+
 @pytest.mark.quick
 def test_summaries_are_read_safely_and_merged_with_the_failed_parts(tmp_path: Path) -> None:
     ok = tmp_path / "r0"
-    ok.mkdir()
-    (ok / "summary.json").write_text(json.dumps({"rank": 0, "step_ms_mean": 10.0, "steps": [{"step": 5}]}))
+    write_summary(ok, 0, [5])
     linked = tmp_path / "r1"
     linked.mkdir()
     (linked / "summary.json").symlink_to(ok / "summary.json")
     big = tmp_path / "r2"
     big.mkdir()
     (big / "summary.json").write_text(" " * (MAX_SUMMARY_BYTES + 1))
-    assert read_summary(str(ok))["step_ms_mean"] == 10.0
+    assert read_summary(str(ok))["step_ms_mean"] == 9.0
     with pytest.raises(OSError):
         read_summary(str(linked))  # never followed: a rank cannot point the daemon at another file
     with pytest.raises(ValueError, match="limit"):
@@ -161,6 +177,44 @@ def test_summaries_are_read_safely_and_merged_with_the_failed_parts(tmp_path: Pa
     parts[0]["summary"]["options"] = {"with_cpu": True, "level": "Level1"}  # as the rank recorded them
     assert list(merge_summaries([("node1", reply)])["captures"][0]["options"].items()) == [
         ("level", "Level1"), ("with_cpu", True)]
+
+
+@pytest.mark.quick
+def test_a_summary_that_cannot_stand_for_its_trace_fails_its_rank_alone(tmp_path: Path) -> None:
+    """A rank's summary.json is its own word (and a file that can be damaged): each way a helper broke one, as a
+    user would (valid JSON all), fails that rank with the field named, never the report (it raised TypeError,
+    KeyError or ValueError for every rank, blamed on the daemon's reply) and never shows another capture's or
+    rank's figures or absurd numbers as this rank's. The text and the HTML render what is left."""
+    from ondemand_prof.report.html import render_html
+    from ondemand_prof.report.text import render_text
+
+    good = write_summary(tmp_path / "r0", 0, [5, 6], capture_id="c1", job_id="j")
+    other = write_summary(tmp_path / "other", 1, [7, 8], mm_us=6000.0, capture_id="c2", job_id="j")
+    broken = {
+        "steps is 'x'": {"steps": "x"}, "steps[0] is 1": {"steps": [1, 2]}, "steps is missing": {"steps": None},
+        "top_self[0].name is None": {"top_self": [{"x": 1}]},
+        "steps[0].dur_ms is 'abc'": {"steps": [{**good["steps"][0], "dur_ms": "abc"}]},
+        "step_ms_mean is 1e+300": {"step_ms_mean": 1e300}, "compute_pct is 1e+300": {"compute_pct": 1e300},
+        "capture_id is 'c2'": other, "rank is 0": {"rank": 0}, "summary_version is None": {},
+        "collectives[0].via is [[1]]": {"collectives": [{"kind": "all_reduce", "via": [[1]]}]},
+        "memory.devices is 'x'": {"memory": {"devices": "x"}},
+    }
+    for said, change in broken.items():
+        summary = dict(other) if change is other else {**good, "rank": 1, **change}
+        if said == "steps is missing":
+            del summary["steps"]
+        if said == "summary_version is None":
+            summary = {}
+        parts = [{"rank": 0, "host": "h", "pid": 1, "state": "done", "path": "/p/r0", "summary": good},
+                 {"rank": 1, "host": "h", "pid": 2, "state": "done", "path": "/p/r1", "summary": summary}]
+        reply = {"capture_id": "c1", "job": "j", "window": [5, 7], "status": "done", "options": {}, "parts": parts}
+        merged = merge_summaries([("node1", reply)])
+        group = merged["captures"][0]
+        assert [r["rank"] for r in group["ranks"]] == [0], said
+        (failed,) = group["failed"]
+        assert failed["rank"] == 1 and failed["error"].startswith(f"summary.json: {said}"), (said, failed)
+        assert "rank 0" in render_text(merged) and "summary.json: " in render_text(merged), said
+        assert "rank 0" in render_html(merged), said
 
 
 # ----------------------------------------------------------------------------------------------------------

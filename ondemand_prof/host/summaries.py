@@ -51,13 +51,31 @@ def part_summaries(record: dict[str, Any]) -> list[dict[str, Any]]:
     for part in sorted(record["parts"].values(), key=lambda p: p["rank"]):
         entry: dict[str, Any] = {"rank": part["rank"], "host": part["host"], "pid": part["pid"],
                                  "state": part["state"], "path": part.get("path"), "late_by": part.get("late_by"),
-                                 "trace": part.get("trace"), "steps": part.get("steps"), "window": part.get("window")}
+                                 "trace": part.get("trace"), "steps": part.get("steps"), "window": part.get("window"),
+                                 "status": part.get("status")}
         entry.update(_summary_of(part))
         parts.append(entry)
     return parts
 
 
-def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> Report:
+def checked(reply: dict[str, Any]) -> dict[str, Any]:
+    """A `summaries` reply with each part's summary checked as the report reads it (report/checks.py): one that
+    cannot stand for its trace (of another version, rank or capture; a field no report of ours writes) is
+    dropped, and its part's error says why. The rank wrote it: the CLI checks what the daemon passed on."""
+    from ..report.checks import summary_problem
+
+    parts = []
+    for part in reply["parts"]:
+        if part.get("summary") is not None:
+            why = summary_problem(part["summary"], rank=part["rank"], capture_id=reply["capture_id"],
+                                  job_id=reply["job"])
+            if why:
+                part = {**{k: v for k, v in part.items() if k != "summary"}, "error": f"{SUMMARY_FILE}: {why}"}
+        parts.append(part)
+    return {**reply, "parts": parts}
+
+
+def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]], *, already_checked: bool = False) -> Report:
     """(daemon name, `summaries` reply) pairs -> the report's data (what report/text.py renders): one capture
     group with a member per rank, the across-ranks figures computed by the report's own summarize_group; its
     header as the report from traces has it (the source, the steps recorded, each rank's folder found), so that
@@ -66,7 +84,7 @@ def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> Report:
     from ..report.grouping import by_capture_id
 
     t0 = time.monotonic()
-    replies = list(replies)
+    replies = [(daemon, reply if already_checked else checked(reply)) for daemon, reply in replies]
     members: list[dict[str, Any]] = []
     sources: list[dict[str, Any]] = []
     ran: list[tuple[int, Any, Any]] = []  # (rank, the window it ran as it said: moved where it began late, steps)
@@ -76,8 +94,9 @@ def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> Report:
         for part in reply["parts"]:
             member = {"kind": "capture", "rank": part["rank"], "host": part["host"], "daemon": daemon,
                       "pid": part["pid"], "path": part.get("path") or "", "capture_id": reply["capture_id"],
-                      "job_id": reply["job"], "status": part["state"], "late_by": part.get("late_by"),
-                      "trace": part.get("trace"), "source": reply.get("source"), "warnings": []}
+                      "job_id": reply["job"], "status": part.get("status") or part["state"],
+                      "late_by": part.get("late_by"), "trace": part.get("trace"), "source": reply.get("source"),
+                      "window": _rank_window(part.get("window"), part.get("steps")), "warnings": []}
             if part.get("summary") is not None:
                 member.update({k: v for k, v in part["summary"].items() if k not in member or member[k] is None})
                 where = f"{daemon}:{member['path']}" if len(replies) > 1 else member["path"]
@@ -104,6 +123,13 @@ def merge_summaries(replies: Iterable[tuple[str, dict[str, Any]]]) -> Report:
     sources.sort(key=lambda e: e["path"])
     return {"captures": [group], "problems": [], "sources": sources, "ranks_read": len(group["ranks"]),
             "seconds": round(time.monotonic() - t0, 3)}
+
+
+def _rank_window(window: Any, steps: Any) -> dict[str, Any] | None:
+    """A rank's window as its metadata says it (start, end, the steps recorded), from its part."""
+    if not isinstance(window, list) or len(window) != 2:
+        return None
+    return {"start": window[0], "end": window[1], **({"recorded_steps": steps} if steps else {})}
 
 
 def recorded_options(members: list[dict[str, Any]], asked: Any) -> Any:

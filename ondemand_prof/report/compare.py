@@ -33,11 +33,16 @@ The rule that names the cause (docs/reports.md, "Comparing with a baseline"):
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from typing import Any, Iterable
 
 from ..core.ranks import MAX_RANK
+from .checks import MAX_CALLS, MAX_KINDS, MAX_MS, MAX_NAME, MAX_ROWS, MAX_TABLE_STEPS, Unusable, one_line, rank_number
+from .checks import a_list as _list
+from .checks import entry as _entry
+from .checks import number as _ms
+from .checks import shown as _shown
+from .checks import word as _word
 
 SPLIT = (("compute", "compute_ms"), ("communication", "comm_ms"), ("overlap", "overlap_ms"), ("idle", "idle_ms"))
 CHANGES = 10  # operators and kernels listed per rank
@@ -51,36 +56,6 @@ UNCHANGED_SHARE = 0.03  # a job step time within this share (and MIN_MS) of its 
 
 __all__ = ["compare_rank", "conclude", "rank_figures", "rank_number", "CHANGES", "Unusable"]
 
-# What a rank's report may hold to be compared (a summary.json is written by the rank's own post-processing, so a
-# rank can write anything there): more, or another type, and the rank is not compared (Unusable says where)
-MAX_MS = 1e9  # a time, ms (per step or in all): about 11 days; none measured is near it
-MAX_CALLS = 1e12  # calls of one operator or collective kind
-MAX_TABLE_STEPS = 10**6  # the steps an operator table covers, and the steps of a rank's report
-MAX_ROWS = 1000  # operators or kernels a table: a report of ours writes 300 of each (analyze.PER_STEP_OPS)
-MAX_KINDS = 64  # collective kinds, communication libraries: a dozen of each exist
-MAX_NAME = 4096  # characters of an operator's or kernel's name (a long demangled signature is 1-2 thousand)
-MAX_WORD = 64  # a kind's, library's, level's or basis's name
-
-
-class Unusable(ValueError):
-    """A rank's report that does not hold what a comparison reads; the message names the field."""
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _ms(value: Any, where: str, hi: float = MAX_MS) -> float:
-    """A time (or count, with `hi`) from a rank's report: a finite number from 0 to `hi` (None: 0); a hair below
-    0 (float sums of intervals) is 0."""
-    if value is None:
-        return 0.0
-    if type(value) not in (int, float) or not math.isfinite(value) or not -1e-3 <= value <= hi:
-        raise Unusable(f"{where} is {_shown(value)}, not a number from 0 to {hi:g}")
-    return max(0.0, float(value))
-
-
 def _column_sum(steps: list[dict[str, Any]], field: str) -> float:
     """The sum of one field over a rank's steps, each checked as _ms checks it. A summary holds up to ~7,000
     steps: the types and the range are checked by builtins over the column, each value by _ms only where one
@@ -93,50 +68,6 @@ def _column_sum(steps: list[dict[str, Any]], field: str) -> float:
         if min(values) >= 0 and max(values) <= MAX_MS and math.isfinite(total):  # (min and max skip a NaN)
             return total
     return sum(_ms(x.get(field), f"steps[{i}].{field}") for i, x in enumerate(steps))
-
-
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # (a newline too: a word is one line of the cause)
-
-
-def _word(value: Any, where: str, limit: int = MAX_WORD, optional: bool = True) -> Any:
-    """A name: a string of at most `limit` characters; a kind's, library's, level's or basis's (limit MAX_WORD,
-    a word of a small vocabulary) without control characters, newlines included."""
-    if value is None and optional:
-        return None
-    if not isinstance(value, str) or len(value) > limit or (limit <= MAX_WORD and _CONTROL.search(value)):
-        raise Unusable(f"{where} is {_shown(value)}, not a name of at most {limit} characters"
-                       + (" without control characters" if limit <= MAX_WORD else ""))
-    return value
-
-
-def one_line(text: str) -> str:
-    """An operator's or kernel's name (a trace's or a summary's: anything) as one line of the cause, which the
-    daemon logs and list and show print: control characters, newlines and tabs shown as escapes (a name holding
-    a newline forged a line of the daemon's log)."""
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
-
-
-def _list(value: Any, where: str, limit: int) -> list[Any]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise Unusable(f"{where} is {_shown(value)}, not a list")
-    if len(value) > limit:
-        raise Unusable(f"{where} has {len(value)} entries, more than the {limit} a report of ours holds")
-    return value
-
-
-def _entry(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise Unusable(f"{where} is {_shown(value)}, not an object")
-    return value
-
-
-def rank_number(value: Any, where: str = "rank") -> int | None:
-    """A rank number from a rank's report or metadata (None: not known); Unusable for anything else."""
-    if value is None or (type(value) is int and 0 <= value <= MAX_RANK):
-        return value
-    raise Unusable(f"{where} is {_shown(value)}, not a rank number")
 
 
 def _table(rows: Any, where: str, width: int, m: int) -> dict[str, list[float]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ..client import CtlError, OneHost, dumps
@@ -70,19 +71,23 @@ def report_capture(fan: Fanout | OneHost, capture_id: str, args: argparse.Namesp
                    hosts: list[str] | None = None, whole: bool = False) -> int | None:
     """The one report of a capture id, on one host or many (`report ID`, `capture --report`): every daemon's
     summaries of its ranks (the summary.json each rank wrote beside its trace; host/summaries.py), merged, printed
-    and written as --html; the exit status. No trace is read or crosses the network. `whole`: None instead where
-    the summaries do not hold what the traces here would give (a rank that wrote a trace and no summary, --top
-    above the rows a summary keeps, no rank done): the caller reads the traces here."""
+    and written as --html; the exit status. No trace is read or crosses the network; a summary that cannot stand
+    for its trace (summaries.checked) makes that rank failed, saying why. `whole`: None instead where the traces
+    here give more than the summaries hold (a rank that wrote a trace here and no usable summary, said on
+    stderr; --top above the rows a summary keeps; no rank done): the caller reads the traces here."""
     from ...core.tracedefs import SUMMARY_TOP
-    from ..summaries import merge_summaries
+    from ..summaries import checked, merge_summaries
 
     found, failed = capture_replies(fan, "summaries", {"capture_id": capture_id}, **({"hosts": hosts} if hosts else {}))
+    replies = {n: checked(r.data) for n, r in found.items()}
     if whole:
-        parts = [p for r in found.values() for p in r.data["parts"]]
-        done = [p for p in parts if p["state"] == "done"]
-        if not done or args.top > SUMMARY_TOP or any(p.get("summary") is None for p in done):
+        done = [p for r in replies.values() for p in r["parts"] if p["state"] == "done"]
+        traces_only = [p for p in done if p.get("summary") is None and p.get("path") and os.path.isdir(p["path"])]
+        for p in traces_only:
+            sys.stderr.write(f"rank {p['rank']}: {p.get('error') or 'no summary'}: its trace is read here\n")
+        if not done or args.top > SUMMARY_TOP or traces_only:
             return None
-    data = merge_summaries((n, r.data) for n, r in found.items())
+    data = merge_summaries(replies.items(), already_checked=True)
     data["failed_hosts"] = failed
     render_report(data, args, out)
     return warned_exit(failed, bool(data["ranks_read"]))

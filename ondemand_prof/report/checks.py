@@ -131,9 +131,9 @@ def _check_summary(s: dict[str, Any], rank: Any, capture_id: Any, job_id: Any) -
         for key in STEP_TIMES:
             if key not in step:
                 raise Unusable(f"steps[{i}].{key} is missing")
-    for key in (*STEP_TIMES, *MORE_STEP_TIMES):  # by column: a summary holds up to ~7,000 steps
-        _column(steps, key)
-    _column(steps, "start_us", hi=1e18)  # (microseconds since the epoch)
+    for key in (*STEP_TIMES, *MORE_STEP_TIMES):
+        column_sum(steps, key)
+    column_sum(steps, "start_us", hi=1e18)  # (microseconds since the epoch)
     for key in ("step_ms_mean", "step_ms_max"):
         number(s.get(key), key)
     for key in SHARES:
@@ -157,15 +157,19 @@ def _check_summary(s: dict[str, Any], rank: Any, capture_id: Any, job_id: Any) -
             _plain(entry(s[key], key), key)
 
 
-def _column(steps: list[dict[str, Any]], key: str, hi: float = MAX_MS) -> None:
-    """One field over every step, a number from 0 to `hi` where present: checked by builtins over the column,
-    each value (for its message) only where the column fails."""
+def column_sum(steps: list[dict[str, Any]], key: str, hi: float = MAX_MS) -> float:
+    """The sum of one field over a rank's steps, each checked as `number` checks it (absent: 0). A summary holds
+    up to ~7,000 steps: the types and the range are checked by builtins over the column, each value by `number`
+    only where one fails (for its message) or a hair below 0 is to be clamped (a call a value held a host's loop
+    90 ms a rank)."""
     values = [v for v in (s.get(key) for s in steps) if v is not None]
-    if not values or (set(map(type, values)) <= {int, float} and min(values) >= -1e-3 and max(values) <= hi and
-                      math.isfinite(float(sum(values)))):
-        return
-    for i, step in enumerate(steps):
-        number(step.get(key), f"steps[{i}].{key}", hi)
+    if not values:
+        return 0.0
+    if set(map(type, values)) <= {int, float}:
+        total = float(sum(values))
+        if min(values) >= 0 and max(values) <= hi and math.isfinite(total):  # (min and max skip a NaN)
+            return total
+    return sum(number(x.get(key), f"steps[{i}].{key}", hi) for i, x in enumerate(steps))
 
 
 def _plain(row: dict[str, Any], where: str) -> None:

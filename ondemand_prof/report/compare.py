@@ -32,12 +32,12 @@ The rule that names the cause (docs/reports.md, "Comparing with a baseline"):
 
 from __future__ import annotations
 
-import math
 import statistics
 from typing import Any, Iterable
 
 from ..core.ranks import MAX_RANK
-from .checks import MAX_CALLS, MAX_KINDS, MAX_MS, MAX_NAME, MAX_ROWS, MAX_TABLE_STEPS, Unusable, one_line, rank_number
+from .checks import (MAX_CALLS, MAX_KINDS, MAX_MS, MAX_NAME, MAX_ROWS, MAX_TABLE_STEPS, Unusable, column_sum,
+                     one_line, rank_number)
 from .checks import a_list as _list
 from .checks import entry as _entry
 from .checks import number as _ms
@@ -55,20 +55,6 @@ DISPATCH_US = 50.0  # host time outside operators one CPU operator call may cost
 UNCHANGED_SHARE = 0.03  # a job step time within this share (and MIN_MS) of its baseline has not changed
 
 __all__ = ["compare_rank", "conclude", "rank_figures", "rank_number", "CHANGES", "Unusable"]
-
-def _column_sum(steps: list[dict[str, Any]], field: str) -> float:
-    """The sum of one field over a rank's steps, each checked as _ms checks it. A summary holds up to ~7,000
-    steps: the types and the range are checked by builtins over the column, each value by _ms only where one
-    fails (for its message) or a hair below 0 is to be clamped (a call a value held a host's loop 90 ms a rank)."""
-    values = [v for v in (s.get(field) for s in steps) if v is not None]
-    if not values:
-        return 0.0
-    if set(map(type, values)) <= {int, float}:
-        total = float(sum(values))
-        if min(values) >= 0 and max(values) <= MAX_MS and math.isfinite(total):  # (min and max skip a NaN)
-            return total
-    return sum(_ms(x.get(field), f"steps[{i}].{field}") for i, x in enumerate(steps))
-
 
 def _table(rows: Any, where: str, width: int, m: int) -> dict[str, list[float]]:
     """An operator ([name, calls, self us, total us]) or kernel ([name, calls, us]) table, per step (m steps)."""
@@ -99,8 +85,8 @@ def rank_figures(r: dict[str, Any]) -> dict[str, Any]:
     m = per.get("steps") or 0  # the operator tables' steps (those of the split, unless a format lacks one)
     if type(m) is not int or not 0 <= m <= MAX_TABLE_STEPS:
         raise Unusable(f"step_ops.steps is {_shown(m)}, not a number of steps")
-    split = {key: (_column_sum(steps, field) / n if n else None) for key, field in SPLIT}
-    step_ms = _column_sum(steps, "dur_ms") / n if n else \
+    split = {key: (column_sum(steps, field) / n if n else None) for key, field in SPLIT}
+    step_ms = column_sum(steps, "dur_ms") / n if n else \
         (None if r.get("step_ms_mean") is None else _ms(r["step_ms_mean"], "step_ms_mean"))
     libraries: dict[str, float] = {}
     for i, lib in enumerate(_list(r.get("comm_libraries"), "comm_libraries", MAX_KINDS)):

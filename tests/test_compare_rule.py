@@ -60,6 +60,23 @@ def test_communication_that_grew_more_than_every_ranks_work_is_the_cause() -> No
     assert work["category"] == "host time outside operators (input, Python, sleeping)", work["cause"]
 
 
+
+def test_host_time_the_added_collective_calls_explain_is_communication() -> None:
+    """20 more barriers a step (live, tests/test_compare.py; CI under load): on the CPU a collective's wait for its
+    peers runs outside its operator, so rank 1's share of the barriers showed as 4.69 ms more host time outside
+    operators while rank 0's showed as 8.02 ms more communication, and the rule named rank 1's 'host time' with
+    rank 0 waiting for it. Host time that the collective calls added a step explain (COLLECTIVE_HOST_US each) is
+    communication; the same host time with no call added is still rank 1's, and rank 0 only waited."""
+    base = [summary(r) for r in (0, 1)]
+    now = [summary(0, barriers=20, barrier_ms=8.0), summary(1, idle=6.69, barriers=20, barrier_ms=3.3)]
+    c = conclude([compare_rank(b, n) for b, n in zip(base, now)], "b", "n")
+    assert c["category"] == "communication", c["cause"]
+    assert "barrier (new)" in c["cause"] and "0 -> 20 calls/step" in c["cause"], c["cause"]
+    alone = conclude([compare_rank(b, n) for b, n in zip(base, [summary(0, barrier_ms=4.7), summary(1, idle=6.69)])],
+                     "b", "n")
+    assert alone["category"] == "host time outside operators (input, Python, sleeping)", alone["cause"]
+    assert alone["culprits"] == [1] and alone["waiting"] == [0], alone["cause"]
+
 def test_the_slowdown_switch_is_read_again_when_its_bytes_land_under_the_same_time(tmp_path: Any) -> None:
     """The live comparisons switch slowdowns on through toy_train's --inject-file. A write stamps the file's time
     before its bytes land: a rank that reads in between finds it empty under the final time, and reading again only

@@ -27,7 +27,11 @@ The rule that names the cause (docs/reports.md, "Comparing with a baseline"):
     communication (20 more barriers a step cost every rank ~3-4 ms of Python outside operators and 11-17 ms of
     communication);
   * on the CPU, host time outside operators that grew by no more than the operator calls added a step explain
-    (DISPATCH_US a call: Python and dispatch between operators) is the work of those operators: compute.
+    (DISPATCH_US a call: Python and dispatch between operators) is the work of those operators: compute;
+  * on the CPU, host time outside operators that grew by no more than the collective calls added a step explain
+    (COLLECTIVE_HOST_US a call: a collective's Python and its wait for the peers run outside its operator) is
+    communication: it counts as the rank's wait growth, not its own (20 more barriers a step showed on one rank as
+    4.7 ms more host time, on the other as 8 ms more communication).
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ JOB_SHARE = 0.25  # ... or than this share of the job's growth
 WAIT_FACTOR = 2.0  # "about as much": a waiting rank's communication growth within this factor of the cause's
 SAME_MODEL = 0.3  # operator time matching by name below this share: two different models, said so
 DISPATCH_US = 50.0  # host time outside operators one CPU operator call may cost (~10 us measured, x5 for load)
+COLLECTIVE_HOST_US = 500.0  # ... and one collective call: its Python and its wait() for the peers, outside its
+# operator (CI under load: 20 more barriers a step grew one rank's host time 4.69 ms, ~235 us a call, x2)
 UNCHANGED_SHARE = 0.03  # a job step time within this share (and MIN_MS) of its baseline has not changed
 
 __all__ = ["compare_rank", "conclude", "rank_figures", "rank_number", "CHANGES", "Unusable"]
@@ -142,10 +148,16 @@ def compare_rank(base: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
                       "calls_baseline": round(bc, 3), "calls_now": round(nc, 3)})
     kinds.sort(key=lambda k: -(k["now_ms"] - k["baseline_ms"]))
     changes, matched = _changes(b, n)
+    added = sum(max(0.0, k["calls_now"] - k["calls_baseline"]) for k in kinds)
+    # on the CPU, a collective's wait for its peers runs outside its operator: host time growth that the added
+    # collective calls explain (all of it, as _dispatch_explains judges operator calls) is communication
+    idle = max(0.0, d["idle"])
+    in_calls = idle if n["basis"] != "device" and idle <= added * COLLECTIVE_HOST_US / 1000 else 0.0
     return {"rank": n["rank"] if n["rank"] is not None else b["rank"],
             "step_ms": _pair(b["step_ms"], n["step_ms"]), "split": split,
             "communication": {"libraries": libraries, "collectives": kinds},
             "changes": changes, "own_growth_ms": round(own, 3), "wait_growth_ms": round(d["communication"], 3),
+            "collective_host_ms": round(in_calls, 3),
             "matched_share": round(matched, 3),
             "world_size": {"baseline": b["world_size"], "now": n["world_size"]},
             "level": {"baseline": b["level"], "now": n["level"]}, "basis": {"baseline": b["basis"], "now": n["basis"]},
@@ -230,7 +242,8 @@ def conclude(ranks: list[dict[str, Any]], baseline: Any, capture: Any, *, unmatc
 
 RULE = ("cause: the ranks whose own work (compute, overlap, idle) grew most, by at least half the largest; a rank "
         "whose communication grew by about as much (within 2x) only waited for them; no rank's work grew, or "
-        "communication grew more than every rank's work: communication itself")
+        "communication grew more than every rank's work: communication itself (on the CPU, idle time that the "
+        "collective calls added explain is communication)")
 
 
 def _threshold(base_step: float, job_delta: float) -> float:
@@ -246,20 +259,20 @@ def _cause(ranks: list[dict[str, Any]], base: float, now: float) -> dict[str, An
         return {"cause": f"faster: step time {base:.2f} -> {now:.2f} ms ({_signed(delta)} ms); "
                          + _biggest_change(ranks, shrink=True), "culprits": [], "waiting": [], "category": None}
     t = _threshold(base, delta)
-    grew = {r["rank"]: r["own_growth_ms"] for r in ranks}
+    grew = {r["rank"]: _own(r) for r in ranks}
     largest = max(grew.values(), default=0.0)
-    culprits = [r for r in ranks if r["own_growth_ms"] >= max(t, 0.5 * largest)]
+    culprits = [r for r in ranks if _own(r) >= max(t, 0.5 * largest)]
     named = {id(r) for r in culprits}  # (by identity: comparing the rows themselves is a deep comparison)
-    others_wait = max((r["wait_growth_ms"] for r in ranks if id(r) not in named), default=0.0)
+    others_wait = max((_wait(r) for r in ranks if id(r) not in named), default=0.0)
     if culprits and len(culprits) < len(ranks) and largest * WAIT_FACTOR < others_wait:
         culprits = []  # the others' communication grew far more than this work explains: communication is the cause
     if culprits and len(culprits) == len(ranks) and \
-            statistics.fmean(r["wait_growth_ms"] for r in ranks) > statistics.fmean(grew.values()):
+            statistics.fmean(_wait(r) for r in ranks) > statistics.fmean(grew.values()):
         culprits = []  # every rank's work grew, and its communication (no rank waited for another) grew more
     if culprits and len(culprits) < len(ranks):
-        waiting = [r for r in ranks if id(r) not in named and r["wait_growth_ms"] >= t]
-        about = [r for r in waiting if r["wait_growth_ms"] <= WAIT_FACTOR * largest + t]
-        beyond = [r for r in waiting if r["wait_growth_ms"] > WAIT_FACTOR * largest + t]
+        waiting = [r for r in ranks if id(r) not in named and _wait(r) >= t]
+        about = [r for r in waiting if _wait(r) <= WAIT_FACTOR * largest + t]
+        beyond = [r for r in waiting if _wait(r) > WAIT_FACTOR * largest + t]
         text = "; ".join(_own_text(r) for r in culprits[:4]) + (f" (+{len(culprits) - 4} more ranks)"
                                                                if len(culprits) > 4 else "")
         if about:
@@ -278,7 +291,7 @@ def _cause(ranks: list[dict[str, Any]], base: float, now: float) -> dict[str, An
         who = "every rank" if len(ranks) > 1 else _ranks(ranks)
         return {"cause": f"{who}: {category} grew ({own} ms/step)" + (f": {change}" if change else ""),
                 "category": category, "culprits": [r["rank"] for r in culprits], "waiting": []}
-    comm = [r for r in ranks if r["wait_growth_ms"] >= t]
+    comm = [r for r in ranks if _wait(r) >= t]
     if comm:
         who = "every rank" if len(comm) == len(ranks) > 1 else _ranks(comm)
         worked = [r for r in ranks if r["own_growth_ms"] >= t]
@@ -290,6 +303,17 @@ def _cause(ranks: list[dict[str, Any]], base: float, now: float) -> dict[str, An
     return {"cause": f"step time {base:.2f} -> {now:.2f} ms ({_signed(delta)} ms) with no part of the split growing "
                      f"by more than {t:.2f} ms/step on any rank: " + _biggest_change(ranks),
             "culprits": [], "waiting": [], "category": None}
+
+
+def _own(r: dict[str, Any]) -> float:
+    """A rank's own growth as the rule weighs it: less the host time its added collective calls explain (on the
+    CPU a collective's wait for its peers runs outside its operator: compare_rank's collective_host_ms), which is
+    communication (a rank's row from an older daemon has none)."""
+    return r["own_growth_ms"] - r.get("collective_host_ms", 0.0)
+
+
+def _wait(r: dict[str, Any]) -> float:
+    return r["wait_growth_ms"] + r.get("collective_host_ms", 0.0)
 
 
 def _category(r: dict[str, Any]) -> str:

@@ -140,10 +140,14 @@ def job() -> Iterator[dict[str, Any]]:
         end_test_env([*procs, daemon], run, state, work)
 
 
-def inject(path: Path, spec: dict[str, Any]) -> None:
-    """Switch a slowdown on ({} off) as a whole file: the ranks never read half of it."""
+def inject(env: dict[str, Any], spec: dict[str, Any]) -> None:
+    """Switch a slowdown on ({} off) from 10 steps after the latest a rank finished, on every rank at that step
+    (a switch two ranks read at different steps had one do barriers the other did not: the job hung), as a whole
+    file (the ranks never read half of it)."""
+    done = [s["step"] for s in status_lines(env["work"] / "steps.jsonl") if "step" in s]
+    path = env["inject"]
     tmp = path.with_name(path.name + ".new")
-    tmp.write_text(json.dumps(spec))
+    tmp.write_text(json.dumps({**spec, "at_step": max(done, default=0) + 10}))
     tmp.replace(path)
 
 
@@ -163,14 +167,15 @@ def capture(env: dict[str, Any], *extra: str) -> str:
 
 
 def slowed(env: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
-    """Switch the slowdown on, let it run 25 steps, capture, switch it off; the comparison with the baseline."""
-    inject(env["inject"], spec)
+    """Switch the slowdown on, let it run (45 status lines: 2 ranks, from 10 steps on), capture, switch it off;
+    the comparison with the baseline."""
+    inject(env, spec)
     n = steps_done(env)
-    wait_for(lambda: steps_done(env) > n + 25, 120, "steps with the slowdown")
+    wait_for(lambda: steps_done(env) > n + 45, 120, "steps with the slowdown")  # (it begins 10 steps on)
     try:
         now = capture(env)
     finally:
-        inject(env["inject"], {})
+        inject(env, {})
     return report_json(now, "--baseline", env["baseline"], cwd=env["work"], run=env["run"])
 
 
@@ -213,13 +218,13 @@ def test_more_small_operators_on_every_rank_are_compute(job: dict[str, Any]) -> 
 def test_the_comparison_as_text_and_html(job: dict[str, Any], tmp_path: Path) -> None:
     """What the engineer paged at 3 a.m. reads: the cause line first, the per-rank table; and the HTML page,
     rendered by a real browser, names both captures and shows the cause."""
-    inject(job["inject"], {"kind": "straggler", "rank": 1, "amount": 12})
+    inject(job, {"kind": "straggler", "rank": 1, "amount": 12})
     n = steps_done(job)
-    wait_for(lambda: steps_done(job) > n + 25, 120, "steps with the slowdown")
+    wait_for(lambda: steps_done(job) > n + 45, 120, "steps with the slowdown")
     try:
         now = capture(job)
     finally:
-        inject(job["inject"], {})
+        inject(job, {})
     page = tmp_path / "cmp.html"
     res = ctl(job["run"], "report", now, "--baseline", job["baseline"], "--html", str(page), cwd=job["work"])
     assert res.returncode == 0, res.stderr
@@ -269,13 +274,13 @@ def test_an_automatic_capture_is_compared_with_the_automatic_baseline(tmp_path: 
                         pause=0.5)
         assert base["capture_id"].startswith("baseline-") and base["ranks"] == 2, base
         assert "BASELINE" in ctl(run, "list").stdout
-        inject(inject_path, {"kind": "straggler", "rank": 1, "amount": 40})
+        inject({"inject": inject_path, "work": work}, {"kind": "straggler", "rank": 1, "amount": 40})
         # (a loaded host may slow the job on its own first: those captures are compared too, and are not this one)
         auto = wait_for(lambda: next((c for c in listed() if c["capture_id"].startswith("auto-") and
                                       c["status"] != "running" and "rank 1: compute grew" in c.get("cause", "")),
                                      None), 180, "an automatic capture of the straggler compared with the baseline",
                         pause=0.5)
-        inject(inject_path, {})
+        inject({"inject": inject_path, "work": work}, {})
         assert auto["compare_with"] == base["capture_id"], auto
         assert auto["cause"].startswith("rank 1: compute grew"), auto["cause"]
         assert f"vs {base['capture_id']}" in ctl(run, "list").stdout

@@ -102,3 +102,8 @@ def test_the_slowdown_switch_is_read_again_when_its_bytes_land_under_the_same_ti
     path.write_text('{"kind": "sync", "amount": 4}')
     injection.refresh()
     assert injection.applies("sync", 1) == 4
+    path.write_text('{"kind": "sync", "amount": 8, "at_step": 50}')  # from step 50 on every rank, 4 until then
+    injection.refresh(49)
+    assert injection.applies("sync", 1) == 4
+    injection.refresh(50)
+    assert injection.applies("sync", 1) == 8

@@ -56,21 +56,30 @@ class Injection:
     comm       every rank all_reduces an extra N MB a step
     input      rank R sleeps N ms before its forward (slow input: host time outside any operator)
     sync       every rank adds N barriers a step (an extra synchronisation)
-    small_ops  every rank runs N extra tiny additions a step (more small operators)"""
+    small_ops  every rank runs N extra tiny additions a step (more small operators)
+With "at_step": S the change takes effect at step S on every rank (the one before goes on until then): a change
+read by two ranks at different steps would have one rank issue collectives the other does not (a hang)."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
         self.seen: tuple[int, int, int] | None = None
         self.spec: dict[str, Any] = {}
+        self.pending: dict[str, Any] | None = None  # read, to take effect at its at_step
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def refresh(self) -> None:
+    def refresh(self, step: int = 0) -> None:
+        self._read()
+        at = self.pending.get("at_step") if self.pending is not None else None
+        if self.pending is not None and step >= (at if isinstance(at, int) else 0):
+            self.spec, self.pending = self.pending, None
+
+    def _read(self) -> None:
         if not self.path:
             return
         try:
             st = os.stat(self.path)
         except OSError:
-            self.spec = {}
+            self.pending = {}
             return
         # The size too, not only the time: a write stamps the time before its bytes land, so a read in between
         # finds the file empty under the final time (both ranks, in step after the all_reduce, lost a slowdown so)
@@ -81,7 +90,7 @@ class Injection:
             except (OSError, ValueError):
                 return  # half written: the next step reads it again
             self.seen = seen
-            self.spec = spec if isinstance(spec, dict) else {}
+            self.pending = spec if isinstance(spec, dict) else {}
 
     def applies(self, kind: str, rank: int) -> int:
         spec = self.spec
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stop_file and os.path.exists(args.stop_file):
             break
         t0 = time.time()
-        inject.refresh()
+        inject.refresh(it)
         inject.before_forward(rank)
         with record_function("forward"):
             x = torch.randn(64, args.hidden)

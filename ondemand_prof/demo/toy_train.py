@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--slow-rank", type=int, default=-1, help="...on this rank only (-1: every rank)")
     parser.add_argument("--inject-file", help="a JSON file read while the loop runs (its changes take effect at "
                         "the next step): slowdowns switched on and off, for comparisons with a baseline "
-                        '({"kind": "straggler"|"comm"|"input"|"sync"|"small_ops", "rank": R, "amount": N}; {} is none)')
+                        '({"kind": "straggler"|"comm"|"input"|"sync"|"small_ops"|"hiccup", "rank": R, "amount": N}; '
+                        '{} is none)')
     add_profile_args(parser)
     return parser
 
@@ -57,6 +58,8 @@ class Injection:
     input      rank R sleeps N ms before its forward (slow input: host time outside any operator)
     sync       every rank adds N barriers a step (an extra synchronisation)
     small_ops  every rank runs N extra tiny additions a step (more small operators)
+    hiccup     rank R spends N ms more every "every"-th step (10 by default) after its update, outside operators
+               (a synchronous checkpoint)
 With "at_step": S the change takes effect at step S on every rank (the one before goes on until then): a change
 read by two ranks at different steps would have one rank issue collectives the other does not (a hang)."""
 
@@ -97,6 +100,10 @@ read by two ranks at different steps would have one rank issue collectives the o
         if spec.get("kind") != kind or spec.get("rank", rank) not in (rank, -1):
             return 0
         return int(spec.get("amount", 0))
+
+    def after_update(self, rank: int, step: int) -> None:
+        if (n := self.applies("hiccup", rank)) and step % int(self.spec.get("every", 10) or 10) == 0:
+            time.sleep(n / 1000)
 
     def before_forward(self, rank: int) -> None:
         if n := self.applies("input", rank):
@@ -198,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             for p in params:
                 assert p.grad is not None  # backward() set it
                 p.add_(p.grad, alpha=-0.01)
+        inject.after_update(rank, it)
         if args.step_sleep:
             slow = args.slow_factor if 0 <= args.slow_from <= it and args.slow_rank in (
                 -1, int(os.environ.get("RANK", "0"))) else 1.0

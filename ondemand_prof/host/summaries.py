@@ -6,12 +6,10 @@ across hosts (`merge_summaries`) without ever reading a trace over the network."
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any, Iterable, cast
 
-from ..core import safejson
-from ..core.files import read_beneath_root
+from ..core.summaryfile import MAX_SUMMARY_BYTES, read_summary
 from ..core.tracedefs import SUMMARY_FILE
 
 if TYPE_CHECKING:  # the report package is imported where it is used (the daemon never loads it)
@@ -19,23 +17,8 @@ if TYPE_CHECKING:  # the report package is imported where it is used (the daemon
 
 log = logging.getLogger("ondemand_prof.daemon")
 
-MAX_SUMMARY_BYTES = 512 * 1024
-
-
-def read_summary(rank_dir: str, owner: int | None = None) -> dict[str, Any]:
-    """A rank's summary.json: reached without following a symbolic link anywhere on the way (a directory the
-    rank reported can be swapped for a link after the report), a regular file of the rank's uid (`owner`), at
-    most MAX_SUMMARY_BYTES, a JSON object read by the bounded reader (nesting, numbers: core/safejson.py; the
-    rank wrote it, and json.loads recursed on "[[[..." and took NaN). OSError/ValueError say why not."""
-    if not os.path.isabs(rank_dir):
-        raise ValueError(f"not an absolute path: {rank_dir!r}")
-    raw = read_beneath_root(os.path.join(rank_dir, SUMMARY_FILE), owner, MAX_SUMMARY_BYTES + 1)
-    if len(raw) > MAX_SUMMARY_BYTES:
-        raise ValueError(f"{SUMMARY_FILE} is over {MAX_SUMMARY_BYTES} bytes, the limit")
-    data = safejson.loads(raw, MAX_SUMMARY_BYTES)
-    if not isinstance(data, dict):
-        raise ValueError(f"{SUMMARY_FILE} does not hold a JSON object")
-    return data
+__all__ = ["MAX_SUMMARY_BYTES", "read_summary", "part_summaries", "checked", "merge_summaries", "compare_records",
+           "conclude_replies"]
 
 
 def _owner(part: dict[str, Any]) -> int | None:

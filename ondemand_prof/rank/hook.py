@@ -33,6 +33,7 @@ from ..core.options import ConfigError, ProfileConfig, config_from_args, config_
 from ..core.requests import CaptureRequest, WindowDefaults, resolve
 from ..core.window import Window
 from .backends import Backend, Identity, Session, select_backend
+from .cpuclock import ClockedSession
 from .layout import CaptureLayout, trace_path
 from ..core.safedir import make_dirs, safe_save_root
 from .output import ExportJob, Exporter, dir_mode, disk_problem, writable_problem
@@ -265,7 +266,8 @@ class OnDemandProfiler:
         backend = self.backend()
         out = self.layout.plan(window.capture_id, ident.rank, _dt.datetime.now())
         make_dirs(out.folder, dir_mode(self.config.file_mode))  # whatever the umask
-        return backend.open(window, ident, out.staging), {"out": out, "began_at": iso_time()}
+        session = ClockedSession(backend.open(window, ident, out.staging))  # the thread's CPU, step by step
+        return session, {"out": out, "began_at": iso_time()}
 
     def collect(self, active: Active) -> Any:
         t0 = time.monotonic()
@@ -324,6 +326,8 @@ class OnDemandProfiler:
             "backend": {"name": backend.name, **backend.versions(), **info},
             "timings": {"window_began_at": active.context["began_at"], "window_ended_at": iso_time(),
                         "collect_s": round(collect_s, 4)},
+            "cpu_by_step": active.session.clock.per_step(steps) if isinstance(active.session, ClockedSession)
+            else None,
         }
 
     # ------------------------------------------------------------------------------------------------------

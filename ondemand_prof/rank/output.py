@@ -226,7 +226,8 @@ def run_postprocess(job: ExportJob, raw: Path, out_dir: Path) -> dict[str, Any]:
         "rank": ident.rank, "world_size": ident.world_size, "export_type": job.window.options.export_type,
         "meta": {"job_id": ident.job_id, "rank": ident.rank, "world_size": ident.world_size,
                  "capture_id": job.window.capture_id, "window": job.window.describe(),
-                 "options": job.metadata.get("options")},  # as recorded (the report across hosts prints these)
+                 "options": job.metadata.get("options"),  # as recorded (the report across hosts prints these)
+                 "host": ident.host, "cpu_by_step": job.metadata.get("cpu_by_step")},
     }
     spec_path = out_dir / ".postprocess.json"
     spec_path.write_text(json.dumps(spec), encoding="utf-8")

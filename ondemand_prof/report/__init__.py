@@ -38,12 +38,14 @@ def build_report(paths: Iterable[Path], top: int = 15, workers: int | None = Non
     return build_reports([paths], top, workers)[0]
 
 
-def build_reports(path_sets: list[Iterable[Path]], top: int = 15, workers: int | None = None) -> list[Report]:
+def build_reports(path_sets: list[Iterable[Path]], top: int = 15, workers: int | None = None,
+                  summaries: bool = False) -> list[Report]:
     """A report for each set of paths, their ranks read in one pool (a comparison reads its two captures at once:
-    two large traces take the time of one on two cores)."""
+    two large traces take the time of one on two cores). `summaries`: a capture directory's summary.json stands
+    for its trace where it can (a comparison: the figures the daemon compares across hosts)."""
     t0 = time.monotonic()
     found = [discover(Path(p) for p in paths) for paths in path_sets]
-    ranks = read_all([src for f in found for src in f.sources], top, workers)
+    ranks = read_all([src for f in found for src in f.sources], top, workers, summaries)
     reports, at = [], 0
     for f in found:
         mine, at = ranks[at:at + len(f.sources)], at + len(f.sources)
@@ -66,19 +68,21 @@ def _assemble(found: Discovery, ranks: list[RankResult], t0: float) -> Report:
             "ranks_read": sum(len(c["ranks"]) for c in captures), "seconds": round(time.monotonic() - t0, 3)}
 
 
-def read_all(todo: list[tuple[str, Path]], top: int, workers: int | None = None) -> list[RankResult]:
-    """read_source for each (kind, path), in a process pool when there is more than one and more than one core."""
-    n = min(len(todo), workers or usable_cores())
+def read_all(todo: list[tuple[str, Path]], top: int, workers: int | None = None,
+             summaries: bool = False) -> list[RankResult]:
+    """read_source for each (kind, path), in a process pool when there is more than one and more than one core
+    (not for summaries: reading one is a small file)."""
+    n = 1 if summaries and all(kind == "capture" for kind, _ in todo) else min(len(todo), workers or usable_cores())
     if n <= 1:
-        return [read_source(kind, src, top) for kind, src in todo]
+        return [read_source(kind, src, top, summaries) for kind, src in todo]
     # forkserver: workers start from a clean process, not a fork of a caller that may hold threads and locks
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     try:
         with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context(method)) as pool:
-            return list(pool.map(read_source, *zip(*todo), [top] * len(todo)))
+            return list(pool.map(read_source, *zip(*todo), [top] * len(todo), [summaries] * len(todo)))
     except (OSError, RuntimeError) as exc:  # no semaphores or no processes here: read them one by one
         log.warning("reading %d ranks in this process (no process pool: %s)", len(todo), exc)
-        return [read_source(kind, src, top) for kind, src in todo]
+        return [read_source(kind, src, top, summaries) for kind, src in todo]
 
 
 def usable_cores() -> int:

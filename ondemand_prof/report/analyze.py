@@ -45,11 +45,12 @@ from array import array
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from ..core.tracedefs import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
 from .classify import (BACKEND_LIBRARIES, CATEGORY_ALIASES, DEVICE_PROCESSES, LAUNCH_CATS, LAUNCH_FLOWS,
                        collective_kind, comm_library, device_name, is_comm, kernel_group)
+from .timeline import DEFAULT_GROUP, encode, group_of_args, in_steps, shifted
 from .tracefile import TraceError, TraceReader
 
 MEMORY_POINTS = 1000
@@ -57,6 +58,8 @@ SHARES = ("compute", "comm", "overlap", "idle")
 # per_step's tables (what a comparison with a baseline matches by name): the operators with the most self time and
 # the kernels with the most time inside the steps; a table this long holds every name of most training steps
 PER_STEP_OPS, PER_STEP_KERNELS = 300, 300
+# ... of which the first rows carry their time in each step (a comparison's significance needs the spread)
+PER_STEP_SERIES = 64
 
 __all__ = ["RankAnalyzer", "StepRow", "analyze_trace_file", "is_comm", "peak_downsample", "round_shares", "SHARES"]
 
@@ -139,6 +142,10 @@ class RankAnalyzer:
         self.events = 0
         # name id -> library, for communication known by where it runs rather than by name (torch_npu's HCCL tasks)
         self.library_of: dict[int, str] = {}
+        # the process group of a collective, where the trace names it (timeline.py): a device event's index, or a
+        # record_param_comms event's (thread, start) -> group name; group name -> its ranks
+        self.group_of: dict[Any, str] = {}
+        self.group_ranks: dict[str, list[int]] = {}
 
     def _name_id(self, name: str) -> int:
         i = self.names.get(name)
@@ -186,8 +193,13 @@ class RankAnalyzer:
             t.is_op.append(cat == "cpu_op" and step is None)  # torch_npu and old Kineto: steps are cpu_op/Operator
             if step:
                 self.steps.append((int(step.group(1)), ts, dur, key))
+            elif name == "record_param_comms":
+                self._note_group(ev.get("args"), (key, ts))
         elif cat in DEVICE_CATS:
-            self.device_event(ts, dur, name, _corr(ev.get("args"), "correlation"), cat == "kernel" and is_comm(name))
+            comm = cat == "kernel" and is_comm(name)
+            self.device_event(ts, dur, name, _corr(ev.get("args"), "correlation"), comm)
+            if comm:
+                self._note_group(ev.get("args"), len(self.dev.ts) - 1)
         elif cat in LAUNCH_CATS:
             self.launch_event(ts, _corr(ev.get("args"), "correlation"), (ev.get("pid"), ev.get("tid")))
         elif cat is None:
@@ -196,6 +208,16 @@ class RankAnalyzer:
     def device_event(self, ts: float, dur: float, name: str, correlation: int, comm: bool) -> None:
         """A kernel, memcpy or collective on the device; `correlation` joins it to its launch (-1: unknown)."""
         self.dev.add(ts, dur, self._name_id(kernel_group(name)), correlation, comm=comm)
+
+    def _note_group(self, args: Any, where: Any) -> None:
+        """Record the process group a collective's args name (newer torch: "Process Group Name" and "Process Group
+        Ranks" on record_param_comms and on NCCL kernels)."""
+        found = group_of_args(args)
+        if found is not None:
+            name, ranks = found
+            self.group_of[where] = name
+            if ranks is not None:
+                self.group_ranks.setdefault(name, ranks)
 
     def set_library(self, name: str, library: str) -> None:
         """Count device events named `name` as `library`'s communication (torch_npu's COMMUNICATION_OP names)."""
@@ -258,9 +280,11 @@ class RankAnalyzer:
     def result(self, top: int = 15) -> dict[str, Any]:
         self._sort_loose()
         ordered = self._ordered_steps()
-        ops, annotations, in_steps = self._operators(ordered)
-        steps, attribution, libraries, member = self._step_rows(ordered)
+        ops, annotations, in_steps, by_step = self._operators(ordered)
+        steps, attribution, libraries, member, bounds = self._step_rows(ordered)
         kernels = self._kernels()
+        transfers = list(self._device_transfers(ordered, member) if member is not None else
+                         self._cpu_transfers(ordered)) if ordered else []
         out: dict[str, Any] = {
             "events": self.events,
             "steps": [s.as_dict() for s in steps],
@@ -273,8 +297,9 @@ class RankAnalyzer:
             "basis": "device" if len(self.dev.ts) else "cpu",
             "kernel_steps": attribution,
             "comm_libraries": libraries,
-            "collectives": self._collectives(ordered, member),
-            "step_ops": self._step_ops(ordered, in_steps, member),
+            "collectives": self._collectives(ordered, member, transfers),
+            "step_ops": self._step_ops(ordered, in_steps, member, by_step),
+            "timeline": self._timeline(ordered, bounds, transfers),
             "memory": self._memory_result(),
         }
         out.update(step_summary(steps))
@@ -282,7 +307,7 @@ class RankAnalyzer:
 
     def operator_self_times(self) -> dict[str, float]:
         """name -> total self time (us) of cpu_op events; what the correctness test compares to key_averages()."""
-        ops, _, _ = self._operators(self._ordered_steps())
+        ops, _, _, _ = self._operators(self._ordered_steps())
         return {r["name"]: r["self_us"] for r in ops}
 
     def _sort_loose(self) -> None:
@@ -307,11 +332,13 @@ class RankAnalyzer:
         self.flow_id, self.flow_ts, self.flow_at_task = array("q"), array("d"), array("b")
 
     def _operators(self, steps: list[tuple[int, float, float, Any]]
-                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[int, list[float]]]:
-        """Every operator and annotation of the trace (calls, total, self); and, of the operators whose start
-        falls inside a step, name id -> [calls, total, self] (per_step)."""
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[int, list[float]],
+                              dict[int, dict[int, float]]]:
+        """Every operator and annotation of the trace (calls, total, self); of the operators whose start falls
+        inside a step, name id -> [calls, total, self] (per_step); and name id -> {step index: self time}."""
         agg: dict[tuple[int, bool], list[float]] = {}
         in_steps: dict[int, list[float]] = {}
+        by_step: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
         step_of = _step_finder(steps)
         for t in self.threads.values():
             selfs = thread_self_times(t.ts, t.dur)
@@ -322,13 +349,15 @@ class RankAnalyzer:
                 row[0] += 1
                 row[1] += t.dur[i]
                 row[2] += selfs[i]
-                if t.is_op[i] and step_of(t.ts[i]) >= 0:
+                k = step_of(t.ts[i]) if t.is_op[i] else -1
+                if k >= 0:
                     mine = in_steps.get(t.name[i])
                     if mine is None:
                         mine = in_steps[t.name[i]] = [0, 0.0, 0.0]
                     mine[0] += 1
                     mine[1] += t.dur[i]
                     mine[2] += selfs[i]
+                    by_step[t.name[i]][k] += selfs[i]
         ops: list[dict[str, Any]] = []
         annotations: list[dict[str, Any]] = []
         for (nid, is_op), (calls, total, self_us) in agg.items():
@@ -339,7 +368,7 @@ class RankAnalyzer:
                 ops.append(entry)
             elif not name.startswith("ProfilerStep#"):
                 annotations.append(entry)
-        return ops, annotations, in_steps
+        return ops, annotations, in_steps, by_step
 
     def _kernels(self) -> list[dict[str, Any]]:
         agg: dict[int, list[float]] = {}
@@ -361,17 +390,18 @@ class RankAnalyzer:
         return sorted(by_step.values(), key=lambda s: s[1])
 
     def _step_rows(self, steps: list[tuple[int, float, float, Any]]
-                   ) -> tuple[list[StepRow], dict[str, int], list[dict[str, Any]], array | None]:
-        """The steps' split, how kernels were placed in steps, the libraries' times, and each device event's step
-        (an index into `steps`, -1: none; None without device events)."""
+                   ) -> tuple[list[StepRow], dict[str, int], list[dict[str, Any]], array | None,
+                              dict[int, tuple[float, float]] | None]:
+        """The steps' split, how kernels were placed in steps, the libraries' times, each device event's step
+        (an index into `steps`, -1: none; None without device events), and each step's device window."""
         if not steps:
-            return [], {}, [], None
+            return [], {}, [], None, None
         if not len(self.dev.ts):
             rows, libraries = self._cpu_rows(steps)
-            return rows, {}, libraries, None
+            return rows, {}, libraries, None, None
         member, attribution = self._kernel_steps(steps)
         rows, bounds = _device_rows(steps, self.dev, member)
-        return rows, attribution, self._device_libraries(member, bounds), member
+        return rows, attribution, self._device_libraries(member, bounds), member, bounds
 
     def _library(self, nid: int) -> str:
         return self.library_of.get(nid) or comm_library(self.name_list[nid]) or "other"
@@ -447,44 +477,50 @@ class RankAnalyzer:
         return rows, _library_rows(by_library, _merge(spans), "operators")
 
     def _step_ops(self, steps: list[tuple[int, float, float, Any]], in_steps: dict[int, list[float]],
-                  member: array | None) -> dict[str, Any]:
+                  member: array | None, by_step: dict[int, dict[int, float]]) -> dict[str, Any]:
         """The operators and kernels inside the `steps` recorded steps (module docstring), longest first, summed
         over them: [name, calls, self us, total us] and [name, calls, us], the first PER_STEP_OPS /
-        PER_STEP_KERNELS of each (`complete` says whether that is all of them)."""
+        PER_STEP_KERNELS of each (`complete` says whether that is all of them); and of the first PER_STEP_SERIES
+        rows of each, their time in each step (whole us: `ops_by_step`, `kernels_by_step`, row for row)."""
         n = len(steps)
         if not n:
             return {"steps": 0, "ops": [], "kernels": [], "complete": {"ops": True, "kernels": True}}
-        ops: list[list[Any]] = sorted(([self.name_list[k], int(c), s_us, t_us]
-                                       for k, (c, t_us, s_us) in in_steps.items()), key=lambda r: -r[2])
+        order = sorted(in_steps, key=lambda k: -in_steps[k][2])
+        ops = [[self.name_list[k], int(in_steps[k][0]), in_steps[k][2], in_steps[k][1]] for k in order]
         kernels: dict[int, list[float]] = {}
+        kernel_steps: dict[int, list[float]] = {}
         d = self.dev
         for i in range(len(d.ts)):
             if member is not None and member[i] >= 0:
                 row = kernels.get(d.name[i])
                 if row is None:
                     row = kernels[d.name[i]] = [0, 0.0]
+                    kernel_steps[d.name[i]] = [0.0] * n
                 row[0] += 1
                 row[1] += d.dur[i]
-        krows: list[list[Any]] = sorted(([self.name_list[k], int(c), us] for k, (c, us) in kernels.items()),
-                                        key=lambda r: -r[2])
+                kernel_steps[d.name[i]][member[i]] += d.dur[i]
+        korder = sorted(kernels, key=lambda k: -kernels[k][1])
+        krows = [[self.name_list[k], int(kernels[k][0]), kernels[k][1]] for k in korder]
         return {"steps": n, "ops": [_rounded(r) for r in ops[:PER_STEP_OPS]],
                 "kernels": [_rounded(r) for r in krows[:PER_STEP_KERNELS]],
-                "complete": {"ops": len(ops) <= PER_STEP_OPS, "kernels": len(krows) <= PER_STEP_KERNELS}}
+                "complete": {"ops": len(ops) <= PER_STEP_OPS, "kernels": len(krows) <= PER_STEP_KERNELS},
+                "ops_by_step": [[round(by_step[k].get(j, 0.0)) for j in range(n)] for k in order[:PER_STEP_SERIES]],
+                "kernels_by_step": [[round(x) for x in kernel_steps[k]] for k in korder[:PER_STEP_SERIES]]}
 
-    def _collectives(self, steps: list[tuple[int, float, float, Any]], member: array | None) -> list[dict[str, Any]]:
+    def _collectives(self, steps: list[tuple[int, float, float, Any]], member: array | None,
+                     transfers: list[Transfer]) -> list[dict[str, Any]]:
         """Per collective kind (module docstring): {kind, via, count, ms, count_per_step, ms_per_step,
-        issued_by}, longest first."""
+        issued_by, ms_by_step}, longest first."""
         if not steps:
             return []
         spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
         via: dict[str, set[str]] = defaultdict(set)
         issued: dict[str, dict[str, int]] = defaultdict(dict)
-        for ts, end, kind, library, issuer in (self._device_transfers(steps, member) if member is not None
-                                               else self._cpu_transfers()):
-            spans[kind].append((ts, end))
-            via[kind].add(library)
-            if issuer:
-                issued[kind][issuer] = issued[kind].get(issuer, 0) + 1
+        for t in transfers:
+            spans[t.kind].append((t.ts, t.end))
+            via[t.kind].add(t.library)
+            if t.issuer:
+                issued[t.kind][t.issuer] = issued[t.kind].get(t.issuer, 0) + 1
         windows = _merge((ts, ts + dur) for _, ts, dur, _ in steps)
         n = len(steps)
         out = []
@@ -492,16 +528,30 @@ class RankAnalyzer:
             inside = [iv for iv in ivs if _clip(windows, iv[0], max(iv[1], iv[0] + 1e-9))] if member is None else ivs
             if not inside:
                 continue
-            us = sum(_length(_clip(_merge(inside), lo, hi)) for lo, hi in windows)
+            merged = _merge(inside)
+            per = [_length(_clip(merged, ts, ts + dur)) for _, ts, dur, _ in steps]
+            us = sum(per)
             out.append({"kind": kind, "via": sorted(via[kind]), "count": len(inside), "ms": us / 1000,
                         "count_per_step": len(inside) / n, "ms_per_step": us / 1000 / n,
-                        "issued_by": dict(sorted(issued[kind].items(), key=lambda kv: -kv[1])[:4])})
+                        "issued_by": dict(sorted(issued[kind].items(), key=lambda kv: -kv[1])[:4]),
+                        "ms_by_step": [round(x / 1000, 3) for x in per]})
         return sorted(out, key=lambda r: -r["ms"])
 
-    def _device_transfers(self, steps: list[tuple[int, float, float, Any]], member: array
-                          ) -> Iterable[tuple[float, float, str, str, str | None]]:
-        """(start, end, kind, library, issuing operator) of the communication kernels inside the steps: the kind
-        of the c10d/functional operator around the kernel's launch on its thread, else the kernel's own."""
+    def _timeline(self, steps: list[tuple[int, float, float, Any]], bounds: dict[int, tuple[float, float]] | None,
+                  transfers: list[Transfer]) -> dict[str, Any] | None:
+        """Each step's collectives, arrival and end (timeline.py), on the device's clock where the split is."""
+        if not steps:
+            return None
+        origin = []
+        for k, (number, ts, dur, _) in enumerate(steps):
+            lo, hi = (ts, ts + dur) if bounds is None else bounds.get(k, (ts, ts))
+            origin.append((number, lo, hi - lo))
+        entries = ((t.step, t.kind, t.group, t.arrival, t.end) for t in transfers)
+        return encode("cpu" if bounds is None else "device", in_steps(entries, origin), self.group_ranks)
+
+    def _device_transfers(self, steps: list[tuple[int, float, float, Any]], member: array) -> Iterable[Transfer]:
+        """The communication kernels inside the steps: the kind of the c10d/functional operator around the
+        kernel's launch on its thread, else the kernel's own; each arrives when it begins on its stream."""
         launched: dict[int, tuple[float, int]] = {}
         la = self.launches
         for i in range(len(la.ts)):
@@ -517,17 +567,19 @@ class RankAnalyzer:
             kind = collective_kind(issuer) if issuer else "other"
             if kind in ("other", "wait"):
                 kind = collective_kind(name)
-            yield d.ts[i], d.ts[i] + d.dur[i], kind, self._library(d.name[i]), issuer
+            yield Transfer(d.ts[i], d.ts[i] + d.dur[i], kind, self._library(d.name[i]), issuer, d.ts[i],
+                           self.group_of.get(i, DEFAULT_GROUP), member[i])
 
-    def _cpu_transfers(self) -> Iterable[tuple[float, float, str, str, str | None]]:
-        """(start, end, kind, library, issuing operator) of the collectives on the CPU: each backend range (gloo's,
-        on its worker threads; nested ones of a thread once), matched to the c10d operators first in, first out
-        (each range takes the earliest unmatched operator issued before it started); where no backend range is
-        in the trace, the outermost c10d operators themselves."""
+    def _cpu_transfers(self, steps: list[tuple[int, float, float, Any]]) -> Iterable[Transfer]:
+        """The collectives on the CPU: each backend range (gloo's, on its worker threads; nested ones of a thread
+        once), matched to the c10d operators first in, first out (each range takes the earliest unmatched operator
+        issued before it started); where no backend range is in the trace, the outermost c10d operators themselves.
+        A collective arrives when its c10d operator began (the rank was ready), in the step that holds that."""
         backend: list[tuple[float, float, int]] = []
-        issuing: list[tuple[float, float, int]] = []
-        for t in self.threads.values():
+        issuing: list[tuple[float, float, int, str]] = []
+        for key, t in self.threads.items():
             outer_end = -math.inf
+            groups = _Groups(self.group_of, key)
             for i in sorted(range(len(t.ts)), key=lambda i: (t.ts[i], -t.dur[i])):
                 name = self.name_list[t.name[i]]
                 library = comm_library(name)
@@ -536,21 +588,25 @@ class RankAnalyzer:
                         backend.append((t.ts[i], t.ts[i] + t.dur[i], t.name[i]))
                         outer_end = t.ts[i] + t.dur[i]
                 elif library == "c10d" and collective_kind(name) not in ("other", "wait"):
-                    issuing.append((t.ts[i], t.ts[i] + t.dur[i], t.name[i]))
+                    issuing.append((t.ts[i], t.ts[i] + t.dur[i], t.name[i], groups.within(t.ts[i], t.ts[i] + t.dur[i])))
         if not backend:  # (an older torch, or a backend we do not know): the operators are all there is
-            backend, issuing = issuing, []
+            backend, issuing = [(a, b, n) for a, b, n, _ in issuing], [(a, b, n, g) for a, b, n, g in issuing]
         backend.sort()
         issuing.sort()
-        queue: collections.deque[tuple[float, float, int]] = collections.deque()
+        queue: collections.deque[tuple[float, float, int, str]] = collections.deque()
+        step_of = _step_finder(steps)
         j = 0
         for ts, end, nid in backend:
             while j < len(issuing) and issuing[j][0] <= ts:
                 queue.append(issuing[j])
                 j += 1
-            issuer = self.name_list[queue.popleft()[2]] if queue else None
+            op = queue.popleft() if queue else None
+            issuer = self.name_list[op[2]] if op else None
             name = self.name_list[nid]
             kind = collective_kind(issuer) if issuer else collective_kind(name)
-            yield ts, end, kind, self._library(nid), issuer
+            arrival = op[0] if op else ts
+            yield Transfer(ts, end, kind, self._library(nid), issuer, arrival, op[3] if op else DEFAULT_GROUP,
+                           step_of(arrival))
 
     def _memory_result(self) -> dict[str, Any] | None:
         if not self.mem:
@@ -575,16 +631,24 @@ def analyze_trace_file(trace: Path, out: dict[str, Any], top: int) -> None:
         out["warnings"].append(str(exc))
     out.update(an.result(top))
     out["trace"] = str(trace)
-    base = reader.header.get("baseTimeNanoseconds")
-    if isinstance(base, (int, float)) and base > 0:  # ts relative to a base: make them wall-clock comparable
-        for step in out.get("steps") or []:
-            step["start_us"] += base / 1000
+    shift_to_epoch(out, reader.header.get("baseTimeNanoseconds"))
     info = reader.header.get("distributedInfo")
     info = info if isinstance(info, dict) else {}
     if out.get("rank") is None and isinstance(info.get("rank"), int):
         out["rank"] = info["rank"]
     if out.get("world_size") is None and isinstance(info.get("world_size"), int):
         out["world_size"] = info["world_size"]
+
+
+def shift_to_epoch(result: dict[str, Any], base_ns: Any) -> None:
+    """A trace whose ts are relative to a base (baseTimeNanoseconds): its steps' starts and its timeline moved to
+    wall-clock time, so that ranks' times compare."""
+    if not isinstance(base_ns, (int, float)) or isinstance(base_ns, bool) or not 0 < base_ns < 1e20:
+        return
+    for step in result.get("steps") or []:
+        step["start_us"] += base_ns / 1000
+    if result.get("timeline"):
+        result["timeline"] = shifted(result["timeline"], base_ns / 1000)
 
 
 def _rounded(row: list[Any]) -> list[Any]:
@@ -600,6 +664,32 @@ def _step_finder(steps: list[tuple[int, float, float, Any]]) -> Any:
         return k if k >= 0 and t < steps[k][1] + steps[k][2] else -1
 
     return step_at
+
+
+class Transfer(NamedTuple):
+    """One collective's transfer (a backend range, kernel or task) inside the steps."""
+
+    ts: float
+    end: float
+    kind: str
+    library: str
+    issuer: str | None  # the c10d/functional operator that issued it
+    arrival: float  # when the rank was ready (timeline.py)
+    group: str
+    step: int  # index into the ordered steps, -1: none
+
+
+class _Groups:
+    """The process group of the record_param_comms events of one thread, by start time."""
+
+    def __init__(self, group_of: dict[Any, str], thread: Any) -> None:
+        found = sorted((where[1], name) for where, name in group_of.items()
+                       if isinstance(where, tuple) and where[0] == thread)
+        self.starts, self.names = [t for t, _ in found], [n for _, n in found]
+
+    def within(self, lo: float, hi: float) -> str:
+        k = bisect.bisect_left(self.starts, lo)
+        return self.names[k] if k < len(self.starts) and self.starts[k] <= hi else DEFAULT_GROUP
 
 
 class _Issuers:

@@ -30,6 +30,7 @@ class RankResult(TypedDict, total=False):
     source: str | None  # what opened the window: file, daemon, auto, ...
     published_at: str | None
     # what was read
+    read_from: str  # summary.json: the rank's summary stood for its trace (a comparison on this host)
     trace: str
     db: str
     files_used: list[str]
@@ -53,6 +54,8 @@ class RankResult(TypedDict, total=False):
     comm_libraries: list[dict[str, Any]]
     collectives: list[dict[str, Any]]  # per collective kind: calls and time per step, via, issued_by (analyze.py)
     step_ops: dict[str, Any]  # the operators and kernels inside the steps, what a comparison matches (compare.py)
+    timeline: dict[str, Any] | None  # each step's collectives, arrival and end (timeline.py): waits.py, replay.py
+    cpu_by_step: dict[str, Any] | None  # the training thread's CPU and run-queue wait per step (rank/cpuclock.py)
     memory: dict[str, Any] | None
     # across hosts (host/summaries.merge_summaries): which daemon returned the rank, how late its window began
     daemon: str

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, cast
 
 from ..core import safejson
+from ..core.tracedefs import SUMMARY_FILE
 from .analyze import RankAnalyzer, analyze_trace_file
 from .ascend import ASCEND_DIR, is_npu_db, npu_db_result, read_ascend, sqlite_tables
 from .classify import RANK_IN_NAME
@@ -241,11 +242,13 @@ def _dir_kind(path: Path) -> str | None:
 
 # ----------------------------------------------------------------------------------------------------------
 
-def read_source(kind: str, path: Path, top: int) -> RankResult:
-    """One rank's report; "error" is set when nothing could be read, "warnings" when only part could."""
+def read_source(kind: str, path: Path, top: int, summaries: bool = False) -> RankResult:
+    """One rank's report; "error" is set when nothing could be read, "warnings" when only part could. With
+    `summaries`, a capture directory's summary.json stands for its trace where it can (what a comparison reads:
+    the same figures the daemon compares across hosts), and the trace is read only where it cannot."""
     reader = {"capture": _read_capture, "trace": _read_trace_file, "db": _read_db_file, "ascend": read_ascend}[kind]
     try:  # the readers fill an open dict (the analyzer's figures among them) whose keys are RankResult's
-        out = cast(RankResult, reader(path, top))
+        out = cast(RankResult, _read_capture(path, top, summaries) if kind == "capture" else reader(path, top))
     except Exception as exc:  # noqa: BLE001 - one unreadable capture never stops the report
         log.debug("cannot read %s", path, exc_info=True)
         out = {"path": str(path), "kind": kind, "rank": None, "error": f"{type(exc).__name__}: {exc}"}
@@ -266,7 +269,7 @@ def _base(path: Path, kind: str) -> dict[str, Any]:
     return {"path": str(path), "kind": kind, "rank": None, "warnings": []}
 
 
-def _read_capture(path: Path, top: int) -> dict[str, Any]:
+def _read_capture(path: Path, top: int, summaries: bool = False) -> dict[str, Any]:
     out = _base(path, "capture")
     try:
         meta = read_metadata(path)
@@ -280,10 +283,15 @@ def _read_capture(path: Path, top: int) -> dict[str, Any]:
                 "capture_id": meta.get("capture_id"), "status": meta.get("status"), "window": meta.get("window"),
                 "options": meta.get("options"), "source": (meta.get("trigger") or {}).get("source"),
                 "published_at": meta.get("published_at"), "job_id": meta.get("job_id"),
-                "world_size": meta.get("world_size")})
+                "world_size": meta.get("world_size"), "cpu_by_step": meta.get("cpu_by_step")})
     if meta.get("status") == "failed":
         out["error"] = meta.get("error") or "the capture failed"
         return out
+    if summaries and (path / SUMMARY_FILE).is_file():
+        why = _from_summary(path, out)
+        if why is None:
+            return out
+        out["warnings"].append(f"{SUMMARY_FILE} not used ({why}): the trace is read")
     trace = path / meta["trace_file"] if isinstance(meta.get("trace_file"), str) else None
     if trace is None or not trace.exists():
         found = [p for pattern in TRACE_GLOBS for p in sorted(path.glob(pattern))]
@@ -295,6 +303,24 @@ def _read_capture(path: Path, top: int) -> dict[str, Any]:
     else:
         out["error"] = "no trace file and no profile.db in this capture"
     return out
+
+
+def _from_summary(path: Path, out: dict[str, Any]) -> str | None:
+    """Fill `out` from the rank's summary.json, checked as the report across hosts checks it; None when done, else
+    why it cannot stand for the trace."""
+    from ..core.summaryfile import read_summary
+    from .checks import summary_problem
+
+    try:
+        summary = read_summary(str(path.absolute()))
+    except (OSError, ValueError) as exc:
+        return str(exc)
+    why = summary_problem(summary, rank=out.get("rank"), capture_id=out.get("capture_id"), job_id=out.get("job_id"))
+    if why:
+        return why
+    out.update({k: v for k, v in summary.items() if out.get(k) is None})
+    out["read_from"] = SUMMARY_FILE
+    return None
 
 
 def _read_trace_file(path: Path, top: int) -> dict[str, Any]:

@@ -235,7 +235,7 @@ def compare_here(args: argparse.Namespace, out: TextIO) -> int:
     if {p.resolve() for p in now_paths} == {p.resolve() for p in base_paths}:
         raise CtlError(f"the baseline is the capture itself ({', '.join(map(str, now_paths))}): give a capture taken "
                        "when the job was healthy", EXIT_USAGE)
-    now_report, base_report = build_reports([now_paths, base_paths], top=max(args.top, 15))
+    now_report, base_report = build_reports([now_paths, base_paths], top=max(args.top, 15), summaries=True)
     now, base = _one_capture(now_report, args.paths[0]), _one_capture(base_report, args.baseline)
     comparison = compare_groups(base, now)
     for given, report in ((args.paths[0], now_report), (args.baseline, base_report)):

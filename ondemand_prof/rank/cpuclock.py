@@ -1,0 +1,128 @@
+"""The rank's CPU over a window: at each step boundary of a recorded window, the CPU time and the run-queue wait (the
+time a thread was runnable but waited for a CPU) of the training thread and of all the process's threads (gloo's
+workers, data loading, OpenMP), from /proc/self/task/TID/schedstat.
+
+A comparison reads these per step (report/compare.py): a rank whose step grew while its threads waited longer for
+a CPU, with the same operator calls, was starved (other work on its cores, a CPU quota), not given more work; a
+training thread that sleeps most of its step hardly waits, while its collectives' worker threads do.
+Cost, at each boundary of a recorded window only (nothing while idle): one pread of a file kept open for the
+training thread, and one open and read per thread of the process (about 5 us each; at most MAX_THREADS).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MAX_SAMPLES = 100_000  # boundaries a window keeps (a window is capped far below this; a bound all the same)
+MAX_THREADS = 256  # threads of the process read at a boundary
+
+
+def _read(path: str) -> tuple[int, int] | None:
+    try:
+        with open(path, "rb") as fh:
+            fields = fh.read(128).split()
+        return int(fields[0]), int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return None  # a thread that ended meanwhile
+
+
+class ThreadClock:
+    """Per step: the training thread's and the whole process's CPU and run-queue wait (ns), labelled by the step
+    that begins at each boundary."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._tasks = f"/proc/{os.getpid()}/task"
+        self.samples: list[tuple[int, int, int, int, int]] = []  # (step, cpu, wait, process cpu, process wait)
+        self._threads: dict[str, tuple[int, int]] = {}  # tid -> (cpu, wait) at the last boundary
+        try:
+            self._fd = os.open(f"{self._tasks}/{threading.get_native_id()}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:  # not Linux, or /proc not mounted: the comparison says it has no CPU figures
+            log.debug("no schedstat for the training thread: %s", exc)
+
+    def sample(self, step: int) -> None:
+        """At the boundary before `step` (the training thread). Never raises."""
+        if self._fd is None or len(self.samples) >= MAX_SAMPLES:
+            return
+        try:
+            fields = os.pread(self._fd, 128, 0).split()
+            cpu, wait = int(fields[0]), int(fields[1])
+            pcpu, pwait = self._process()
+            self.samples.append((step, cpu, wait, pcpu, pwait))
+        except (OSError, ValueError, IndexError):
+            self.close()
+
+    def _process(self) -> tuple[int, int]:
+        """The CPU and wait all threads added since the last boundary (a thread's own delta: one that ended took
+        its counts with it, one that began counts from zero), accumulated."""
+        now: dict[str, tuple[int, int]] = {}
+        with os.scandir(self._tasks) as it:
+            for i, entry in enumerate(it):
+                if i >= MAX_THREADS:
+                    break
+                got = _read(f"{self._tasks}/{entry.name}/schedstat")
+                if got is not None:
+                    now[entry.name] = got
+        prev = self._threads
+        dcpu = sum(c - prev.get(t, (0, 0))[0] for t, (c, _) in now.items())
+        dwait = sum(w - prev.get(t, (0, 0))[1] for t, (_, w) in now.items())
+        self._threads = now
+        last = self.samples[-1] if self.samples else (0, 0, 0, 0, 0)
+        return last[3] + dcpu, last[4] + dwait
+
+    def close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+    def per_step(self, recorded: list[int]) -> dict[str, Any] | None:
+        """{"steps", "cpu_ms", "wait_ms", "proc_cpu_ms", "proc_wait_ms"} for each recorded step whose start and end
+        were sampled (the sample after it labels the next step, or the window's end); None without samples."""
+        self.close()
+        at = {}
+        for i, cur in enumerate(self.samples[:-1]):
+            nxt = self.samples[i + 1]
+            at[cur[0]] = tuple((nxt[j] - cur[j]) / 1e6 for j in range(1, 5))
+        steps = [s for s in recorded if s in at]
+        if not steps:
+            return None
+        out: dict[str, Any] = {"steps": steps}
+        for j, key in enumerate(("cpu_ms", "wait_ms", "proc_cpu_ms", "proc_wait_ms")):
+            out[key] = [round(max(0.0, at[s][j]), 3) for s in steps]
+        return out
+
+
+class ClockedSession:
+    """A backend's session (rank/backends/base.py) with the rank's clock sampled at each recorded boundary and at
+    the end of the window."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.clock = ThreadClock()
+        self._last = -1
+
+    def warmup(self, step: int) -> None:
+        self.session.warmup(step)
+
+    def record(self, step: int) -> None:
+        self.session.record(step)
+        if self._last < 0:
+            self.clock.sample(step - 1)  # (primes the threads' counts: the first step's own sample follows)
+        self.clock.sample(step)
+        self._last = step
+
+    def finish(self) -> Any:
+        self.clock.sample(self._last + 1)  # the end of the last recorded step
+        return self.session.finish()
+
+    def abort(self) -> None:
+        self.clock.close()
+        self.session.abort()

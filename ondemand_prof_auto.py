@@ -26,33 +26,97 @@ def wanted(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
 
 class _TorchWatcher:
     """A meta path finder (any object with find_spec will do: importlib.abc's base class alone cost every
-    process 15 ms at start-up) that finds nothing itself: when `torch` is about to be imported, wraps its
-    loader so that install_hook runs right after torch's own module code."""
+    process 15 ms at start-up) that finds nothing itself: when `torch` is looked up, wraps the loader of the spec
+    the finders after it return, so that install_hook runs right after torch's own module code.
+
+    It stays in sys.meta_path until a wrapped exec_module really runs: `importlib.util.find_spec("torch")` alone
+    (datasets, evaluate and transformers ask it at import, to see whether torch is there, and throw the spec away)
+    imports nothing. Should torch be imported past it all the same (an import hook ahead of it that loads torch
+    itself, a loader whose exec_module cannot be wrapped), the next lookup after torch's import has finished hooks
+    in late and says so on stderr, instead of nothing."""
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> object:
         if name != "torch":
+            if "torch" in sys.modules:  # imported, and not through us (we leave sys.meta_path when it is)
+                self._torch_came_past(name)
             return None
+        meta_path = list(sys.meta_path)
         try:
-            sys.meta_path.remove(self)  # once: the real finders locate torch
+            after = meta_path[meta_path.index(self) + 1:]  # the finders before us found nothing: importlib asks us
         except ValueError:
             return None
         spec = None
-        for finder in sys.meta_path:  # what importlib does, without importing importlib.util
+        for finder in after:  # what importlib does, without importing importlib.util
+            if type(finder).__name__ == "_TorchWatcher":  # a second copy of this module's: one hook, not two
+                continue
             find = getattr(finder, "find_spec", None)
             spec = find(name, path, target) if find is not None else None
             if spec is not None:
                 break
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        real_exec = loader.exec_module
+        self._wrap(getattr(spec, "loader", None))
+        return spec
+
+    def _wrap(self, loader: object) -> None:
+        """Make `loader` (this spec's own instance: path finders make one per lookup) run install_hook after
+        torch's module code. A probe's spec is thrown away with its loader; the import's runs it."""
+        real_exec = getattr(loader, "exec_module", None)
+        if real_exec is None or getattr(real_exec, "_ondemand_prof", False):
+            return
 
         def exec_module(module: object) -> None:
-            real_exec(module)
+            if getattr(module, "__name__", None) != "torch":  # a loader that loads more than torch
+                real_exec(module)
+                return
+            self.stop()  # torch's own imports (a thousand modules) pass no finder of ours
+            try:
+                real_exec(module)
+            except BaseException:
+                self.start()  # torch did not import: a later `import torch` is watched again
+                raise
             install_hook()
 
-        loader.exec_module = exec_module  # this spec's own loader instance (a SourceFileLoader)
-        return spec
+        exec_module._ondemand_prof = True  # type: ignore[attr-defined]
+        try:
+            loader.exec_module = exec_module  # type: ignore[attr-defined]
+        except (AttributeError, TypeError):  # a loader that takes no attributes: the late hook-in catches it
+            pass
+
+    def _torch_came_past(self, name: str) -> None:
+        """torch is in sys.modules and our exec_module never ran: once its import has finished (the import
+        system's own mark, spec._initializing False), hook in now and say so."""
+        spec = getattr(sys.modules.get("torch"), "__spec__", None)
+        if getattr(spec, "_initializing", True) is not False:  # still importing (or not a module importlib loaded)
+            return
+        if self.stop():  # one thread hooks in
+            install_hook(late=name)
+
+    def start(self) -> None:
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def stop(self) -> bool:
+        """Leave sys.meta_path; whether it was there."""
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            return False
+        return True
+
+
+def _say(text: str) -> None:
+    """One line for the user, as ondemand_prof.rank.announce.say does (imported here it would import the whole
+    package inside an import): logged, and on stderr unless logging shows it or ONDEMAND_PROF_QUIET is set."""
+    import logging
+
+    log = logging.getLogger("ondemand_prof")
+    log.info("%s", text)
+    quiet = os.environ.get("ONDEMAND_PROF_QUIET", "").strip().lower() in ("1", "true", "yes", "on")
+    if quiet or (log.isEnabledFor(logging.INFO) and log.hasHandlers()):
+        return
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # a closed or broken stderr must not reach the training loop
+        pass
 
 
 def _on_optimizer_step(optimizer: object, args: object, kwargs: object) -> None:
@@ -165,7 +229,11 @@ def _watch_for_training() -> None:
 _installed = False
 
 
-def install_hook() -> None:
+def install_hook(late: str | None = None) -> None:
+    """Register the optimizer hook and the watchers (torch has finished importing). `late`: the module whose
+    lookup found torch imported past our finder; the profiler is then made at the next sign of training (an
+    optimizer made, init_process_group, a forward with gradients, the first optimizer step), not inside that
+    import, and one line says what happened."""
     global _installed
     if _installed:
         return
@@ -181,7 +249,13 @@ def install_hook() -> None:
         _watch_for_training()
     except Exception as exc:  # noqa: BLE001 - the line then comes at the first optimizer step, as before
         print(f"ondemand_prof: {ENV}: cannot watch for the training process to start: {exc}", file=sys.stderr)
-    if launched_rank():  # registered from here on: through its rendezvous, its data loading, its first step
+    if late is not None:
+        rank = os.environ.get("RANK", "")
+        _say(f"ondemand_prof: {'rank ' + rank + ': ' if rank.isdigit() else ''}{ENV} is set but torch was "
+             f"imported past its import hook (an import hook ahead of it in sys.meta_path, or a loader it could "
+             f"not wrap); hooked in late, at the import of {late}: optimizer steps before that are not "
+             "counted")
+    elif launched_rank():  # registered from here on: through its rendezvous, its data loading, its first step
         _appeared("a rank its launcher started (RANK and WORLD_SIZE)")
 
 
@@ -191,5 +265,5 @@ def install() -> None:
         return
     if "torch" in sys.modules:
         install_hook()
-    elif not any(isinstance(f, _TorchWatcher) for f in sys.meta_path):
+    elif not any(type(f).__name__ == "_TorchWatcher" for f in sys.meta_path):
         sys.meta_path.insert(0, _TorchWatcher())

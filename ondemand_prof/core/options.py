@@ -77,7 +77,8 @@ def parse_int(value: Any, label: str, strict: bool = False) -> int:
         return int(value)
     if isinstance(value, str) and not strict:
         text = value.strip()
-        if text.lstrip("+-").isdigit() and len(text) <= 19:
+        digits = text.lstrip("+-")
+        if digits.isascii() and digits.isdigit() and len(text) <= 19:  # ('¹'.isdigit() is true; int() refuses it)
             return int(text)
     raise _err(label, value, "an integer")
 

@@ -1,6 +1,8 @@
 """The rank's CPU over a window: at each step boundary of a recorded window, the CPU time and the run-queue wait (the
-time a thread was runnable but waited for a CPU) of the training thread and of all the process's threads (gloo's
-workers, data loading, OpenMP), from /proc/self/task/TID/schedstat.
+time a thread was runnable but waited for a CPU) of the training thread, the CPU of all the process's threads, and
+the longest run-queue wait of any one of its other threads (gloo's workers, data loading, OpenMP: the most starved
+helper, whose wait stretches a transfer as the training thread's stretches the step; a sum over threads would count
+threads waiting side by side many times), from /proc/self/task/TID/schedstat.
 
 A comparison reads these per step (report/compare.py): a rank whose step grew while its threads waited longer for
 a CPU, with the same operator calls, was starved (other work on its cores, a CPU quota), not given more work; a
@@ -32,13 +34,14 @@ def _read(path: str) -> tuple[int, int] | None:
 
 
 class ThreadClock:
-    """Per step: the training thread's and the whole process's CPU and run-queue wait (ns), labelled by the step
-    that begins at each boundary."""
+    """Per step: the training thread's CPU and run-queue wait, the process's CPU and its other threads' longest
+    wait (ns), labelled by the step that begins at each boundary."""
 
     def __init__(self) -> None:
         self._fd: int | None = None
         self._tasks = f"/proc/{os.getpid()}/task"
-        self.samples: list[tuple[int, int, int, int, int]] = []  # (step, cpu, wait, process cpu, process wait)
+        self.samples: list[tuple[int, int, int, int, int]] = []  # (step, cpu, wait, process cpu, helper wait)
+        self._me = str(threading.get_native_id())
         self._threads: dict[str, tuple[int, int]] = {}  # tid -> (cpu, wait) at the last boundary
         try:
             self._fd = os.open(f"{self._tasks}/{threading.get_native_id()}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
@@ -58,8 +61,9 @@ class ThreadClock:
             self.close()
 
     def _process(self) -> tuple[int, int]:
-        """The CPU and wait all threads added since the last boundary (a thread's own delta: one that ended took
-        its counts with it, one that began counts from zero), accumulated."""
+        """The CPU all threads added since the last boundary (a thread's own delta: one that ended took its counts
+        with it, one that began counts from zero), accumulated; and the longest wait any other thread added, also
+        accumulated (so that per_step's differences give it per step)."""
         now: dict[str, tuple[int, int]] = {}
         with os.scandir(self._tasks) as it:
             for i, entry in enumerate(it):
@@ -70,7 +74,8 @@ class ThreadClock:
                     now[entry.name] = got
         prev = self._threads
         dcpu = sum(c - prev.get(t, (0, 0))[0] for t, (c, _) in now.items())
-        dwait = sum(w - prev.get(t, (0, 0))[1] for t, (_, w) in now.items())
+        dwait = max((w - prev.get(t, (0, 0))[1] for t, (_, w) in now.items() if t != self._me and t in prev),
+                    default=0)
         self._threads = now
         last = self.samples[-1] if self.samples else (0, 0, 0, 0, 0)
         return last[3] + dcpu, last[4] + dwait
@@ -85,7 +90,8 @@ class ThreadClock:
 
     def per_step(self, recorded: list[int]) -> dict[str, Any] | None:
         """{"steps", "cpu_ms", "wait_ms", "proc_cpu_ms", "proc_wait_ms"} for each recorded step whose start and end
-        were sampled (the sample after it labels the next step, or the window's end); None without samples."""
+        were sampled (the sample after it labels the next step, or the window's end); None without samples.
+        proc_wait_ms is the longest run-queue wait of one other thread of the process in the step."""
         self.close()
         at = {}
         for i, cur in enumerate(self.samples[:-1]):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .grouping import group_ranks, slowest_rank
-from .model import CaptureGroup, FailedRank, RankResult, Report
+from .model import CaptureGroup, FailedRank, RankResult, Report, Slowest
 from .sources import Discovery, discover, read_source
 
 log = logging.getLogger("ondemand_prof.report")
@@ -111,7 +111,52 @@ def summarize_group(key: tuple[Any, Any], members: list[RankResult], why: str | 
     if timed:
         group["median_step_ms"] = statistics.median(m["step_ms_mean"] for m in timed)
         group["slowest"] = slowest_rank([(m.get("rank"), m["step_ms_mean"]) for m in timed])
+    waits = collectives(ok)
+    if waits is not None:
+        group["collectives"] = waits
+        held = held_up(waits)
+        if held:  # synchronous ranks' steps are about equal: the slowest is the one the others waited for
+            group["slowest"] = held
     return group
+
+
+def held_up(waits: dict[str, Any]) -> Slowest | None:
+    """The rank the others waited for most at the collectives (ms per step), against the other ranks' spread as
+    slowest_rank judges step times; with how often it arrived last and its own wait."""
+    caused = [(r["rank"], r["caused_ms"]) for r in waits["ranks"]]
+    out = slowest_rank(caused)
+    if out is None or out["step_ms"] <= 0:
+        return None
+    mine = next(r for r in waits["ranks"] if r["rank"] == out["rank"])
+    out.update(by="wait caused", last_share=mine["last_share"], wait_ms=mine["wait_ms"])
+    if out["stands_out"] and out["step_ms"] < 0.5:
+        out["stands_out"], out["why_not"] = False, "the others waited less than 0.5 ms per step for it"
+    return out
+
+
+def collectives(ranks: list[RankResult]) -> dict[str, Any] | None:
+    """Who made whom wait in one capture (waits.py) and the what-if replay of its steps (replay.py), from the
+    ranks' timelines; None with fewer than two ranks that have one, or no collective matched."""
+    from .replay import analyze
+    from .timeline import Unreadable, decode
+    from .waits import match, summary
+
+    timelines = []
+    for m in ranks:
+        if m.get("timeline") and isinstance(m.get("rank"), int):
+            try:
+                timelines.append((m["rank"], m.get("host"), decode(m["timeline"])))
+            except Unreadable:
+                continue
+    matched = match(timelines) if len(timelines) > 1 else None
+    if matched is None:
+        return None
+    out = summary(matched)
+    out["replay"] = analyze(matched)
+    return out
+
+
+
 
 
 def compare_groups(base: CaptureGroup, now: CaptureGroup) -> dict[str, Any]:

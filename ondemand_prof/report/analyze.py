@@ -551,7 +551,10 @@ class RankAnalyzer:
 
     def _device_transfers(self, steps: list[tuple[int, float, float, Any]], member: array) -> Iterable[Transfer]:
         """The communication kernels inside the steps: the kind of the c10d/functional operator around the
-        kernel's launch on its thread, else the kernel's own; each arrives when it begins on its stream."""
+        kernel's launch on its thread, else the kernel's own; each arrives when it begins on its stream. torch_npu's
+        HCCL tasks (Notify_Wait, Memcpy, Reduce_Inline on the HCCL planes) run inside their hcom_* operation: where
+        the trace has those operations, the operations are the transfers (a task is not another collective)."""
+        ops = {i for i, n in enumerate(self.name_list) if n.startswith("hcom_")}
         launched: dict[int, tuple[float, int]] = {}
         la = self.launches
         for i in range(len(la.ts)):
@@ -561,6 +564,8 @@ class RankAnalyzer:
         for i in range(len(d.ts)):
             if not d.comm[i] or member[i] < 0:
                 continue
+            if ops and d.name[i] not in ops and self.library_of.get(d.name[i]) == "HCCL":
+                continue  # an HCCL task of an operation counted as its operation
             name = self.name_list[d.name[i]]
             at = launched.get(d.corr[i]) if d.corr[i] >= 0 else None
             issuer = issuers.around(*at) if at is not None else None

@@ -65,8 +65,9 @@ def read_ascend(path: Path, top: int) -> dict[str, Any]:
             problems.append(f"{name}: {_why(exc)}")
 
     dbs = sorted(root.glob(NPU_DB_GLOB))
-    if (root / "trace_view.json").exists():
-        attempt("trace_view.json", lambda: analyze_trace_file(root / "trace_view.json", out, top))
+    view = next((root / n for n in ("trace_view.json", "trace_view.json.gz") if (root / n).exists()), None)
+    if view is not None:  # (a capture kept compressed: the reader opens gzip as it opens any trace)
+        attempt("trace_view.json", lambda: analyze_trace_file(view, out, top))
     if dbs and "trace_view.json" not in used:
         attempt(dbs[0].name, lambda: out.update(npu_db_result(dbs[0], top)))
     if (root / "step_trace_time.csv").exists():

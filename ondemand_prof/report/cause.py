@@ -29,6 +29,7 @@ import statistics
 from typing import Any, Iterable
 
 from .checks import one_line
+from .classify import short_name
 from .stats import Change, change
 
 ALIKE = 2.0  # every rank's own growth within this factor of one another: alike
@@ -36,9 +37,11 @@ SHARE_MIN = 0.25  # a rank explaining less than this share of the growth is not 
 CPU_WAIT_SHARE = 0.5  # run-queue wait growth explaining this share of a rank's own growth: starved of CPU
 SLOWER_RATIO = 1.25  # every operator this much slower a call, with the same calls ...
 SLOWER_SHARE = 0.6  # ... over this share of the operators' time: the rank ran slower, not more
+SLOWER_MIN_OPS = 5  # ... of at least this many operators, most of them by count too
 ADDED_CALLS = 0.05  # ... and calls added a step below this share of its calls
 WAIT_FACTOR = 2.0  # the others' communication grew over this many times the cause's work: communication itself
 MIN_MS = 0.5
+DISPATCH_US = 50.0  # host time outside operators one CPU operator call may cost (~10 us measured, x5 for load)
 
 RULE = ("a change is called only when significant (Welch's t on the per-step values, 95 %) and over max(0.5 ms, 3 % "
         "of the baseline step); cause: the ranks whose own work (compute, overlap, host time) grew and whose replayed "
@@ -46,7 +49,7 @@ RULE = ("a change is called only when significant (Welch's t on the per-step val
         "every rank got slower alike; collectives added or their transfer grown with no rank late: communication, the "
         "network; a rank whose own work shrank is never the cause")
 
-HOST_CATEGORIES = ("CPU (run-queue wait)", "ran slower", "every rank got slower alike")
+HOST_CATEGORIES = ("CPU (run-queue wait)", "ran slower", "every rank got slower alike", "hiccup: waiting for a CPU")
 
 
 def decide(ranks: list[dict[str, Any]], job: dict[str, Any], waits: dict[str, Any],
@@ -68,8 +71,10 @@ def decide(ranks: list[dict[str, Any]], job: dict[str, Any], waits: dict[str, An
         if grew or late:
             return _rank_cause(ranks, grew, late, steady, waits, None, prefix=f"{head}, but ", replay=replay)
         if hiccup:
-            return _out(f"{hiccup}; the other steps: {steady.text()}", "hiccup", "hiccup",
-                        culprits=_hiccup_ranks(ranks))
+            cpu = all(r["hiccups"]["now"]["in"] == "waiting for a CPU" for r in ranks if r["rank"] in
+                      _hiccup_ranks(ranks))
+            return _out(f"{hiccup}; the other steps: {steady.text()}", "hiccup: waiting for a CPU" if cpu else
+                        "hiccup", "hiccup", culprits=_hiccup_ranks(ranks))
         added = _added_kinds(ranks)
         if added:
             return _out(f"no significant change: {head}; but the collectives changed on every rank: "
@@ -90,7 +95,16 @@ def _left_out(test: Change, steady: Change) -> str:
 
 def _out(cause: str, category: str | None, verdict: str, culprits: list[int] | None = None,
          waiting: list[int] | None = None) -> dict[str, Any]:
-    return {"cause": cause, "category": category, "verdict": verdict, "culprits": culprits or [],
+    """The verdict, with whose it is (`kind`): "job" (a rank's work, its communication, the network, a hiccup of
+    its own work: something in the job to act on), "host" (CPU contention, a host running every rank slower), or
+    "none" (no significant change, faster, one step, nothing grew that explains it)."""
+    if category is None or verdict in ("no_change", "faster", "one_step"):
+        kind = "none"
+    elif category in HOST_CATEGORIES:
+        kind = "host"
+    else:
+        kind = "job"
+    return {"cause": cause, "category": category, "verdict": verdict, "kind": kind, "culprits": culprits or [],
             "waiting": waiting or []}
 
 
@@ -207,7 +221,8 @@ def _rank_cause(ranks: list[dict[str, Any]], grew: list[dict[str, Any]], late: d
     texts = [_own_text(r, late.get(r["rank"]) if r not in grew else None, waits) for r in culprits[:4]] + \
         ([f"+{len(culprits) - 4} more ranks"] if len(culprits) > 4 else [])
     category = _category(culprits[0])
-    text = f"{prefix}{ranks_text(culprits)}: {category} grew: " + "; ".join(texts)
+    grew_word = "" if category in HOST_CATEGORIES else " grew"
+    text = f"{prefix}{ranks_text(culprits)}: {category}{grew_word}: " + "; ".join(texts)
     share = _share_text(culprits, shares, growth) or _ideal_text(culprits, replay)
     if share:
         text += f"; {share}"
@@ -328,20 +343,28 @@ def _ran_slower(r: dict[str, Any]) -> bool:
     if compute < 0.5 * max(_own(r), MIN_MS):
         return False
     calls = sum((c.get("calls_baseline") or 0.0) for c in r["changes"]) or 1.0
+    # broad: most operators, small ones too, slower (one operator slower a call may be larger shapes, more work)
     return pc["ratio"] >= SLOWER_RATIO and pc["share"] >= 0.5 and pc["slower_share"] >= SLOWER_SHARE and \
+        pc["ops"] >= SLOWER_MIN_OPS and pc.get("slower_ops", 0.0) >= SLOWER_SHARE and \
         pc["calls_added"] <= max(ADDED_CALLS * calls, 2.0)
 
 
 def _starved(r: dict[str, Any]) -> Change | None:
-    """The rank's threads waited significantly longer for a CPU (the training thread's run-queue wait, or all its
-    threads'), with no more operator calls: the larger of the two tests."""
-    found = [t for key in ("cpu_wait", "proc_wait") if (t := _t(r, key)) is not None and t.verdict == "grew"]
+    """The rank waited significantly longer for a CPU: its training thread's run-queue wait, or its most starved
+    other thread's (a collective's worker: its wait stretches the transfer), with no more operator calls; the
+    larger of the two tests."""
+    found = _starved_by(r)
+    return found[1] if found else None
+
+
+def _starved_by(r: dict[str, Any]) -> tuple[str, Change] | None:
+    found = [(key, t) for key in ("cpu_wait", "proc_wait") if (t := _t(r, key)) is not None and t.verdict == "grew"]
     if not found:
         return None
     pc = r.get("per_call")
     if pc is not None and pc["calls_added"] > max(ADDED_CALLS * 100, 2.0):
         return None
-    return max(found, key=lambda t: t.delta or 0.0)
+    return max(found, key=lambda kt: kt[1].delta or 0.0)
 
 
 def _category(r: dict[str, Any]) -> str:
@@ -366,8 +389,6 @@ def _dispatch_explains(r: dict[str, Any], idle_growth: float) -> bool:
     record): 3,000 more tiny additions a step grow that gap more than the additions' own time, and under load by
     3-5x. Where the calls added a step, at DISPATCH_US each, account for the gap's growth, the cause is the work
     those operators do, not input or sleeping (which add no calls)."""
-    from .compare import DISPATCH_US
-
     added = sum(max(0.0, (c["calls_now"] or 0.0) - (c["calls_baseline"] or 0.0)) for c in r["changes"]
                 if c["category"] == "operator" and c["calls_now"] is not None and c["calls_baseline"] is not None)
     return added * DISPATCH_US / 1000 >= idle_growth
@@ -386,7 +407,9 @@ def _own_text(r: dict[str, Any], late: Change | None = None, waits: dict[str, An
     if starved and _category(r) == "CPU (run-queue wait)":
         pc = r.get("per_call")
         slower = f" (~{pc['ratio']:.1f}x slower a call)" if pc and pc["ratio"] >= 1.1 else ""
-        return (f"rank {r['rank']} waited {starved.text()} longer for a CPU (its threads' run-queue wait); its "
+        which = "its training thread's" if (_starved_by(r) or ("",))[0] == "cpu_wait" else \
+            "its most starved other thread's (a collective's worker, a loader)"
+        return (f"rank {r['rank']} waited {starved.text()} longer for a CPU ({which} run-queue wait); its "
                 f"operators' calls did not change{slower}: other work on its cores or a CPU quota, not the job's"
                 + held)
     if _ran_slower(r):
@@ -410,8 +433,6 @@ def _own_text(r: dict[str, Any], late: Change | None = None, waits: dict[str, An
 def _top_change(ranks: Iterable[dict[str, Any]], comm: bool, category: str = "compute") -> str:
     """The operator or kernel (communication or not) that grew most over `ranks`, as text. Where the split is
     measured on the device, compute is the kernels' and host time the operators': the change named is of that."""
-    from .compare import change_text
-
     best: tuple[float, dict[str, Any]] | None = None
     for r in ranks:
         device = r["basis"].get("now") == "device"
@@ -503,14 +524,25 @@ def _hiccup_text(ranks: list[dict[str, Any]]) -> str:
 
 
 def _biggest_change(ranks: list[dict[str, Any]], shrink: bool = False) -> str:
-    from .compare import change_text
-
     rows = [c for r in ranks for c in r["changes"]]
     if not rows:
         return "no operator or kernel changed"
     pick = min if shrink else max
     c = pick(rows, key=lambda c: (c["now_ms"] or 0.0) - (c["baseline_ms"] or 0.0))
     return ("largest decrease: " if shrink else "largest change: ") + change_text(c)
+
+
+def change_text(c: dict[str, Any]) -> str:
+    """An operator's or kernel's change as the cause line names it."""
+    grown = (c["now_ms"] or 0.0) - (c["baseline_ms"] or 0.0)
+    calls = ""
+    if c.get("calls_baseline") is not None and c.get("calls_now") is not None and \
+            round(c["calls_baseline"], 1) != round(c["calls_now"], 1):
+        calls = f", {_calls(c['calls_baseline'])} -> {_calls(c['calls_now'])} calls/step"
+    elif c.get("mean_us_baseline") and c.get("mean_us_now"):
+        calls = f", {c['mean_us_baseline']:.0f} -> {c['mean_us_now']:.0f} us a call"
+    flag = " (new)" if c["status"] == "new" else " (vanished)" if c["status"] == "vanished" else ""
+    return f"{one_line(short_name(c['name'], 48))}{flag} {signed(grown)} ms/step{calls}"
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -21,9 +21,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .cause import RULE, decide
-from .checks import Unusable, one_line, rank_number
-from .classify import is_comm, short_name
+from .cause import DISPATCH_US, RULE, change_text, decide
+from .checks import Unusable, rank_number
+from .classify import is_comm
 from .figures import SPLIT, rank_figures
 from .stats import Change, change, hiccups
 from .timeline import decode
@@ -33,7 +33,6 @@ MIN_MS = 0.5  # a change smaller than this per step is not worth naming, whateve
 BASE_SHARE = 0.03  # ... nor, for a step's time and a rank's own work, one below this share of the baseline step
 ROW_MIN_MS = 0.05  # ... nor, for one operator or kernel, one below this
 SAME_MODEL = 0.3  # operator time matching by name below this share: two different models, said so
-DISPATCH_US = 50.0  # host time outside operators one CPU operator call may cost (~10 us measured, x5 for load)
 COLLECTIVE_HOST_US = 500.0  # ... and one collective call: its Python and its wait() for the peers, outside its
 # operator (CI under load: 20 more barriers a step grew one rank's host time 4.69 ms, ~235 us a call, x2)
 SAME_CALLS = 0.02  # an operator's calls per step within this share: the same calls
@@ -123,27 +122,52 @@ def _kinds(b: dict[str, Any], n: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _hiccups(f: dict[str, Any]) -> dict[str, Any] | None:
-    """The steps far above the rank's others (stats.hiccups): which, how much more, and in what: the split's
-    part that grew most in them, and the operator or kernel."""
+    """The steps far above the rank's others (stats.hiccups): which, how much more, and in what: waiting for a CPU
+    (its threads' run-queue wait in them explains at least half), else the split's part that grew most in them,
+    and the operator or kernel."""
     values = f["series"]["step"]
     out = hiccups(values)
     if not out:
         return None
     rest = [i for i in range(len(values)) if i not in out]
     typical = statistics.median(values[i] for i in rest)
-    grown = {key: statistics.fmean(f["series"][key][i] for i in out) - statistics.median(f["series"][key][i]
-                                                                                          for i in rest)
-             for key, _ in SPLIT}
-    part = max(grown, key=lambda k: grown[k])
+    extra = statistics.fmean(values[i] for i in out) - typical
+
+    def grown(series: list[float]) -> float:
+        return statistics.fmean(series[i] for i in out) - statistics.median(series[i] for i in rest)
+
+    parts = {key: grown(f["series"][key]) for key, _ in SPLIT}
+    part = max(parts, key=lambda k: parts[k])
     what = {"compute": "compute", "communication": "communication", "overlap": "compute",
             "idle": "device idle" if f["basis"] == "device" else "host time outside operators"}[part]
+    waited = _cpu_wait_in(f, out, rest)
+    if waited is not None and waited >= 0.5 * extra:
+        what, part = "waiting for a CPU", "cpu"
     table = f["kernels_series"] if f["basis"] == "device" and part != "idle" else f["ops_series"]
-    top = max(table.items(), key=lambda kv: statistics.fmean(kv[1][i] for i in out if i < len(kv[1])) -
-              statistics.median([kv[1][i] for i in rest if i < len(kv[1])] or [0.0]), default=None) \
-        if part != "idle" else None
-    return {"steps": [f["step_numbers"][i] for i in out], "of": len(values),
-            "extra_ms": round(statistics.fmean(values[i] for i in out) - typical, 3), "typical_ms": round(typical, 3),
-            "in": what, "name": top[0] if top else None}
+    top = max(table.items(), key=lambda kv: grown(kv[1]) if len(kv[1]) == len(values) else 0.0, default=None) \
+        if part in ("compute", "overlap", "communication") else None
+    return {"steps": [f["step_numbers"][i] for i in out], "of": len(values), "extra_ms": round(extra, 3),
+            "typical_ms": round(typical, 3), "in": what, "name": top[0] if top else None}
+
+
+def _cpu_wait_in(f: dict[str, Any], out: list[int], rest: list[int]) -> float | None:
+    """How much longer the rank's threads waited for a CPU in steps `out` than in the others (ms, the larger of
+    the training thread's and all threads' run-queue wait); None without those figures."""
+    cpu = f["cpu"]
+    if not cpu:
+        return None
+    at = {s: i for i, s in enumerate(cpu["steps"])}
+    numbers = f["step_numbers"]
+    best = None
+    for key in ("wait_ms", "proc_wait_ms"):
+        if key not in cpu:
+            continue
+        hot = [cpu[key][at[numbers[i]]] for i in out if numbers[i] in at]
+        cold = [cpu[key][at[numbers[i]]] for i in rest if numbers[i] in at]
+        if hot and cold:
+            d = statistics.fmean(hot) - statistics.median(cold)
+            best = d if best is None else max(best, d)
+    return best
 
 
 def _per_call(b: dict[str, Any], n: dict[str, Any]) -> dict[str, Any] | None:
@@ -169,10 +193,11 @@ def _per_call(b: dict[str, Any], n: dict[str, Any]) -> dict[str, Any] | None:
             median = ratio
             break
     slower = sum(w for r, w in ratios if r >= 1.2) / same
+    broad = sum(1 for r, _ in ratios if r >= 1.2) / len(ratios)
     added = sum(max(0.0, n["ops"][k][0] - v[0]) for k, v in b["ops"].items() if k in n["ops"]) + \
         sum(v[0] for k, v in n["ops"].items() if k not in b["ops"])
     return {"ratio": round(median, 3), "share": round(same / total, 3), "ops": len(ratios),
-            "slower_share": round(slower, 3), "calls_added": round(added, 1)}
+            "slower_share": round(slower, 3), "slower_ops": round(broad, 3), "calls_added": round(added, 1)}
 
 
 def _changes(b: dict[str, Any], n: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
@@ -224,19 +249,6 @@ def _change_row(name: str, category: str, status: str, bv: list[float] | None, n
     return row
 
 
-def change_text(c: dict[str, Any]) -> str:
-    """An operator's or kernel's change as the cause line names it."""
-    grown = (c["now_ms"] or 0.0) - (c["baseline_ms"] or 0.0)
-    calls = ""
-    if c.get("calls_baseline") is not None and c.get("calls_now") is not None and \
-            round(c["calls_baseline"], 1) != round(c["calls_now"], 1):
-        calls = f", {_calls(c['calls_baseline'])} -> {_calls(c['calls_now'])} calls/step"
-    elif c.get("mean_us_baseline") and c.get("mean_us_now"):
-        calls = f", {c['mean_us_baseline']:.0f} -> {c['mean_us_now']:.0f} us a call"
-    flag = " (new)" if c["status"] == "new" else " (vanished)" if c["status"] == "vanished" else ""
-    return f"{one_line(short_name(c['name'], 48))}{flag} {_signed(grown)} ms/step{calls}"
-
-
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -244,8 +256,8 @@ def conclude(ranks: list[dict[str, Any]], baseline: Any, capture: Any, *, unmatc
              jobs: tuple[Any, Any] = (None, None)) -> dict[str, Any]:
     """The comparison (module docstring). `ranks`: compare_rank's rows (any order); `unmatched`: ranks found on
     one side only ({"baseline": [...], "now": [...]})."""
-    from .waits import match, summary
     from .replay import analyze, growth
+    from .waits import clock_text, match, summary
 
     ranks = sorted(ranks, key=lambda r: (r["rank"] is None, r["rank"] or 0))
     timelines = {side: _timelines(ranks, side) for side in ("baseline", "now")}
@@ -307,11 +319,8 @@ def _wait_notes(waits: dict[str, Any], matched: dict[str, Any]) -> list[str]:
         w = waits.get(side)
         if w is None:
             continue
-        clock = w["clock"]
-        if clock.get("hosts", 1) > 1:
-            skew = clock.get("skew_us")
-            out.append(f"{label}: the clocks of {clock['hosts']} hosts aligned on {clock.get('aligned_on', 0)} "
-                       f"collective ends" + (f", residual skew {skew:.0f} us (p90)" if skew is not None else ""))
+        if w["clock"].get("hosts", 1) > 1:
+            out.append(f"{label}: {clock_text(w['clock'])}")
         out += [f"{label}: {n}" for n in w["notes"]]
     return out
 
@@ -366,12 +375,4 @@ def _notes(ranks: list[dict[str, Any]], unmatched: dict[str, list[int]], jobs: t
     return notes
 
 
-def _signed(x: float) -> str:
-    return f"{x:+.2f}" if abs(x) < 10 else f"{x:+.1f}"
-
-
-def _calls(x: float) -> str:
-    return f"{x:.0f}" if abs(x - round(x)) < 0.05 else f"{x:.1f}"
-
-
-__all__ += ["Change"]
+__all__ += ["Change", "DISPATCH_US"]

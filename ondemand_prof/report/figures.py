@@ -84,10 +84,10 @@ def rank_figures(r: dict[str, Any]) -> dict[str, Any]:
     if type(m) is not int or not 0 <= m <= MAX_TABLE_STEPS:
         raise Unusable(f"step_ops.steps is {_shown(m)}, not a number of steps")
     column_sum(steps, "dur_ms")  # (checks the column, naming a bad value)
-    series = {"step": [float(s.get("dur_ms") or 0.0) for s in steps]}
+    series = {"step": [max(0.0, float(s.get("dur_ms") or 0.0)) for s in steps]}  # (a hair below 0 is 0)
     for key, field in SPLIT:
         column_sum(steps, field)
-        series[key] = [float(s.get(field) or 0.0) for s in steps]
+        series[key] = [max(0.0, float(s.get(field) or 0.0)) for s in steps]
     split = {key: (sum(series[key]) / n if n else None) for key, _ in SPLIT}
     step_ms = sum(series["step"]) / n if n else \
         (None if r.get("step_ms_mean") is None else _ms(r["step_ms_mean"], "step_ms_mean"))

@@ -202,14 +202,39 @@ def _ranks_table(group: CaptureGroup) -> str:
     note = ""
     if slowest and len(ranks) > 1:
         s = slowest
-        note = (f'<p>Slowest: rank {_e(s["rank"])}, {s["step_ms"]:.2f} ms per step, {s["vs_median_ms"]:+.2f} ms '
-                f'({s["vs_median_pct"]:+.1f}%) from the median {median:.2f} ms'
+        what = (f'the others waited {s["step_ms"]:.2f} ms per step for it at collectives (it arrived last at '
+                f'{100 * s.get("last_share", 0):.0f}% of them)') if s.get("by") == "wait caused" else \
+            f'{s["step_ms"]:.2f} ms per step, {s["vs_median_ms"]:+.2f} ms ({s["vs_median_pct"]:+.1f}%) from the median ' \
+            f'{median:.2f} ms'
+        note = (f'<p>Slowest: rank {_e(s["rank"])}, {what}'
                 + (": it stands out" if s.get("stands_out") else f"; not marked: {_e(s.get('why_not'))}")
                 + f'. <span class=muted>The slowest rank is {_e(s.get("rule"))}.</span></p>')
+        note += _waits_html(group.get("collectives"))
     return ('<h3>Across ranks</h3><table class="sortable"><thead><tr><th>Rank</th><th>Steps</th><th>Step ms</th>'
             '<th>Max ms</th><th>Compute %</th><th>Comm % (exposed)</th><th>Overlap %</th><th>Idle %</th>'
             '<th>vs median</th></tr></thead><tbody>'
             + "".join(rows) + "</tbody></table>" + note + _split_chart(ranks))
+
+
+def _waits_html(w: dict[str, Any] | None) -> str:
+    """Who made whom wait in the capture (waits.summary): per rank, and the wait matrix (rows: who waited)."""
+    if not w:
+        return ""
+    rows = "".join(f'<tr><td>{_e(r["rank"])}</td><td class=num>{r["arrived_last"]} ({100 * r["last_share"]:.0f}%)</td>'
+                   f'<td class=num>{r["caused_ms"]:.2f}</td><td class=num>{r["wait_ms"]:.2f}</td></tr>'
+                   for r in w["ranks"])
+    html = (f'<h3>Who made whom wait</h3><p>{w["matched"]} collectives matched across the ranks '
+            f'(arrival: {_e(w["arrival"])}); ms per step.</p><table class="sortable"><thead><tr><th>Rank</th>'
+            '<th>Arrived last</th><th>Others waited for it</th><th>Its wait</th></tr></thead><tbody>' + rows
+            + '</tbody></table>')
+    m = w.get("matrix") or {}
+    if m.get("ranks"):
+        head = "".join(f"<th>{_e(r)}</th>" for r in m["ranks"])
+        body = "".join(f'<tr><th>{_e(i)}</th>' + "".join(f'<td class=num>{v:.2f}</td>' for v in row) + "</tr>"
+                       for i, row in zip(m["ranks"], m["ms_per_step"]))
+        html += (f'<p class=muted>How long each rank (row) waited for each other rank (column), ms per step.</p>'
+                 f'<table><thead><tr><th></th>{head}</tr></thead><tbody>{body}</tbody></table>')
+    return html
 
 
 def _mean_split(r: RankResult) -> dict[str, float] | None:
@@ -451,7 +476,7 @@ def _open_traces(group: CaptureGroup) -> str:
 def render_comparison_html(c: dict[str, Any]) -> str:
     """A capture against its baseline, side by side: the cause line, the step time per rank, each rank's split as
     two bars (baseline, now), communication by collective, and what changed most; measured values only."""
-    from .compare import SPLIT
+    from .figures import SPLIT
 
     jobs = c.get("job") or {}
     s = c["step_ms"]
@@ -546,7 +571,7 @@ def _compare_step_chart(ranks: list[dict[str, Any]]) -> str:
 
 def _compare_split_chart(ranks: list[dict[str, Any]]) -> str:
     """Each rank's split per step, the baseline's stacked bar above now's, on one scale."""
-    from .compare import SPLIT
+    from .figures import SPLIT
 
     keys = [(key, share) for (key, _), share in zip(SPLIT, SHARES)]
     timed = [r for r in ranks if all(r["split"][k]["baseline"] is not None and r["split"][k]["now"] is not None

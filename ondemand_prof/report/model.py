@@ -81,6 +81,9 @@ class Slowest(TypedDict, total=False):
     others_median_ms: float
     others_spread_ms: float
     threshold_ms: float
+    by: str  # "wait caused": judged by how long the others waited for it at collectives (step_ms holds that)
+    last_share: float  # ... how often it arrived last
+    wait_ms: float  # ... and how long it waited itself
 
 
 class CaptureGroup(TypedDict, total=False):
@@ -98,6 +101,7 @@ class CaptureGroup(TypedDict, total=False):
     options: dict[str, Any] | None
     median_step_ms: float  # of the ranks' mean step times, when any was timed
     slowest: Slowest | None
+    collectives: dict[str, Any]  # who made whom wait, and the what-if replay (waits.summary, replay.analyze)
 
 
 class _ReportCore(TypedDict):

@@ -8,7 +8,8 @@ from typing import Any
 
 from .analyze import SHARES, round_shares
 from .classify import short_name
-from .compare import SPLIT
+from .figures import SPLIT
+from .waits import clock_text
 from .grouping import vs_median_pct
 from .model import CaptureGroup, RankResult, Report
 
@@ -158,16 +159,61 @@ def _group_text(group: CaptureGroup, top: int, per_rank: bool, number: int = 1) 
         text += _table(rows, ["RANK", "STEPS", "STEP MS", "MAX MS", "COMPUTE %", "COMM %", "OVERLAP %", "IDLE %",
                               "VS MEDIAN", ""])
         if slowest and len(ranks) > 1:
-            text += (f"  slowest: rank {slowest['rank']}, {slowest['step_ms']:.2f} ms per step, "
-                     f"{slowest['vs_median_ms']:+.2f} ms ({slowest['vs_median_pct']:+.1f}%) from the median "
-                     f"{group['median_step_ms']:.2f} ms")
+            if slowest.get("by") == "wait caused":
+                text += (f"  slowest: rank {slowest['rank']}, the others waited {slowest['step_ms']:.2f} ms per step for "
+                         f"it at collectives (it arrived last at {100 * slowest['last_share']:.0f}% of them, waited "
+                         f"{slowest['wait_ms']:.2f} ms itself), {slowest['vs_median_ms']:+.2f} ms from the ranks' median")
+            else:
+                text += (f"  slowest: rank {slowest['rank']}, {slowest['step_ms']:.2f} ms per step, "
+                         f"{slowest['vs_median_ms']:+.2f} ms ({slowest['vs_median_pct']:+.1f}%) from the median "
+                         f"{group['median_step_ms']:.2f} ms")
             text += ": stands out\n" if slowest.get("stands_out") else f"; not marked: {slowest.get('why_not')}\n"
+        if group.get("collectives"):
+            text += waits_text(group["collectives"])
     for f in group["failed"]:
         text += f"  rank {f['rank'] if f['rank'] is not None else '?'}: FAILED {f['error']}  ({f['path']})\n"
     if per_rank:
         for r in ranks:
             text += _rank_text(r, top)
     return text + "\n"
+
+
+def waits_text(w: dict[str, Any]) -> str:
+    """Who made whom wait in one capture (waits.summary), and its what-if replay."""
+    steps = w["steps"]
+    text = (f"\nwho made whom wait: {w['matched']} collectives matched across the ranks in {len(steps)} step(s) "
+            f"(arrival: {w['arrival']}; ms per step)\n")
+    rows = [[str(r["rank"]), f"{r['arrived_last']} ({100 * r['last_share']:.0f}%)", _f(r["caused_ms"]),
+             _f(r["wait_ms"])] for r in w["ranks"]]
+    text += _table(rows, ["RANK", "ARRIVED LAST", "OTHERS WAITED FOR IT", "ITS WAIT"])
+    if w["kinds"]:
+        text += "  by collective kind (mean over its ranks, ms per step)\n"
+        text += _table([[k["kind"], _calls(k["calls_per_step"]), _f(k["transfer_ms"]), _f(k["wait_ms"])]
+                        for k in w["kinds"]], ["KIND", "CALLS", "TRANSFER", "WAIT"], "    ")
+    text += "".join(f"  {line}\n" for line in clock_lines(w) + replay_lines(w.get("replay")))
+    return text
+
+
+def clock_lines(w: dict[str, Any]) -> list[str]:
+    clock = w["clock"]
+    out = []
+    if clock.get("hosts", 1) > 1:
+        out.append(clock_text(clock))
+    return out + [f"note: {n}" for n in w["notes"]]
+
+
+def replay_lines(replay: dict[str, Any] | None) -> list[str]:
+    """The what-if replay of one capture: its error, the ideal, and the ranks that explain the time above it."""
+    if not replay:
+        return []
+    above = replay["replayed_ms"] - replay["ideal_ms"]
+    line = (f"what-if replay: replayed step {replay['replayed_ms']:.2f} ms against {replay['measured_ms']:.2f} measured "
+            f"(error {replay['error_pct']:+.1f} %); ideal (every rank's work the ranks' median) {replay['ideal_ms']:.2f} ms")
+    top = sorted((s for s in replay["shares"] if s["ms"] > 0), key=lambda s: -s["ms"])[:3]
+    if top and above > 0:
+        line += "; " + ", ".join(f"rank {s['rank']} explains {min(100, round(100 * s['ms'] / above))} %"
+                                 for s in top) + f" of the {above:.2f} ms/step above it"
+    return [line]
 
 
 def _rank_text(r: RankResult, top: int) -> str:
@@ -273,7 +319,10 @@ def render_comparison(c: dict[str, Any], top: int = 5) -> str:
     s = c["step_ms"]
     if s.get("baseline") is not None and s.get("now") is not None:
         pct = f", {s['pct']:+.1f}%" if s.get("pct") is not None else ""
-        out.append(f"  step time {s['baseline']:.2f} -> {s['now']:.2f} ms ({s['delta']:+.2f} ms{pct}), mean of the ranks")
+        test = s.get("test")
+        tested = f"; {_test_text(test)}" if test else ""
+        out.append(f"  step time {s['baseline']:.2f} -> {s['now']:.2f} ms ({s['delta']:+.2f} ms{pct}), mean of the "
+                   f"ranks{tested}")
     out.append(f"  cause: {c['cause']}")
     for note in c.get("notes") or []:
         out.append(f"  note: {note}")
@@ -287,10 +336,12 @@ def render_comparison(c: dict[str, Any], top: int = 5) -> str:
                 mark = "comm grew" if c.get("category") == "communication" else "cause"
             elif r["rank"] in (c.get("waiting") or []):
                 mark = "waited"
-            rows.append([str(r["rank"]), _arrow(r["step_ms"]),
-                         *[_arrow(r["split"][key]) for key, _ in SPLIT], mark])
-        text += "\nper rank, ms per step (baseline -> now)\n"
-        text += _table(rows, ["RANK", "STEP", "COMPUTE", "COMM (EXPOSED)", "OVERLAP", "IDLE", ""])
+            tests = r.get("tests") or {}
+            rows.append([str(r["rank"]), _arrow(r["step_ms"], tests.get("step")),
+                         *[_arrow(r["split"][key], tests.get(key)) for key, _ in SPLIT],
+                         _cpu_arrow(tests.get("proc_wait") or tests.get("cpu_wait")), mark])
+        text += "\nper rank, ms per step (baseline -> now; * a significant change: Welch's t on the per-step values, 95 %)\n"
+        text += _table(rows, ["RANK", "STEP", "COMPUTE", "COMM (EXPOSED)", "OVERLAP", "IDLE", "CPU WAIT", ""])
     kinds = [k for k in c.get("communication") or [] if abs(k["now_ms"] - k["baseline_ms"]) >= 0.005 or
              round(k["calls_now"], 1) != round(k["calls_baseline"], 1)]
     if kinds:
@@ -298,12 +349,13 @@ def render_comparison(c: dict[str, Any], top: int = 5) -> str:
         text += _table([[k["kind"], f"{_calls(k['calls_baseline'])} -> {_calls(k['calls_now'])}",
                          f"{k['baseline_ms']:.2f} -> {k['now_ms']:.2f}", f"{k['now_ms'] - k['baseline_ms']:+.2f}"]
                         for k in kinds], ["KIND", "CALLS", "MS", "DELTA MS"])
+    text += _compared_waits(c)
     shown = _ranks_to_detail(c, ranks)
     for r in shown:
         changes = r["changes"][:top]
         if not changes:
             continue
-        text += f"\nrank {r['rank']}: what changed most, per step (operators by self time, kernels by time)\n"
+        text += f"\nrank {r['rank']}: what changed most, per step (operators by self time, kernels by time; * significant)\n"
         labels = short_names([x["name"] for x in changes], 56)
         text += _table([[label, x["category"] + ("" if x["status"] == "changed" else f" ({x['status']})"),
                          _opt(x["baseline_ms"], 3), _opt(x["now_ms"], 3), _delta(x),
@@ -316,6 +368,53 @@ def render_comparison(c: dict[str, Any], top: int = 5) -> str:
     return text + f"\nrule: {c.get('rule', '')}\n"
 
 
+def _compared_waits(c: dict[str, Any]) -> str:
+    """Who made whom wait on each side, inside each capture (immune to the host drifting between the two), the
+    transfer per collective kind, and the what-if replay of the growth."""
+    w = c.get("collectives") or {}
+    b, n = w.get("baseline"), w.get("now")
+    if not n:
+        return ""
+    before = {r["rank"]: r for r in (b or {}).get("ranks", [])}
+    rows = []
+    for r in n["ranks"]:
+        o = before.get(r["rank"])
+        rows.append([str(r["rank"]),
+                     f"{100 * o['last_share']:.0f}% -> {100 * r['last_share']:.0f}%" if o else f"{100 * r['last_share']:.0f}%",
+                     f"{o['caused_ms']:.2f} -> {r['caused_ms']:.2f}" if o else f"{r['caused_ms']:.2f}",
+                     f"{o['wait_ms']:.2f} -> {r['wait_ms']:.2f}" if o else f"{r['wait_ms']:.2f}"])
+    text = ("\nwho made whom wait, inside each capture (ms per step, baseline -> now; arrival: "
+            f"{n['arrival']})\n")
+    text += _table(rows, ["RANK", "ARRIVED LAST", "OTHERS WAITED FOR IT", "ITS WAIT"])
+    kinds_b = {k["kind"]: k for k in (b or {}).get("kinds", [])}
+    krows = [[k["kind"], f"{kinds_b[k['kind']]['transfer_ms']:.2f} -> {k['transfer_ms']:.2f}" if k["kind"] in kinds_b
+              else f"- -> {k['transfer_ms']:.2f}",
+              f"{kinds_b[k['kind']]['wait_ms']:.2f} -> {k['wait_ms']:.2f}" if k["kind"] in kinds_b
+              else f"- -> {k['wait_ms']:.2f}"] for k in n["kinds"]]
+    if krows:
+        text += "  by collective kind, mean over its ranks (ms per step)\n"
+        text += _table(krows, ["KIND", "TRANSFER", "WAIT"], "    ")
+    shares = c.get("shares")
+    if shares:
+        growth = (c["step_ms"].get("delta") or 0.0)
+        parts = ", ".join(f"rank {x['rank']} {x['ms']:+.2f}" for x in sorted(shares["shares"], key=lambda x: -x["ms"])[:4])
+        text += (f"  what-if replay (error {shares['error_pct']:+.1f} % now, {shares['baseline_error_pct']:+.1f} % in the "
+                 f"baseline): the step now would be shorter by, with one rank's work as in the baseline: {parts} ms")
+        if shares.get("collectives_ms") is not None:
+            text += f"; with every rank's, the collectives' part left of the {growth:+.2f} ms: {shares['collectives_ms']:+.2f} ms"
+        text += "\n"
+    return text
+
+
+def _test_text(t: dict[str, Any]) -> str:
+    if t.get("delta") is None:
+        return "no values"
+    if t.get("lo") is None:
+        return "one step on a side: no noise estimate"
+    word = {"grew": "significant", "shrank": "significant", "same": "not significant"}.get(t["verdict"], t["verdict"])
+    return f"{t['delta']:+.2f} ms/step, 95 % CI {t['lo']:+.2f} to {t['hi']:+.2f} ({word})"
+
+
 def _ranks_to_detail(c: dict[str, Any], ranks: list[dict[str, Any]], most: int = 4) -> list[dict[str, Any]]:
     """The culprits, then the ranks that waited, up to `most` (every rank of a small job)."""
     if len(ranks) <= most:
@@ -325,11 +424,19 @@ def _ranks_to_detail(c: dict[str, Any], ranks: list[dict[str, Any]], most: int =
     return picked or ranks[:most]
 
 
-def _arrow(p: dict[str, Any]) -> str:
+def _arrow(p: dict[str, Any], test: dict[str, Any] | None = None) -> str:
     b, n = p.get("baseline"), p.get("now")
     if b is None or n is None:
         return "-"
-    return f"{b:.2f} -> {n:.2f} ({n - b:+.2f})"
+    star = "*" if test and test.get("verdict") in ("grew", "shrank") else ""
+    return f"{b:.2f} -> {n:.2f} ({n - b:+.2f}{star})"
+
+
+def _cpu_arrow(t: dict[str, Any] | None) -> str:
+    if not t or t.get("before") is None or t.get("after") is None:
+        return "-"
+    star = "*" if t.get("verdict") in ("grew", "shrank") else ""
+    return f"{t['before']:.2f} -> {t['after']:.2f}{star}"
 
 
 def _opt(x: float | None, digits: int) -> str:
@@ -347,4 +454,5 @@ def _opt_calls(x: float | None) -> str:
 def _delta(x: dict[str, Any]) -> str:
     if x["baseline_ms"] is None or x["now_ms"] is None:
         return "?"  # below the other side's table (its longest PER_STEP_OPS / PER_STEP_KERNELS)
-    return f"{x['now_ms'] - x['baseline_ms']:+.3f}"
+    star = "*" if (x.get("test") or {}).get("verdict") in ("grew", "shrank") else ""
+    return f"{x['now_ms'] - x['baseline_ms']:+.3f}{star}"

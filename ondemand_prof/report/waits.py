@@ -183,10 +183,20 @@ def _align(given: Sequence[tuple[int, str | None, Timeline]], common: set[int]
                     break
     skew = _p90(residual) if residual else None
     clock = {"hosts": len(hosts), "aligned_on": len(residual), "skew_us": None if skew is None else round(skew, 1),
-             "offsets_us": {h: round(v, 1) for h, v in offsets.items()}}
+             "offsets_us": {h: round(v, 1) for h, v in offsets.items()},
+             "unnamed": sum(1 for _, h, _ in given if not h)}
     if pending:
         clock["unaligned"] = pending
     return offsets, clock
+
+
+def clock_text(clock: dict[str, Any]) -> str:
+    """How the ranks' clocks were put on one (waits.py)."""
+    skew = clock.get("skew_us")
+    whose = f"the clocks of {clock['hosts']} hosts" if not clock.get("unnamed") else \
+        f"{clock['hosts']} clocks (the traces name no host: each rank's its own)"
+    return (f"{whose} aligned on {clock.get('aligned_on', 0)} collective ends"
+            + (f", residual skew {skew:.0f} us (p90)" if skew is not None else ""))
 
 
 def _p90(values: list[float]) -> float:

@@ -12,6 +12,7 @@ served by its own user's. The pure parts (default job ids, paths across mounts, 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -121,10 +122,12 @@ def test_a_path_is_found_again_through_the_hosts_own_mounts(tmp_path: Path) -> N
 class Pod:
     """A pod: pid 1 is the rank (or its launcher), with the namespaces and mounts the module docstring says.
     `user`: a rootless pod, the user mapped to root in a user namespace of its own, in a root filesystem of its
-    own (tmpfs) into which the host's /usr, /etc, /dev and the interpreter's directories are bound."""
+    own (tmpfs) into which the host's /usr, /etc, /dev and the interpreter's directories are bound. The runtime
+    directory is bound read-only, as deploy/kubernetes/training-pod.yaml mounts it (a socket connects on a
+    read-only mount); `run_writable`: read-write, as it was before issue 41 (a root pod could swap the socket)."""
 
     def __init__(self, name: str, argv: list[str], run_dir: Path, base: Path, env: dict[str, str] | None = None,
-                 user: dict[str, Any] | None = None) -> None:
+                 user: dict[str, Any] | None = None, run_writable: bool = False) -> None:
         self.name = name
         self.data = base / f"{name}-data"  # the pod's save volume, as the host sees it
         self.data.mkdir(mode=0o755)
@@ -134,8 +137,10 @@ class Pod:
                                                                                            "MASTER_", "RANK", "WORLD")))
         cmd = " ".join(shlex.quote(a) for a in argv)
         inside = (f"hostname {name} && ip link set lo up && cd /srv/data && export {exports} && exec {cmd}")
+        read_only = "" if run_writable else "mount -o remount,bind,ro {} && "
         if user is None:
             setup = (f"mount -t tmpfs tmpfs /srv && mkdir /srv/run /srv/data && mount --bind {run_dir} /srv/run && "
+                     + read_only.format("/srv/run") +
                      f"mount --bind {self.data} /srv/data && mount -t tmpfs tmpfs /tmp && {inside}")
             outer = ["unshare", "--pid", "--uts", "--net", "--mount", "--fork", "--mount-proc", "sh", "-c", setup]
         else:
@@ -149,6 +154,8 @@ class Pod:
                      "ln -s usr/bin bin && ln -s usr/lib lib && ln -s usr/lib64 lib64 && ln -s usr/sbin sbin",
                      f"chown -hR {user['uid']}:{user['gid']} ."]  # its own: root's inside the pod
             build += [f"mount --rbind {shlex.quote(src)} {shlex.quote(dst)}" for src, dst in binds]
+            if read_only:
+                build.append(read_only.format("srv/run").removesuffix(" && "))
             rootless = ["setpriv", f"--reuid={user['uid']}", f"--regid={user['gid']}", "--clear-groups",
                         "unshare", "--user", "--map-root-user", "--pid", "--uts", "--net", "--mount", "--fork",
                         f"--root={root}", "--mount-proc", "sh", "-c", inside]
@@ -407,29 +414,55 @@ def _ctl_as(user: dict[str, Any], run: Path, *args: str) -> subprocess.Completed
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def _daemon_pid(launcher: subprocess.Popen) -> int | None:
+    """The daemon's pid (on the host) under an `unshare --fork` launcher: its child."""
+    import psutil
+
+    try:
+        kids = psutil.Process(launcher.pid).children()
+    except psutil.Error:
+        return None
+    return kids[0].pid if kids else None
+
+
+def _ctl_in(pid: int, run: Path, *args: str) -> subprocess.CompletedProcess:
+    """ondemandctl in the pid and mount namespaces of process `pid`, as `kubectl exec` into a daemon's pod runs
+    it (from the host, a daemon in a container's pid namespace is not trusted: issue 41, 2)."""
+    return subprocess.run(["nsenter", "-t", str(pid), "-p", "-m", "--", str(ROOT / "bin" / "ondemandctl"), *args],
+                          env=base_env(ONDEMAND_PROF_RUNTIME_DIR=str(run)), capture_output=True, text=True,
+                          timeout=120)
+
+
 @needs_namespaces
 def test_a_daemon_that_cannot_see_the_pods_pids(host: dict[str, Any], pods: list[Pod]) -> None:
     """The daemon in a pid namespace of its own (a DaemonSet without hostPID): the kernel gives it pid 0 for a
     pod's rank. Before: refused as "the process that opened this connection (pid 0) has exited", with a fix
     about job ids. Now it registers by its uid and its word, status says what it cannot do and what to set,
-    and capture and in-process stacks work."""
+    and capture and in-process stacks work, from ondemandctl in the daemon's namespaces (from the host, the CLI
+    says that the process behind the socket is a container's)."""
     run, state = short_dir("odpcn"), short_dir("odpcns")
     daemon = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", str(ROOT / "bin" / "ondemand-profd"),
                                "--runtime-dir", str(run), "--state-dir", str(state)], env=base_env(),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for(lambda: (run / "profd.sock").exists(), 60, "the daemon in its own pid namespace")
+        inner = wait_for(lambda: _daemon_pid(daemon), 30, "the daemon's pid")
+        inside = functools.partial(_ctl_in, inner, run)
+        res = ctl(run, "status")
+        assert res.returncode == 4 and "runs in a pid namespace below ours" in res.stderr, res.stdout + res.stderr
         pod = _pod(host, pods, "pod-n", toy(), run_dir=run)
-        job, (row,) = wait_job(run, "pid1@pod-n.")
+        found = wait_for(lambda: [(n, r) for n, r in json.loads(inside("status", "--json").stdout or "{}").get(
+            "jobs", {}).items() if n.startswith("pid1@pod-n.")], 180, "the pod's rank", pause=0.2)
+        (job, (row,)), = found
         assert row["pid_seen"] is False and row["pid"] == 1, row
-        text = ctl(run, "status").stdout
+        text = inside("status").stdout
         assert "in a pid namespace this daemon does not see" in text and "hostPID: true" in text, text
         assert "REFUSED" not in pod.said() and "registered with ondemand-profd" in pod.said()
-        res = ctl(run, "capture", "--job", job, "--steps", "2", "--wait", "--timeout", "120")
+        res = inside("capture", "--job", job, "--steps", "2", "--wait", "--timeout", "120")
         assert res.returncode == 0 and "done: 1 of 1 rank(s) wrote a trace" in res.stdout, res.stdout + res.stderr
         assert "(in its container's own filesystem" in res.stdout, res.stdout
         assert list((pod.data / "profile").glob("*/*.pt.trace.json"))
-        res = ctl(run, "stacks", "--job", job, "--timeout", "5")
+        res = inside("stacks", "--job", job, "--timeout", "5")
         assert res.returncode == 0 and "1 answered in-process" in res.stdout, res.stdout + res.stderr
     finally:
         os.killpg(daemon.pid, signal.SIGKILL)
@@ -462,6 +495,9 @@ def test_the_kubernetes_manifests_are_valid() -> None:
     pod = docs["training-pod.yaml"][0]["spec"]
     runtime = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}["runtime"]
     assert runtime in [v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v]
+    # read-only in the pods (issue 41, 2): a root pod that can write there can put its own socket in the daemon's
+    mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts[runtime].get("readOnly") is True, mounts[runtime]
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["ONDEMAND_PROF_RUNTIME_DIR"] == runtime
     command = spec["containers"][0]["command"]

@@ -12,7 +12,8 @@ from typing import Any
 
 import zmq
 
-from ..core.safedir import daemon_socket_problem
+from ..core.safedir import NOBODY_LISTENS, daemon_peer_problem, daemon_process_problem, daemon_socket_problem, \
+    peer_address_ids
 from ..core.protocol import MAX_REPLY_BYTES, ProtocolError, decode, encode, endpoint, socket_path
 
 REPLIES: dict[str, dict[str, tuple[type, ...]]] = {"ok": {}, "error": {"error": (str,)}}
@@ -68,6 +69,13 @@ class Client:
         problem = daemon_socket_problem(path)
         if problem:
             raise CtlError(problem, EXIT_NO_DAEMON)
+        # the process behind the socket, before anything is sent to it (its owner alone cannot tell a root pod's
+        # socket from the daemon's: issue 41, 2); nobody listening: the request waits as before, and each reply
+        # is checked (_check_peer)
+        problem = daemon_peer_problem(path, min(timeout_s, 5.0))
+        if problem and not problem.endswith(NOBODY_LISTENS):
+            raise CtlError(problem, EXIT_NO_DAEMON)
+        self._peer: tuple[int, int] | None = None  # (uid, pid) of the daemon whose replies were checked
         if not os.access(path, os.W_OK):
             st = path.stat()
             raise CtlError(f"permission denied on {path} (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}): the "
@@ -100,9 +108,10 @@ class Client:
             if not self._sock.poll(int(wait * 1000)):
                 raise CtlError(f"the daemon at {socket_path(self.runtime_dir)} did not answer within {wait:g} s "
                                "(is ondemand-profd running? systemctl status ondemand-profd)", EXIT_NO_DAEMON)
-            frame = self._sock.recv()
+            frame = self._sock.recv(copy=False)
+            self._check_peer(frame)
             try:
-                reply = decode(frame, REPLIES, MAX_REPLY_BYTES)
+                reply = decode(frame.bytes, REPLIES, MAX_REPLY_BYTES)
             except ProtocolError as exc:
                 raise CtlError(f"bad reply from the daemon: {exc}") from None
             if reply.get("id") != rid:
@@ -110,6 +119,21 @@ class Client:
             if reply["type"] == "error":
                 raise CtlError(reply["error"])
             return reply.get("data")
+
+    def _check_peer(self, frame: Any) -> None:
+        """A reply is the daemon's only when the process that sent it passes the check made before the request
+        (the kernel's word on its connection: libzmq's Peer-Address); another one, a socket put there since,
+        is refused before anything it said is printed."""
+        try:
+            ids = peer_address_ids(frame.get("Peer-Address"))
+        except (zmq.ZMQError, AttributeError, TypeError):
+            ids = None
+        if ids is None or ids == self._peer:
+            return
+        problem = daemon_process_problem(ids[0], ids[1], socket_path(self.runtime_dir))
+        if problem:
+            raise CtlError(problem, EXIT_NO_DAEMON)
+        self._peer = ids
 
 
 class OneHost:

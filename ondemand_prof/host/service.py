@@ -24,7 +24,7 @@ from ..core.ids import valid_id
 from ..core.safejson import holds_lone_surrogate
 from ..core.text import printable
 from .records import KEEP_RECORDS, CaptureRecord, RecordRefused, RecordStore
-from .podpath import host_path, own_mount_namespace, root_of
+from .podpath import host_path, in_our_namespaces, own_mount_namespace, root_of
 from .planning import DeliveryBook
 from .registry import RankConflict, RankInfo, Registry
 from .autocapture import RankCaptures
@@ -139,8 +139,11 @@ class Service:
             raise BadRequest(str(exc)) from None
         info.ns_pid = ns_pid
         info.pid_seen = not unseen
-        info.kernel_pid = peer is not None and info.pid == peer.pid  # the connector: a process of this host
-        if info.kernel_pid and not own_mount_namespace(info.pid):  # a container's files: reached through its root
+        # the connector itself (check_registration): a process of this host, whatever host name it says
+        info.kernel_pid = peer is not None and not unseen and info.pid == peer.pid
+        # a container's files (or a process whose namespace /proc does not show us): reached through its root,
+        # never on this host's `/` where a pod could name a node file as its own
+        if info.kernel_pid and not own_mount_namespace(info.pid):
             info.fs_root = root_of(info.pid)
             info.host_trigger_dir = (host_path(info.pid, info.trigger_dir) or "") if info.trigger_dir else ""
             info.host_save_root = (host_path(info.pid, info.save_root) or "") if info.save_root else ""
@@ -201,9 +204,10 @@ class Service:
         return None
 
     def _believed(self, info: RankInfo, msg: dict[str, Any]) -> bool:
-        """An event comes from the rank's own uid (or root): the kernel's word on the sender (`_peer`)."""
+        """An event comes from the rank's own uid (or this host's root): the kernel's word on the sender
+        (`_peer`)."""
         peer = msg.get("_peer")
-        if peer is not None and info.uid is not None and peer.uid != info.uid and peer.uid != 0:
+        if peer is not None and info.uid is not None and peer.uid != info.uid and not host_root(peer):
             log.warning("ondemand-profd: ignoring an event for rank %d of job %s from uid %d (the rank is uid %d)",
                         info.rank, info.job, peer.uid, info.uid)
             return False
@@ -412,15 +416,23 @@ def _proc_uid(pid: int) -> int | None:
         return None
 
 
+def host_root(peer: Any) -> bool:
+    """Whether the kernel's word on a connection makes it this host's root, for every ownership rule: uid 0 in
+    the daemon's own pid and mount namespaces. A root pod (issue 41, 1) is root of its pod only: its uid 0 is
+    the node's, but it sees neither the node's processes nor its files, so it is taken as any other uid."""
+    return peer is not None and peer.uid == 0 and peer.pid != 0 and in_our_namespaces(peer.pid)
+
+
 def check_registration(peer: Any, msg: dict[str, Any], registry: Registry) -> None:
     """A rank registers only itself, seen by the kernel: the process that opened the connection, still there (a
     connection handed on, or inherited, by a process that then exited carries a pid anyone's process may hold
-    now), and for any uid but root's, a process of the connecting uid, in a job of that uid. Root may register
-    another process. BadRequest says why not."""
+    now), named by its pid in the daemon's pid namespace or in one of its own (NSpid: a pod's pid 1), a process
+    of the connecting uid. Root too: a root pod named a node process it cannot see and had the daemon signal it
+    (issue 41, 1), and no rank needs another to register it. BadRequest says why not."""
     if peer.alive is False:
         raise BadRequest(f"register: the process that opened this connection (pid {peer.pid}) has exited; a "
                          "connection passed on to another process does not make it a rank")
-    if peer.uid == 0 or peer.pid == 0:  # (pid 0: not in this daemon's pid namespace, nothing to check it by)
+    if peer.pid == 0:  # not in this daemon's pid namespace: its pid is never looked up nor signalled (on_register)
         return
     pid = msg["pid"]
     if pid != peer.pid and pid not in peer.nspids[1:]:
@@ -475,10 +487,10 @@ def of_job(record: Any, info: RankInfo) -> bool:
 
 def with_kernel_pid(peer: Any, msg: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
     """The registration as the daemon keeps it, and the rank's own view of its pid where that differs (a pod's
-    pid 1; None otherwise): `pid` becomes the process in the daemon's pid namespace, what liveness, conflicts and
-    signals act on. A root rank that names another process keeps that pid (root may register anything)."""
+    pid 1; None otherwise): `pid` becomes the connector's in the daemon's pid namespace, what liveness,
+    conflicts and signals act on (check_registration refused any other pid)."""
     claimed = msg["pid"]
-    if peer is None or peer.pid == 0 or claimed == peer.pid or (peer.uid == 0 and claimed not in peer.nspids[1:]):
+    if peer is None or peer.pid == 0 or claimed == peer.pid:
         return msg, None  # (pid 0: the connector is in a pid namespace this daemon does not see)
     return {**msg, "pid": peer.pid}, claimed
 

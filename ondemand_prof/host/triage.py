@@ -81,16 +81,17 @@ class Pending:
 
 def target_of(info: "RankInfo", host: str) -> Target:
     native = getattr(info, "native_dump", None)
-    return Target(info.rank, info.host, info.pid, is_local(info, host),
+    return Target(info.rank, info.host, info.pid, is_local(info),
                   native if isinstance(native, dict) else None, getattr(info, "process", None), info.uid,
                   getattr(info, "fs_root", None) or "/")
 
 
-def is_local(info: "RankInfo", host: str) -> bool:
-    """Whether the rank's process is one this daemon can see and signal: its pid is the kernel's word (it
-    connected over the unix socket: a process of this host, in a pod with a host name of its own too), or it
-    says this host's name and its pid exists here."""
-    return info.pid_visible and (getattr(info, "kernel_pid", False) or info.host == host)
+def is_local(info: "RankInfo") -> bool:
+    """Whether the rank's process is one this daemon can see and signal: its pid is the kernel's word, the very
+    process that connected over the unix socket (a process of this host, in a pod with a host name of its own
+    too), and exists here. A host name is a rank's word: a root pod that said this host's name had the daemon
+    signal a node process of its choosing (issue 41, 1)."""
+    return info.pid_visible and getattr(info, "kernel_pid", False)
 
 
 def native_dump_problem(native: Any, pid: int) -> str | None:
@@ -122,7 +123,7 @@ class TriageBook:
     def registered(self, info: "RankInfo") -> None:
         """At registration: which process this is (pid, start time, uid, read now from /proc, so a pid reused
         later is told apart), and whether its native dump can be asked for."""
-        local = is_local(info, self.service.host)
+        local = is_local(info)
         info.process = process_identity(info.pid) if local else None
         if info.process is not None and info.uid is not None and info.process.uid != info.uid:
             # never signalled, whoever asks: pid {pid} is another user's process (registered by root for another

@@ -21,7 +21,8 @@ from ..core.version import __version__
 from ..core.bounds import bounded_int
 from ..core.protocol import HEARTBEAT_S, MAX_BATCHED_EVENTS, MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, ProtocolError, \
     decode, default_runtime_dir, encode, endpoint, socket_path
-from ..core.safedir import daemon_socket_problem
+from ..core.safedir import NOBODY_LISTENS, daemon_peer_problem, daemon_process_problem, daemon_socket_problem, \
+    peer_address_ids
 from ..core.requests import WindowDefaults, window_from_wire
 from .announce import refusal_fix
 from .extension import AgentLike, Extension
@@ -94,6 +95,7 @@ class DaemonLink(Extension):
         self._sock = sock
         self.registered = False
         self._distrust: str | None = "not checked yet"
+        self._peer: tuple[int, int] | None = None  # (uid, pid) of the daemon whose messages were checked
         self.acknowledged = False  # the daemon answered a registration ("registered")
         self.refused: str | None = None  # why the daemon refused our latest registration (None: it did not)
         self.untrusted: str | None = None  # why we do not register with the daemon's socket there (None: we do)
@@ -126,11 +128,12 @@ class DaemonLink(Extension):
             if not int(self._sock.getsockopt(self._events)) & self._pollin:  # cheaper than a failed recv every 5 ms
                 break
             try:
-                frame = self._sock.recv(zmq.NOBLOCK)
+                frame = self._sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            if self._distrust is None:  # nothing from a daemon we did not register with is acted on
-                self._on_message(frame)
+            # nothing from a daemon we did not register with, or from a process that is not it, is acted on
+            if self._distrust is None and self._from_daemon(frame):
+                self._on_message(frame.bytes)
         self._flush()
         if self._last_words is not None:
             self._say_last_words()
@@ -266,9 +269,13 @@ class DaemonLink(Extension):
         return out
 
     def _trusted(self) -> bool:
-        """Whether the socket we connect to is our user's or root's daemon (checked before every registration)."""
-        problem = daemon_socket_problem(socket_path(self.runtime_dir))
-        if problem and not problem.endswith("does not exist"):
+        """Whether the socket we connect to is our user's or root's daemon (checked before every registration):
+        the socket and its directory, and the process listening there (its uid and pid namespace: a root pod's
+        socket put in a shared runtime directory is root's too, issue 41, 2). Nobody listening: nothing is sent
+        now (whoever binds next would be unchecked), and nothing is said."""
+        path = socket_path(self.runtime_dir)
+        problem = daemon_socket_problem(path) or daemon_peer_problem(path)
+        if problem and not problem.endswith(("does not exist", NOBODY_LISTENS)):
             problem += user_namespace_hint(problem)
             if problem != self._distrust:
                 log.warning("ondemand_prof: not registering with the daemon: %s", problem)
@@ -277,6 +284,26 @@ class DaemonLink(Extension):
             self.untrusted = None
         self._distrust = problem
         return problem is None
+
+    def _from_daemon(self, frame: Any) -> bool:
+        """Whether a message comes from the daemon checked before registering: the kernel's word on the
+        process behind the connection (libzmq's Peer-Address). A daemon restarted is checked anew; a process
+        that fails the check (a socket put there since) is distrusted, and we register again, checked."""
+        try:
+            ids = peer_address_ids(frame.get("Peer-Address"))
+        except (self._zmq.ZMQError, AttributeError, TypeError):
+            ids = None
+        if ids is None or ids == self._peer:
+            return True
+        problem = daemon_process_problem(ids[0], ids[1], socket_path(self.runtime_dir))
+        if problem is None:
+            self._peer = ids
+            return True
+        if problem != self._distrust:
+            log.warning("ondemand_prof: ignoring a message from the daemon's socket: %s", problem)
+        self._distrust = self.untrusted = problem
+        self.registered = self.acknowledged = False
+        return False
 
     def _register(self) -> None:
         if not self._trusted():

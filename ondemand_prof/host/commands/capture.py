@@ -28,7 +28,7 @@ from ..records import CaptureRecord
 from ..planning import plan_window
 from ..registry import owner_text, select_ranks
 from ..stalls import stalls
-from ..service import BadRequest, Service, of_job
+from ..service import BadRequest, Service, host_root, of_job
 from .base import Command, add_job_flag, opt_str, window_text
 from .follow import exit_for, follow, result_text, running
 from .rendering import report_capture, report_paths
@@ -105,8 +105,9 @@ class Capture(Command):
             asker = getattr(msg.get("_peer"), "uid", None)  # the kernel's word on who asks
             job = service.registry.resolve_job(opt_str(msg, "job"), asker)  # a job id several users chose: the asker's
             live = service.registry.jobs()[job]
-            if msg.get("baseline") is True and asker not in (None, 0, live[0].uid):  # (a member may capture
-                # another's job, not choose what its automatic captures are compared with: issue 28)
+            if msg.get("baseline") is True and asker not in (None, live[0].uid) and not host_root(msg.get("_peer")):
+                # (a member may capture another's job, not choose what its automatic captures are compared with:
+                # issue 28; a root pod is not the host's root: issue 41)
                 raise ValueError(f"--baseline: job {job} belongs to {owner_text(live[0].uid)}, not to you "
                                  f"({owner_text(asker)}): only its owner (or root) marks its baseline; capture it "
                                  "without --baseline and compare with: ondemandctl report NOW --baseline CAPTURE")

@@ -290,3 +290,16 @@ def test_one_step_on_each_side_names_no_cause_and_says_why(tmp_path: Path) -> No
         assert c["verdict"] == "one_step" and "no noise estimate" in c["cause"] and "within noise" not in c["cause"]
     else:
         assert "within noise" not in c["cause"] or c["step_ms"]["test"]["lo"] is not None
+
+
+def test_a_capture_against_itself_is_no_change_and_says_how_its_clocks_were_aligned(tmp_path: Path) -> None:
+    """The 8-rank NCCL capture against a copy of itself (traces name no host: each rank's clock aligned alone):
+    no change, and the alignment said in a note on both sides."""
+    import shutil
+
+    shutil.copytree(REAL / "param_dlrm_kineto_8rank", tmp_path / "again")
+    now, base = build_reports([[tmp_path / "again"], [REAL / "param_dlrm_kineto_8rank"]], workers=1)
+    c = compare_groups(base["captures"][0], now["captures"][0])
+    assert c["verdict"] == "one_step" and c["culprits"] == [], c["cause"]
+    assert any("8 clocks (the traces name no host" in n for n in c["notes"]), c["notes"]
+    assert c["collectives"]["now"]["matched"] == c["collectives"]["baseline"]["matched"] == 8

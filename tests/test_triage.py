@@ -5,6 +5,7 @@ the CUDA snapshot and the flight-recorder dump of other backends are synthetic f
 from __future__ import annotations
 
 import json
+import math
 import re
 import pickle
 import subprocess
@@ -336,7 +337,10 @@ def test_the_daemon_adds_a_reference_rank_and_status_marks_the_straggler(env: di
 
 
 @pytest.mark.quick
-def test_slow_step_monitor_fires_on_k_consecutive_slow_steps_only() -> None:
+def test_slow_step_monitor_fires_on_a_shift_after_its_reference_only() -> None:
+    """Nothing fires before the baseline's steps are the reference (warm-up is no slowdown); then a CUSUM of steps
+    over sqrt(ratio) x the reference median: isolated slow steps and jitter do not add up, a shift does; a 10 us
+    loop's 5x hiccups are under the 1 ms floor."""
     from ondemand_prof.rank.autocapture import SlowStepMonitor
 
     now = [0.0]
@@ -349,17 +353,54 @@ def test_slow_step_monitor_fires_on_k_consecutive_slow_steps_only() -> None:
             now[0] += d
             step()
 
-    run(*[0.010] * 40)
-    assert mon.median == pytest.approx(0.010)
-    run(0.030, 0.030, 0.010, 0.030, 0.030)  # never three in a row
-    run(0.0104, 0.0104, 0.0104, 0.0104)  # jitter
+    run(*[0.030] * 40)  # slow warm-up: no reference yet, nothing fires
+    run(*[0.010] * 48)
+    assert fired == [] and mon.median == pytest.approx(0.010)
+    mon.set_reference(sorted(mon.durations))
+    assert mon.threshold == pytest.approx(0.010 * 2 ** 0.5) and mon.h == pytest.approx(math.log(1e6))
+    up = mon.up
+    run(*[0.030] * int(mon.h / up), *[0.010] * 10)  # not enough in a row: the sum goes back down
+    run(*[0.0104] * 10)  # jitter
     assert fired == []
-    run(0.030, 0.031, 0.032)
-    assert fired == [([pytest.approx(0.030), pytest.approx(0.031), pytest.approx(0.032)], pytest.approx(0.010))]
+    run(*[0.031] * (int(mon.h / up) + 1))
+    assert len(fired) == 1 and fired[0][1] == pytest.approx(0.010) and fired[0][0][-1] == pytest.approx(0.031)
+    assert "at most one false alarm per 1,000,000 steps" in mon.describe()
     tiny = SlowStepMonitor(2.0, 3, lambda *a: fired.append(a), clock=lambda: now[0])  # a 10 us loop: sub-ms
     step = tiny.step_fn(iter(range(10**6)))  # hiccups of 5x are not slowdowns
-    run(*[1e-5] * 40, 5e-5, 5e-5, 5e-5)
+    run(*[1e-5] * 40)
+    tiny.set_reference(sorted(tiny.durations[:40]))
+    run(*[5e-5] * 20)
     assert len(fired) == 1
+
+
+@pytest.mark.quick
+def test_an_unchanged_job_with_a_long_tail_of_steps_raises_no_alarm() -> None:
+    """A loaded host's steps (synthetic: log-normal, 20 % spread, one step in 20 three times as long), 200,000 of
+    them against a reference of 64: no alarm; the same job 1.5x slower is caught within 60 steps."""
+    import random
+
+    from ondemand_prof.rank.autocapture import SlowStepMonitor
+
+    rng = random.Random(7)
+    now = [0.0]
+    fired: list[Any] = []
+    mon = SlowStepMonitor(1.5, 3, lambda *a: fired.append(a), clock=lambda: now[0])
+    step = mon.step_fn(iter(range(10**7)))
+
+    def duration(scale: float = 1.0) -> float:
+        return scale * 0.025 * math.exp(rng.gauss(0, 0.2)) * (3 if rng.random() < 0.05 else 1)
+
+    mon.set_reference(sorted(duration() for _ in range(64)))
+    for _ in range(200_000):
+        now[0] += duration()
+        step()
+    assert fired == []
+    for i in range(60):
+        now[0] += duration(1.5)
+        step()
+        if fired:
+            break
+    assert fired, "a 1.5x shift was not caught within 60 steps"
 
 
 @pytest.mark.quick

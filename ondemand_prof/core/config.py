@@ -47,9 +47,13 @@ class ProfileConfig(ConfigMethods):
     min_free_mb: int = 256  # Skip a window (with a log line) when less disk than this is free (MB).
     # Mode of the files a capture writes, in octal; its directories get the matching search bits (0640 -> 0750).
     file_mode: int = 0o640
-    # Capture on its own when steps get this many times slower than their rolling median (e.g. 1.5; 0 = off).
+    # Capture on its own when the step time shifts to this many times the baseline's (e.g. 1.5; 0 = off): a CUSUM on
+    # log step times against the baseline's steps.
     auto_ratio: float = 0.0
-    auto_steps: int = 3  # Consecutive slow steps that open an automatic capture.
+    auto_steps: int = 3  # Slow steps at least behind an automatic capture (of those that raised the CUSUM).
+    # With --profile-auto: the mean number of steps between false alarms of an unchanged job the CUSUM's threshold
+    # is set for (normal noise; the spread is the baseline's).
+    auto_false_alarm_steps: int = 1000000
     auto_cooldown_s: float = 600.0  # Seconds after an automatic capture during which no other starts.
     auto_per_hour: int = 4  # Automatic captures per hour at most.
     # With --profile-auto: the step of the one baseline window automatic captures are compared with (0: once step

@@ -298,10 +298,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("file_mode", "profile_file_mode", parse_mode, 0o640, "Mode of the files a capture writes, in octal; "
            "its directories get the matching search bits (0640 -> 0750).", ours=True),
     # captures on condition (rank/autocapture.py); env AUTO_RATIO: ONDEMAND_PROF_AUTO is the zero-code switch
-    Option("auto_ratio", "profile_auto", parse_float, 0.0, "Capture on its own when steps get this many times "
-           "slower than their rolling median (e.g. 1.5; 0 = off).", env="AUTO_RATIO", ours=True, bounds=(0, 1000)),
-    Option("auto_steps", "profile_auto_steps", parse_int, 3, "Consecutive slow steps that open an automatic "
-           "capture.", ours=True, bounds=(1, 10_000)),
+    Option("auto_ratio", "profile_auto", parse_float, 0.0, "Capture on its own when the step time shifts to this "
+           "many times the baseline's (e.g. 1.5; 0 = off): a CUSUM on log step times against the baseline's steps.",
+           env="AUTO_RATIO", ours=True, bounds=(0, 1000)),
+    Option("auto_steps", "profile_auto_steps", parse_int, 3, "Slow steps at least behind an automatic capture (of "
+           "those that raised the CUSUM).", ours=True, bounds=(1, 10_000)),
+    Option("auto_false_alarm_steps", "profile_auto_false_alarm", parse_int, 1_000_000, "With --profile-auto: the "
+           "mean number of steps between false alarms of an unchanged job the CUSUM's threshold is set for (normal "
+           "noise; the spread is the baseline's).", ours=True, bounds=(100, 10**12)),
     Option("auto_cooldown_s", "profile_auto_cooldown", parse_float, 600.0, "Seconds after an automatic capture "
            "during which no other starts.", ours=True, bounds=(0, 86400 * 7)),
     Option("auto_per_hour", "profile_auto_budget", parse_int, 4, "Automatic captures per hour at most.", ours=True,

@@ -131,6 +131,12 @@ class RankCaptures:
             self.budget.refused(info, "bad", f"bad automatic window: {exc}")
             return None
         wall, now = time.time(), time.monotonic()
+        running = None if baseline else self._running_automatic(info)
+        if running is not None:  # another rank of the job slowed down at the same time: one capture, not one each
+            log.info("ondemand-profd: rank %d of job %s asked for an automatic capture; %s of the job is running "
+                     "(steps %s): that one covers it", info.rank, info.job, running.capture_id,
+                     running.data.get("window"))
+            return None
         held = self.budget.take(info, now)
         if held:
             self.budget.refused(info, "budget", f"automatic capture {window.capture_id} not recorded: {held}")
@@ -144,9 +150,9 @@ class RankCaptures:
             targets = [info, *others]
             request: dict[str, Any] = {"auto_baseline": auto_reason(window.requested.get("auto_baseline")),
                                        "asked_by_rank": info.rank}
-        else:
+        else:  # every rank of the job here: who made whom wait needs them all; the asker waits for the daemon's
             ref = reference_rank(info, ranks)
-            others = [ref] if ref is not None else []
+            others = sorted((r for r in ranks if r is not info), key=lambda r: r.rank)
             targets = [info, *others]
             request = {"auto": auto_reason(window.requested.get("auto")), "slow_rank": info.rank,
                        "reference_rank": ref.rank if ref is not None else None}
@@ -168,18 +174,29 @@ class RankCaptures:
             self.budget.refused(info, "store", f"automatic capture {window.capture_id} not recorded: {exc}")
             return None
         steps = window.end - window.start
-        for other in others:
+        for other in others if baseline else targets:  # (a baseline's asker scheduled its own window already)
             requested = {"auto_baseline": request["auto_baseline"], "steps": steps, "asked_by_rank": info.rank} \
-                if baseline else {"auto": request["auto"], "steps": steps, "reference_for_rank": info.rank}
+                if baseline else {"auto": request["auto"], "steps": steps, "slow_rank": info.rank} | (
+                    {"reference_for_rank": info.rank} if other is ref else {})
             self.service.send(other.route, encode("capture", window={**window.to_wire(), "requested": requested}))
         if baseline:
             log.info("ondemand-profd: automatic baseline %s of job %s: %d rank(s), steps [%d, %d), asked by rank %d",
                      window.capture_id, info.job, len(targets), window.start, window.end, info.rank)
         else:
-            log.info("ondemand-profd: automatic capture %s: rank %d of job %s slowed down; reference rank %s%s",
-                     window.capture_id, info.rank, info.job, ref.rank if ref is not None else "none",
+            log.info("ondemand-profd: automatic capture %s: rank %d of job %s slowed down; on %d rank(s) here, "
+                     "reference rank %s%s", window.capture_id, info.rank, info.job, len(targets),
+                     ref.rank if ref is not None else "none",
                      f"; compared with baseline {record.data['compare_with']} once done"
                      if record.data.get("compare_with") else "; no baseline to compare with yet")
+        return None
+
+    def _running_automatic(self, info: "RankInfo") -> Any:
+        """A running automatic capture (not a baseline) of this rank's job and owner, if any."""
+        for record in self.service.store.records.values():
+            d = record.data
+            if record.status == "running" and d["job"] == info.job and record.owner == info.uid and \
+                    str(record.capture_id).startswith("auto-"):
+                return record
         return None
 
     def on_opened(self, info: "RankInfo", capture_id: str, data: Any, wall: float) -> None:

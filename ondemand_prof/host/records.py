@@ -313,6 +313,27 @@ class CaptureRecord:
 
 
 
+MAX_COMPARISON_BYTES = 256 * 1024  # an automatic capture's comparison kept on its record (records are kept 1,000)
+
+
+def stored_comparison(comparison: dict[str, Any]) -> dict[str, Any]:
+    """An automatic capture's comparison as its record keeps it: whole where it fits MAX_COMPARISON_BYTES, else
+    without the per-rank tables of changes and the wait matrices (said in `trimmed`), else the verdict alone."""
+    if len(json.dumps(comparison, default=str)) <= MAX_COMPARISON_BYTES:
+        return comparison
+    trimmed = {**comparison, "ranks": [{k: v for k, v in r.items() if k not in ("changes", "step_ms_by_step")}
+                                       for r in comparison.get("ranks") or []],
+               "collectives": {side: {k: v for k, v in (w or {}).items() if k != "matrix"} if w else None
+                               for side, w in (comparison.get("collectives") or {}).items()},
+               "trimmed": "per-rank changes and the wait matrices left out (ondemandctl report AUTO --baseline BASE "
+                          "computes them)"}
+    if len(json.dumps(trimmed, default=str)) <= MAX_COMPARISON_BYTES:
+        return trimmed
+    return {k: comparison.get(k) for k in ("baseline", "capture", "job", "step_ms", "cause", "category", "verdict",
+                                           "kind", "culprits", "waiting", "notes", "rule")} | {
+        "ranks": [], "trimmed": "only the verdict kept: the comparison is over the record's bound"}
+
+
 class RecordStore:
     def __init__(self, state_dir: Path) -> None:
         self.dir = state_dir / "captures"
@@ -481,6 +502,8 @@ def record_problem(data: Any) -> str | None:
         return "compare_with is not a capture id"
     if data.get("cause") is not None and not isinstance(data["cause"], str):
         return "cause is not a text"
+    if data.get("comparison") is not None and not isinstance(data["comparison"], dict):
+        return "comparison is not an object"
     misaligned = data.get("misaligned")
     if misaligned is not None and not (isinstance(misaligned, dict) and isinstance(misaligned.get("text"), str)):
         return "misaligned is not an object with a text"

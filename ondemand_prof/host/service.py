@@ -322,17 +322,21 @@ class Service:
 
     def _conclude_automatic(self, record: CaptureRecord) -> None:
         """An automatic capture, once done, against the baseline it was taken to be compared with (this host's
-        ranks, from their summaries): its cause line is logged and kept on the record (list, show)."""
-        from .records import MAX_TEXT
+        ranks, from their summaries), computed once: the comparison is kept on the record (show and report AUTO
+        print that one, bounded: records.stored_comparison) and its cause line logged and listed."""
+        from .records import MAX_TEXT, stored_comparison
         from .summaries import compare_records, conclude_replies
 
         base = self.store.records.get(record.data["compare_with"])
         try:
             if base is None:
                 raise ValueError(f"the baseline's record {record.data['compare_with']} was dropped")
-            cause = conclude_replies([(self.host, compare_records(record.data, base.data))])["cause"]
+            comparison = conclude_replies([(self.host, compare_records(record.data, base.data))])
+            cause = comparison["cause"]
+            record.data["comparison"] = stored_comparison(comparison)
         except Exception as exc:  # noqa: BLE001 - a summary we cannot read: said, and the record still settles
             cause = f"not compared: {exc}"
+            record.data["comparison"] = {"error": cause[:MAX_TEXT]}
         record.data["cause"] = cause[:MAX_TEXT]
         log.warning("ondemand-profd: automatic capture %s of job %s against baseline %s: %s", record.capture_id,
                     record.data["job"], record.data["compare_with"], record.data["cause"])

@@ -128,7 +128,7 @@ def held_up(waits: dict[str, Any]) -> Slowest | None:
     if out is None or out["step_ms"] <= 0:
         return None
     mine = next(r for r in waits["ranks"] if r["rank"] == out["rank"])
-    out.update(by="wait caused", last_share=mine["last_share"], wait_ms=mine["wait_ms"])
+    out["by"], out["last_share"], out["wait_ms"] = "wait caused", mine["last_share"], mine["wait_ms"]
     if out["stands_out"] and out["step_ms"] < 0.5:
         out["stands_out"], out["why_not"] = False, "the others waited less than 0.5 ms per step for it"
     return out
@@ -143,9 +143,10 @@ def collectives(ranks: list[RankResult]) -> dict[str, Any] | None:
 
     timelines = []
     for m in ranks:
-        if m.get("timeline") and isinstance(m.get("rank"), int):
+        rank = m.get("rank")
+        if m.get("timeline") and isinstance(rank, int):
             try:
-                timelines.append((m["rank"], m.get("host"), decode(m["timeline"])))
+                timelines.append((rank, m.get("host"), decode(m["timeline"])))
             except Unreadable:
                 continue
     matched = match(timelines) if len(timelines) > 1 else None

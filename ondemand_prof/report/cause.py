@@ -414,7 +414,7 @@ def _own_text(r: dict[str, Any], late: Change | None = None, waits: dict[str, An
                 + held)
     if _ran_slower(r):
         return (f"rank {r['rank']}: every operator ~{r['per_call']['ratio']:.1f}x slower a call with the same calls "
-                f"(own work {_t(r, 'own').text()}): the rank ran slower, not more (CPU contention, a lower clock)"
+                f"(own work {(_t(r, 'own') or Change(None, None, None, None, None, 'none', 0, 0)).text()}): the rank ran slower, not more (CPU contention, a lower clock)"
                 + held)
     parts = []
     for key, label in (("compute", "compute"), ("overlap", "overlap"), ("idle", "idle")):

@@ -314,6 +314,8 @@ def _job_steps(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _wait_notes(waits: dict[str, Any], matched: dict[str, Any]) -> list[str]:
+    from .waits import clock_text
+
     out = []
     for side, label in (("baseline", "the baseline"), ("now", "the capture")):
         w = waits.get(side)

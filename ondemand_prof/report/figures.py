@@ -48,7 +48,7 @@ def _series(rows: Any, names: list[str], where: str, m: int) -> dict[str, list[f
     return out
 
 
-def _cpu(value: Any, numbers: list[int]) -> dict[str, list[float]] | None:
+def _cpu(value: Any, numbers: list[int]) -> dict[str, Any] | None:
     """The training thread's and the process's CPU and run-queue wait per step (rank/cpuclock.py), for the
     report's steps that have them (None: none)."""
     if value is None:

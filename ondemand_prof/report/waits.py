@@ -182,7 +182,7 @@ def _align(given: Sequence[tuple[int, str | None, Timeline]], common: set[int]
                     pending.remove(h)
                     break
     skew = _p90(residual) if residual else None
-    clock = {"hosts": len(hosts), "aligned_on": len(residual), "skew_us": None if skew is None else round(skew, 1),
+    clock: dict[str, Any] = {"hosts": len(hosts), "aligned_on": len(residual), "skew_us": None if skew is None else round(skew, 1),
              "offsets_us": {h: round(v, 1) for h, v in offsets.items()},
              "unnamed": sum(1 for _, h, _ in given if not h)}
     if pending:

@@ -109,7 +109,8 @@ class Show(OneCapture):
         baseline = service.store.baseline_of(record.data["job"], record.owner)
         shown["is_job_baseline"] = baseline is record
         if record.data.get("compare_with") and record.status != "running":
-            shown["comparison"] = comparison_of(service, record)
+            # computed once, when the capture settled (service._conclude_automatic); a record from before: now
+            shown["comparison"] = record.data.get("comparison") or comparison_of(service, record)
         return shown
 
     def run_on(self, fan: Fanout | OneHost, args: argparse.Namespace, out: TextIO) -> int:

@@ -47,7 +47,10 @@ class Report(Command):
         files and folders given, or a capture whose ranks' summaries do not hold the report, read here."""
         _check_top(args)
         if args.baseline is None and len(args.paths) == 1:
-            args.baseline = automatic_baseline(args.paths[0], args)
+            args.baseline, stored = automatic_baseline(args.paths[0], args)
+            if stored is not None:  # the daemon compared it once, when it settled: that comparison
+                render_comparison(stored, args, out)
+                return EXIT_OK if compared(stored) else EXIT_FAILED
         if args.baseline is not None:
             return compare_here(args, out)
         if len(args.paths) == 1 and not _is_path(args.paths[0]):
@@ -175,11 +178,12 @@ def capture_folders(capture_id: str, args: argparse.Namespace) -> list[Path]:
     return [Path(f) for f in folders]
 
 
-def automatic_baseline(given: str, args: argparse.Namespace) -> str | None:
+def automatic_baseline(given: str, args: argparse.Namespace) -> tuple[str | None, dict[str, Any] | None]:
     """The baseline an automatic capture was taken to be compared with (the daemon's record: compare_with; or,
-    without a daemon, what its ranks' metadata say), so that `report AUTO` compares without --baseline."""
+    without a daemon, what its ranks' metadata say), so that `report AUTO` compares without --baseline; and the
+    comparison the daemon computed once it settled, where its record holds one."""
     if _is_path(given) and not Path(given).is_dir():
-        return None
+        return None, None
     if not _is_path(given):
         from ...core.protocol import default_runtime_dir
 
@@ -187,11 +191,14 @@ def automatic_baseline(given: str, args: argparse.Namespace) -> str | None:
             with Client(args.runtime_dir or default_runtime_dir(), args.connect_timeout) as client:
                 record = client.request("show", capture_id=given)
             value = record.get("compare_with")
-            return value if isinstance(value, str) and valid_id(value) else None
+            stored = record.get("comparison")
+            stored = stored if isinstance(stored, dict) and isinstance(stored.get("ranks"), list) and \
+                stored.get("step_ms") is not None else None
+            return (value if isinstance(value, str) and valid_id(value) else None), stored
         except CtlError:
             pass
     folder = Path(given) if _is_path(given) else saved_here(given)
-    return baseline_in_metadata(folder) if folder is not None else None
+    return (baseline_in_metadata(folder) if folder is not None else None), None
 
 
 def baseline_in_metadata(folder: Path) -> str | None:

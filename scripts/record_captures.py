@@ -164,9 +164,10 @@ def scenario(name: str, what: str) -> Callable[[Callable[[Path], Any]], Callable
 
 
 def simple(name: str, what: str, spec: dict[str, Any], steps: int = 6, world: int = 2, loaded: bool = False,
-           cpus: list[int] | None = None, now_load: Callable[[], Any] | None = None) -> None:
+           cpus: list[int] | None = None, now_load: Callable[[], Any] | None = None,
+           extra: list[str] | None = None) -> None:
     def record(out: Path) -> Any:
-        with job(world, cpus=cpus) as j:
+        with job(world, cpus=cpus, extra=extra) as j:
             return pair(j, out, steps, spec, base_load=_two_hogs if loaded else None,
                         now_load=now_load or (_two_hogs if loaded else None))
     scenario(name, what)(record)
@@ -182,8 +183,9 @@ simple("hiccup", "rank 0 spends 100 ms more every 10th step (a synchronous check
        {"kind": "hiccup", "rank": 0, "amount": 100, "every": 10}, steps=20)
 simple("straggler_4ranks", "4 ranks, rank 2 does 12 extra matmuls a step",
        {"kind": "straggler", "rank": 2, "amount": 12}, world=4)
-simple("cpu_starved", "rank 0 pinned to core 0, rank 1 to core 1; two yes loops pinned to core 1 during the capture",
-       {}, cpus=[0, 1], now_load=lambda: hogs(2, cpu=1))
+simple("cpu_starved", "a compute-bound job (no sleep, width 768), rank 0 pinned to core 0, rank 1 to core 1; two yes "
+       "loops pinned to core 1 during the capture", {}, cpus=[0, 1], now_load=lambda: hogs(2, cpu=1),
+       extra=["--step-sleep", "0", "--hidden", "768"])
 scenario("healthy", "10 healthy pairs (healthy_01 .. healthy_10), the load different between the two captures")(
     healthy)
 

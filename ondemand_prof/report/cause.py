@@ -79,6 +79,10 @@ def decide(ranks: list[dict[str, Any]], job: dict[str, Any], waits: dict[str, An
         if added:
             return _out(f"no significant change: {head}; but the collectives changed on every rank: "
                         + _kind_text(ranks, prefer=added), "communication", "no_change")
+        starved = [r for r in ranks if _starved(r)]
+        if starved and steady.verdict != "shrank":
+            return _out(f"no significant change: {head}; but " + "; ".join(_own_text(r) for r in starved[:4]),
+                        "CPU (run-queue wait)", "host", culprits=[r["rank"] for r in starved])
         if steady.verdict == "shrank":
             return _out(f"faster: {head}; " + _biggest_change(ranks, shrink=True), None, "faster")
         return _out(f"no change: {head}" + _within(steady), None, "no_change")
@@ -100,7 +104,7 @@ def _out(cause: str, category: str | None, verdict: str, culprits: list[int] | N
     "none" (no significant change, faster, one step, nothing grew that explains it)."""
     if category is None or verdict in ("no_change", "faster", "one_step"):
         kind = "none"
-    elif category in HOST_CATEGORIES:
+    elif category in HOST_CATEGORIES or verdict == "host":
         kind = "host"
     else:
         kind = "job"
@@ -404,7 +408,7 @@ def _own_text(r: dict[str, Any], late: Change | None = None, waits: dict[str, An
                      if x["rank"] == r["rank"]), None)
         held = (f"; it arrived last at {100 * last:.0f} % of the collectives" if last is not None else "") + \
             f", the others waited {late.text()} longer for it"
-    if starved and _category(r) == "CPU (run-queue wait)":
+    if starved and (_category(r) == "CPU (run-queue wait)" or _own(r) < MIN_MS):
         pc = r.get("per_call")
         slower = f" (~{pc['ratio']:.1f}x slower a call)" if pc and pc["ratio"] >= 1.1 else ""
         which = "its training thread's" if (_starved_by(r) or ("",))[0] == "cpu_wait" else \

@@ -111,11 +111,17 @@ def _say(text: str) -> None:
     log = logging.getLogger("ondemand_prof")
     log.info("%s", text)
     quiet = os.environ.get("ONDEMAND_PROF_QUIET", "").strip().lower() in ("1", "true", "yes", "on")
-    if quiet or (log.isEnabledFor(logging.INFO) and log.hasHandlers()):
-        return
+    if not quiet and not (log.isEnabledFor(logging.INFO) and log.hasHandlers()):
+        _stderr(text)
+
+
+def _stderr(text: str) -> None:
+    """`text` and its newline in one write: stderr that is not a terminal writes through, and print() writes the
+    newline apart, so two ranks sharing a log (torchrun's workers) can run their lines together."""
     try:
-        print(text, file=sys.stderr, flush=True)
-    except (OSError, ValueError):  # a closed or broken stderr must not reach the training loop
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # a closed, broken or missing stderr must not reach the training
         pass
 
 
@@ -183,7 +189,9 @@ def _watch_forward_with_grad(torch: Any) -> None:
 
 def _before(owner: Any, name: str, what: str) -> None:
     """Wrap owner.name so that _appeared(what) runs once before its first call (init_process_group: the rank is
-    known to the daemon during the rendezvous, where a job hangs when a peer never comes)."""
+    known to the daemon during the rendezvous, where a job hangs when a peer never comes), or right after it where
+    the environment does not say the rank (no RANK: Lightning's DDP launcher and torch.multiprocessing.spawn pass
+    `rank=` to the call): made before, every such rank would guess it is rank 0, and claim rank 0 of the job."""
     original = getattr(owner, name, None)
     if original is None:
         return
@@ -191,6 +199,10 @@ def _before(owner: Any, name: str, what: str) -> None:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if getattr(owner, name, None) is wrapper:
             setattr(owner, name, original)
+        if not os.environ.get("RANK", "").isdigit():
+            result = original(*args, **kwargs)
+            _appeared(what)
+            return result
         _appeared(what)
         return original(*args, **kwargs)
 
@@ -243,12 +255,12 @@ def install_hook(late: str | None = None) -> None:
         register_optimizer_step_post_hook(_on_optimizer_step)
         _installed = True
     except Exception as exc:  # noqa: BLE001 - a torch without global hooks (older than 2.0): say so, carry on
-        print(f"ondemand_prof: {ENV} is set but torch has no global optimizer hook: {exc}", file=sys.stderr)
+        _stderr(f"ondemand_prof: {ENV} is set but torch has no global optimizer hook: {exc}")
         return
     try:
         _watch_for_training()
     except Exception as exc:  # noqa: BLE001 - the line then comes at the first optimizer step, as before
-        print(f"ondemand_prof: {ENV}: cannot watch for the training process to start: {exc}", file=sys.stderr)
+        _stderr(f"ondemand_prof: {ENV}: cannot watch for the training process to start: {exc}")
     if late is not None:
         rank = os.environ.get("RANK", "")
         _say(f"ondemand_prof: {'rank ' + rank + ': ' if rank.isdigit() else ''}{ENV} is set but torch was "

@@ -21,16 +21,18 @@ LONG = "100000"  # steps: the job outlives the checks, then the test ends its wh
 LATE = "ONDEMAND_PROF_AUTO is set but torch was imported past its import hook"
 
 
-def torchrun_job(env: dict[str, Any], script: str, *args: str, **extra: str) -> tuple[subprocess.Popen, Path]:
-    """`torchrun --nproc-per-node 2 SCRIPT ARGS` with ONDEMAND_PROF_AUTO=1, talking to the test's daemon, in a
-    session of its own (at nice 10: it trains flat out); its stdout and stderr go to a file (a pipe nobody reads
-    while the job runs would fill and stop it). Ended by the test (kill_tree: torch elastic starts its workers in
-    sessions of their own), or by the env fixture if the test fails first."""
+def start_job(env: dict[str, Any], script: str, *args: str, torchrun: bool = True, **extra: str
+              ) -> tuple[subprocess.Popen, Path]:
+    """`torchrun --nproc-per-node 2 SCRIPT ARGS` (or `python SCRIPT ARGS`, a script that starts its ranks
+    itself) with ONDEMAND_PROF_AUTO=1, talking to the test's daemon, in a session of its own (at nice 10: it
+    trains flat out); its stdout and stderr go to a file (a pipe nobody reads while the job runs would fill and
+    stop it). Ended by the test (kill_tree: torch elastic starts its workers in sessions of their own), or by the
+    env fixture if the test fails first."""
     log = env["tmp"] / f"{Path(script).stem}.log"
     penv = base_env(ONDEMAND_PROF_AUTO="1", ONDEMAND_PROF_RUNTIME_DIR=str(env["run"]),
                     ONDEMAND_PROF_SAVE_PATH=str(env["save"]), ONDEMAND_PROF_MIN_FREE_MB="0", **extra)
-    argv = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--master-port", str(free_port()), str(SCRIPTS / script), *args]
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    argv = ["nice", "-n", "10", sys.executable, *(launcher if torchrun else []), str(SCRIPTS / script), *args]
     with log.open("w") as out:
         proc = subprocess.Popen(argv, env=penv, cwd=env["tmp"], stdout=out, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -76,7 +78,7 @@ def test_zero_code_attaches_to_an_unmodified_hugging_face_script_under_torchrun(
     for module in ("transformers", "accelerate", "datasets", "evaluate"):
         pytest.importorskip(module)
     daemon(env)
-    proc, log = torchrun_job(env, "zerocode_hf_clm.py", "--steps", LONG)
+    proc, log = start_job(env, "zerocode_hf_clm.py", "--steps", LONG)
     try:
         job = registered(env, proc, log)
         status = ctl(env["run"], "status")
@@ -118,12 +120,32 @@ def test_zero_code_imported_past_its_hook_hooks_in_late_and_says_so(env: dict[st
     gloo ranks under torchrun: each rank says, in one line, that torch came past the hook and that it hooked in
     late; then its start-up line, and `status` lists both ranks stepping. Before: nothing at all."""
     daemon(env)
-    proc, log = torchrun_job(env, "zerocode_past_hook.py", "--steps", LONG)
+    proc, log = start_job(env, "zerocode_past_hook.py", "--steps", LONG)
     try:
         job = registered(env, proc, log)
     finally:
         printed = end(env, proc, log)
+    ours = [line for line in printed.splitlines() if "ondemand_prof: " in line]
     for rank in (0, 1):
-        late = [line for line in printed.splitlines() if line.startswith(f"ondemand_prof: rank {rank}: {LATE}")]
-        assert len(late) == 1 and "hooked in late, at the import of " in late[0], printed[-6000:]
-        assert start_up_line(rank, job) in printed, printed[-6000:]
+        late = [line for line in ours if f"ondemand_prof: rank {rank}: {LATE}" in line]
+        assert len(late) == 1 and "hooked in late, at the import of " in late[0], ours
+        assert start_up_line(rank, job) in printed, ours
+
+
+def test_zero_code_under_lightning_ddp_each_rank_says_its_own_rank(env: dict[str, Any]) -> None:
+    """Lightning's DDP launcher (strategy="ddp", 2 CPU processes, no profiler code): it starts rank 1 with no RANK
+    in its environment and passes the rank to init_process_group. Each rank's start-up line names its own rank,
+    and `status` lists ranks 0 and 1 of one job. Before, zero-code made rank 1's profiler before that call, as
+    'rank 0 of 2': it said another live process was rank 0 of the job ('two jobs with one job id?') and that the
+    daemon refused it, until the group came up."""
+    pytest.importorskip("lightning")
+    daemon(env)
+    proc, log = start_job(env, "zerocode_lightning.py", "--steps", LONG, torchrun=False)
+    try:
+        job = registered(env, proc, log)
+    finally:
+        printed = end(env, proc, log)
+    lines = [line for line in printed.splitlines() if "ondemand_prof: " in line]
+    for rank in (0, 1):
+        assert len([line for line in lines if start_up_line(rank, job) in line]) == 1, lines
+    assert not [line for line in lines if "another live process is rank" in line or "refused" in line], lines

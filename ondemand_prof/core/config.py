@@ -51,8 +51,8 @@ class ProfileConfig(ConfigMethods):
     # log step times against the baseline's steps.
     auto_ratio: float = 0.0
     auto_steps: int = 3  # Slow steps at least behind an automatic capture (of those that raised the CUSUM).
-    # With --profile-auto: the mean number of steps between false alarms of an unchanged job the CUSUM's threshold
-    # is set for (normal noise; the spread is the baseline's).
+    # With --profile-auto: the number of steps of an unchanged job per false alarm at most: the CUSUM's threshold is
+    # ln of it.
     auto_false_alarm_steps: int = 1000000
     auto_cooldown_s: float = 600.0  # Seconds after an automatic capture during which no other starts.
     auto_per_hour: int = 4  # Automatic captures per hour at most.

@@ -304,8 +304,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("auto_steps", "profile_auto_steps", parse_int, 3, "Slow steps at least behind an automatic capture (of "
            "those that raised the CUSUM).", ours=True, bounds=(1, 10_000)),
     Option("auto_false_alarm_steps", "profile_auto_false_alarm", parse_int, 1_000_000, "With --profile-auto: the "
-           "mean number of steps between false alarms of an unchanged job the CUSUM's threshold is set for (normal "
-           "noise; the spread is the baseline's).", ours=True, bounds=(100, 10**12)),
+           "number of steps of an unchanged job per false alarm at most: the CUSUM's threshold is ln of it.", ours=True,
+           bounds=(100, 10**12)),
     Option("auto_cooldown_s", "profile_auto_cooldown", parse_float, 600.0, "Seconds after an automatic capture "
            "during which no other starts.", ours=True, bounds=(0, 86400 * 7)),
     Option("auto_per_hour", "profile_auto_budget", parse_int, 4, "Automatic captures per hour at most.", ours=True,

@@ -2,9 +2,10 @@
 crosses the network (each host's reply, as JSON), and what the CLI concludes over all of them (conclude_replies).
 
 The ranks: the summary of a real rank (tests/fixtures/real/hta_sampled_rank-0.json.gz, a 128-rank NCCL job: 162
-operators and 100 kernels in its step tables), copied to every rank of the baseline and, for the capture, with
-every time scaled by a random 0.97-1.03, one straggler rank whose compute grew by 40 ms a step and every other
-rank waiting as long in its collectives. 8 ranks a host.
+operators and 100 kernels in its step tables, 5 collectives a step in its timeline), copied to every rank of the
+baseline and, for the capture, with every time scaled by a random 0.97-1.03, one straggler rank whose compute grew
+by 40 ms a step and arrives 40 ms late at each step's first collective, and every other rank waiting as long in it.
+8 ranks a host. The CLI's part matches every collective across the 4,096 ranks on both sides and replays them.
 
     .venv/bin/python bench/bench_compare_ranks.py [--ranks 4096] [--per-host 8]
 """
@@ -53,6 +54,15 @@ def scaled(s: dict[str, Any], rank: int, factor: float, compute_extra_ms: float 
                 row[i] *= factor
     if compute_extra_ms:
         out["step_ops"]["kernels"][0][2] += compute_extra_ms * 1000 * out["step_ops"]["steps"]
+        series = out["step_ops"].get("kernels_by_step") or []
+        if series:
+            series[0] = [x + compute_extra_ms * 1000 for x in series[0]]
+    timeline = out.get("timeline")
+    if timeline and (compute_extra_ms or wait_ms):  # the straggler arrives late, the others wait as long
+        for row in timeline["steps"]:
+            if len(row) > 3:
+                row[4] += round(compute_extra_ms * 1000)
+                row[5] += round(wait_ms * 1000)
     return out
 
 

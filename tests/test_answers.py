@@ -303,3 +303,16 @@ def test_a_capture_against_itself_is_no_change_and_says_how_its_clocks_were_alig
     assert c["verdict"] == "one_step" and c["culprits"] == [], c["cause"]
     assert any("8 clocks (the traces name no host" in n for n in c["notes"]), c["notes"]
     assert c["collectives"]["now"]["matched"] == c["collectives"]["baseline"]["matched"] == 8
+
+
+def test_what_the_answers_add_to_a_summary_is_bounded() -> None:
+    """Issue 43's cost bound: 20 steps of 200 collectives (and 300 operators, 300 kernels on a GPU) add at most
+    64 KiB to a rank's summary (synthetic traces: bench/bench_summary_size.py)."""
+    import sys
+
+    sys.path.insert(0, str(HERE.parent / "bench"))
+    from bench_summary_size import sizes, synthetic_trace
+
+    for gpu in (False, True):
+        full, without, _ = sizes(synthetic_trace(20, 200, gpu))
+        assert full - without <= 64 * 1024, (gpu, full - without)

@@ -266,8 +266,7 @@ def conclude(ranks: list[dict[str, Any]], baseline: Any, capture: Any, *, unmatc
     notes = _notes(ranks, unmatched or {}, jobs)
     matched = {side: match(timelines[side]) if timelines[side] else None for side in timelines}
     waits = {side: summary(m) if m else None for side, m in matched.items()}
-    replayed = {"now": analyze(matched["now"]) if matched["now"] else None,
-                "baseline": analyze(matched["baseline"]) if matched["baseline"] else None}
+    replayed = {"now": analyze(matched["now"]) if matched["now"] else None}  # (the baseline's: in growth's)
     shares = growth(matched["now"], matched["baseline"]) if matched["now"] and matched["baseline"] else None
     job = _job_steps(ranks)
     step = {"baseline": job["mean"]["baseline"], "now": job["mean"]["now"]}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .waits import Matched
 
@@ -42,23 +42,31 @@ class Node:
     typical: tuple[Any, ...]  # the key without the step: the same collective in another step (the baseline's)
 
 
+AFTER = {"start": 0, "end": 1, "arrival": 2}
+
+
 class Replayer:
-    """The replay of one capture's matched steps (waits.match's)."""
+    """The replay of one capture's matched steps (waits.match's). The nodes are compiled once into flat lists per
+    rank (the instance each arrives at, as an index, or -1 for a step's end; how it depends on what came before;
+    its step's gap), and a replay takes the work of each node as a list per rank: swapping one rank's work is
+    swapping one list."""
 
     def __init__(self, m: Matched) -> None:
         self.m = m
         self.steps = m.steps
-        self.nodes: dict[int, list[Node]] = {r: _nodes(m, r) for r in m.ranks}
-        self.start: dict[int, float] = {r: m.ranks[r].steps[m.steps[0]][0] for r in m.ranks}
-        self.gap: dict[tuple[int, int], float] = {}  # (rank, step) -> from its end to the next step's start
-        for r, rs in m.ranks.items():
-            for a, b in zip(m.steps, m.steps[1:]):
-                t0a, lena, _ = rs.steps[a]
-                self.gap[(r, a)] = max(0.0, rs.steps[b][0] - (t0a + lena))
-        self.members = {k: sorted(inst.arrivals) for k, inst in m.instances.items()}
-        self.transfer = {k: inst.transfer for k, inst in m.instances.items()}
-        self.measured = [statistics.fmean(m.ranks[r].steps[s][1] for r in m.ranks) for s in m.steps]
+        self.ranks = sorted(m.ranks)
+        self.nodes: dict[int, list[Node]] = {r: _nodes(m, r) for r in self.ranks}
+        self.start = [m.ranks[r].steps[m.steps[0]][0] for r in self.ranks]
+        index = {k: i for i, k in enumerate(m.instances)}
+        self.members = [len(inst.arrivals) for inst in m.instances.values()]
+        self.transfer = [inst.transfer for inst in m.instances.values()]
+        self._inst = [[index[n.key] if n.key[0] != "end" else -1 for n in self.nodes[r]] for r in self.ranks]
+        self._after = [[AFTER[n.after] for n in self.nodes[r]] for r in self.ranks]
+        self._gap = [[_gap(m, r, n.step) if n.key[0] == "end" else 0.0 for n in self.nodes[r]] for r in self.ranks]
+        self.real = [[n.work for n in self.nodes[r]] for r in self.ranks]
+        self.measured = [statistics.fmean(m.ranks[r].steps[s][1] for r in self.ranks) for s in m.steps]
         self._median = self._medians()
+        self.ideal_work = [[self._median[n.key] for n in self.nodes[r]] for r in self.ranks]
 
     def _medians(self) -> dict[tuple[Any, ...], float]:
         acc: dict[tuple[Any, ...], list[float]] = defaultdict(list)
@@ -67,57 +75,73 @@ class Replayer:
                 acc[node.key].append(node.work)
         return {k: statistics.median(v) for k, v in acc.items()}
 
-    def run(self, work: Callable[[int, Node], float] | None = None) -> list[float] | None:
-        """The replayed step times (us, mean over the ranks, one per step); `work(rank, node)` chooses each
-        node's work (default: as measured). None: the ranks' collectives cannot be ordered (a cycle)."""
-        pick = work or (lambda r, node: node.work)
-        pos = {r: 0 for r in self.nodes}
-        now = {r: self.start[r] for r in self.nodes}  # time of the rank's previous node
-        last_end: dict[int, float] = {}  # the end of the rank's previous collective
-        step_start: dict[int, float] = dict(self.start)
-        arrived: dict[tuple[Any, ...], list[float]] = defaultdict(list)
-        ends: dict[tuple[Any, ...], float] = {}
-        blocked: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-        prev_key: dict[int, tuple[Any, ...] | None] = {r: None for r in self.nodes}
-        durations: dict[int, list[float]] = {r: [] for r in self.nodes}
-        queue = deque(self.nodes)
+    def run(self, work: list[list[float]] | None = None) -> list[float] | None:
+        """The replayed step times (us, mean over the ranks, one per step); `work`: each rank's nodes' work, in
+        rank order (default: as measured). None: the ranks' collectives cannot be ordered (a cycle)."""
+        work = work or self.real
+        nranks = len(self.ranks)
+        pos = [0] * nranks
+        now = list(self.start)  # time of the rank's previous node
+        step_start = list(self.start)
+        prev = [-1] * nranks  # the rank's previous collective (an instance index), -1: none in this step
+        count = [0] * len(self.members)
+        latest = [float("-inf")] * len(self.members)
+        ends: list[float | None] = [None] * len(self.members)
+        blocked: dict[int, list[int]] = {}
+        durations: list[list[float]] = [[] for _ in range(nranks)]
+        members, transfer = self.members, self.transfer
+        queue = deque(range(nranks))
         while queue:
             r = queue.popleft()
-            nodes = self.nodes[r]
-            while pos[r] < len(nodes):
-                node = nodes[pos[r]]
-                if node.after == "end":
-                    pk = prev_key[r]
-                    if pk is not None and pk not in ends:
-                        blocked[pk].append(r)
-                        break
-                    base = ends[pk] if pk is not None else now[r]
-                elif node.after == "start":
+            inst, after, gap, w = self._inst[r], self._after[r], self._gap[r], work[r]
+            j, n = pos[r], len(inst)
+            while j < n:
+                a = after[j]
+                if a == 1:
+                    pk = prev[r]
+                    if pk >= 0:
+                        e = ends[pk]
+                        if e is None:
+                            blocked.setdefault(pk, []).append(r)
+                            break
+                        base = e
+                    else:
+                        base = now[r]
+                elif a == 0:
                     base = step_start[r]
                 else:
                     base = now[r]
-                t = base + pick(r, node)
+                t = base + w[j]
                 now[r] = t
-                pos[r] += 1
-                if node.key[0] == "end":
+                i = inst[j]
+                j += 1
+                if i < 0:  # a step's end
                     durations[r].append(t - step_start[r])
-                    step_start[r] = t + self.gap.get((r, node.step), 0.0)
-                    prev_key[r] = None
+                    step_start[r] = t + gap[j - 1]
+                    prev[r] = -1
                     continue
-                prev_key[r] = node.key
-                arrived[node.key].append(t)
-                if len(arrived[node.key]) == len(self.members[node.key]):
-                    ends[node.key] = max(arrived[node.key]) + self.transfer[node.key]
-                    queue.extend(blocked.pop(node.key, []))
-        if any(pos[r] < len(self.nodes[r]) for r in self.nodes):
+                prev[r] = i
+                count[i] += 1
+                if t > latest[i]:
+                    latest[i] = t
+                if count[i] == members[i]:
+                    ends[i] = latest[i] + transfer[i]
+                    queue.extend(blocked.pop(i, ()))
+            pos[r] = j
+        if any(pos[r] < len(self._inst[r]) for r in range(nranks)):
             return None
-        n = len(self.steps)
-        return [statistics.fmean(durations[r][i] for r in durations) for i in range(n)]
+        return [statistics.fmean(d[i] for d in durations) for i in range(len(self.steps))]
+
+    def alone(self, rank: int, work: list[list[float]], own: list[float]) -> list[list[float]]:
+        """`work` with one rank's list swapped for `own`."""
+        k = self.ranks.index(rank)
+        return work[:k] + [own] + work[k + 1:]
 
     def ideal(self, keep: int | None = None) -> list[float] | None:
         """Every rank's work the median of the ranks' (rank `keep` with its own)."""
-        med = self._median
-        return self.run(lambda r, node: node.work if r == keep else med[node.key])
+        if keep is None:
+            return self.run(self.ideal_work)
+        return self.run(self.alone(keep, self.ideal_work, self.real[self.ranks.index(keep)]))
 
     def excess(self) -> dict[int, float]:
         """Per rank, how much work it did above the median over the window (us): who to replay alone first."""
@@ -133,6 +157,20 @@ class Replayer:
                 acc[node.typical].append(node.work)
             out[r] = {k: statistics.median(v) for k, v in acc.items()}
         return out
+
+    def reverted_work(self, rank: int, typical: dict[tuple[Any, ...], float]) -> list[float]:
+        """A rank's nodes' work as in another capture (`typical`: typical_work's of that rank), where it has them."""
+        return [typical.get(n.typical, n.work) for n in self.nodes[rank]]
+
+
+def _gap(m: Matched, r: int, step: int) -> float:
+    """From the end of the rank's `step` to the start of its next step (0 after the last)."""
+    steps = m.steps
+    i = steps.index(step)
+    if i + 1 >= len(steps):
+        return 0.0
+    t0, length, _ = m.ranks[r].steps[step]
+    return max(0.0, m.ranks[r].steps[steps[i + 1]][0] - (t0 + length))
 
 
 def _nodes(m: Matched, r: int) -> list[Node]:
@@ -190,16 +228,14 @@ def growth(now: Matched, base: Matched) -> dict[str, Any] | None:
     if real is None or base_real is None:
         return None
     typical = rb.typical_work()
-
-    def reverted(ranks: set[int]) -> list[float] | None:
-        return rp.run(lambda r, node: typical.get(r, {}).get(node.typical, node.work) if r in ranks else node.work)
+    back = {r: rp.reverted_work(r, typical[r]) for r in rp.ranks if r in typical}
 
     shares = {}
     for r in _candidates(rp, typical):
-        alone = reverted({r})
+        alone = rp.run(rp.alone(r, rp.real, back[r])) if r in back else None
         if alone is not None:
             shares[r] = [a - b for a, b in zip(real, alone)]
-    every = reverted(set(rp.nodes))
+    every = rp.run([back.get(r, own) for r, own in zip(rp.ranks, rp.real)])
     out: dict[str, Any] = {"replayed_ms": _ms_mean(real), "baseline_replayed_ms": _ms_mean(base_real),
                            "error_pct": _error(real, rp.measured), "baseline_error_pct": _error(base_real, rb.measured),
                            "shares": [{"rank": r, "ms": _ms_mean(v), "ms_by_step": _ms(v)}

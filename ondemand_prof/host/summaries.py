@@ -5,20 +5,110 @@ across hosts (`merge_summaries`) without ever reading a trace over the network."
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable, cast
 
+from ..core import safejson
+from ..core.files import open_beneath_root, same_process
 from ..core.summaryfile import MAX_SUMMARY_BYTES, read_summary
 from ..core.tracedefs import SUMMARY_FILE
 
 if TYPE_CHECKING:  # the report package is imported where it is used (the daemon never loads it)
-    from ..report.model import RankResult, Report
+    from ..report.model import Comparison, RankResult, Report
 
 log = logging.getLogger("ondemand_prof.daemon")
 
 __all__ = ["MAX_SUMMARY_BYTES", "read_summary", "part_summaries", "checked", "merge_summaries", "compare_records",
-           "conclude_replies"]
+           "conclude_replies", "snapshot", "cached_summary"]
+
+# what the daemon parsed, by the file's identity (issue 41, 3): the same captures compared again (each host of a
+# report across hosts, `show` and `report AUTO` after an automatic capture settled) are not read again
+CACHE_BYTES = 24 << 20  # the summaries' sizes on disk, together (parsed, a 512 KB one of steps is ~2 MB)
+CACHE_ENTRIES = 512
+_cache: collections.OrderedDict[tuple[int, ...], tuple[dict[str, Any], int]] = collections.OrderedDict()
+_cache_bytes = 0
+_cache_lock = threading.Lock()
+cache_stats = {"hits": 0, "misses": 0}
+
+# what a part of a record is read by, copied for the worker (snapshot)
+PART_KEYS = ("rank", "host", "pid", "uid", "state", "path", "late_by", "trace", "steps", "window", "status", "error",
+             "pod_only")
+RECORD_KEYS = ("capture_id", "job", "window", "status", "options", "request", "source")
+
+
+def snapshot(record: Any, registry: Any = None) -> dict[str, Any]:
+    """What reading a record's summaries needs, copied on the daemon's loop for its worker (host/worker.py), which
+    must not read the live record while the loop changes it: the record's fields and a copy of each part. A part
+    only the rank's container sees (pod_only) is read through the root of its live process (`_root`: the root and
+    the process's identity, from the registry), never on this host's `/` (issue 41, 6); none when its rank is no
+    longer registered."""
+    data = record.data if hasattr(record, "data") else record
+    live: dict[tuple[int, Any], Any] = {}
+    if registry is not None and any(p.get("pod_only") for p in data["parts"].values()):
+        live = {(r.pid, r.uid): r for r in registry.by_route.values() if r.job == data["job"]}
+    parts = {}
+    for key, part in data["parts"].items():
+        copy = {k: part.get(k) for k in PART_KEYS if k in part}
+        if part.get("pod_only"):
+            info = live.get((part.get("pid"), part.get("uid")))
+            copy["_root"] = (info.fs_root, info.process) if info is not None and info.fs_root and \
+                info.process is not None else None
+        parts[key] = copy
+    return {**{k: data.get(k) for k in RECORD_KEYS}, "parts": parts}
+
+
+def cached_summary(rank_dir: str, owner: int | None, root: str = "/", process: Any = None) -> dict[str, Any]:
+    """read_summary, remembered by the file's identity (device, inode, mtime, ctime, size: a file rewritten is
+    another entry; ctime cannot be set back by its owner) within CACHE_BYTES. The file is opened as read_summary
+    opens it (no link followed, a regular file of `owner`) every time; `root`: where the rank's paths start
+    (/proc/PID/root of a rank in a container, checked to be still that `process` once the file is open). The
+    dict returned is shared: never change it."""
+    global _cache_bytes
+    if not os.path.isabs(rank_dir):
+        raise ValueError(f"not an absolute path: {rank_dir!r}")
+    fd = open_beneath_root(os.path.join(rank_dir, SUMMARY_FILE), owner, root=root)
+    try:
+        if process is not None and not same_process(process):
+            raise ValueError(f"its process (pid {process.pid}) has exited: the container's files are no longer "
+                             "reachable from this host")
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+        with _cache_lock:
+            hit = _cache.get(key)
+            if hit is not None:
+                _cache.move_to_end(key)
+                cache_stats["hits"] += 1
+                return hit[0]
+        if st.st_size > MAX_SUMMARY_BYTES:
+            raise ValueError(f"{SUMMARY_FILE} is over {MAX_SUMMARY_BYTES} bytes, the limit")
+        chunks, left = [], MAX_SUMMARY_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        raw = b"".join(chunks)
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_SUMMARY_BYTES:
+        raise ValueError(f"{SUMMARY_FILE} is over {MAX_SUMMARY_BYTES} bytes, the limit")
+    data = safejson.loads(raw, MAX_SUMMARY_BYTES)
+    if not isinstance(data, dict):
+        raise ValueError(f"{SUMMARY_FILE} does not hold a JSON object")
+    with _cache_lock:
+        cache_stats["misses"] += 1
+        if key not in _cache:
+            _cache[key] = (data, len(raw))
+            _cache_bytes += len(raw)
+        while _cache and (_cache_bytes > CACHE_BYTES or len(_cache) > CACHE_ENTRIES):
+            _, (_, size) = _cache.popitem(last=False)
+            _cache_bytes -= size
+    return data
 
 
 def _owner(part: dict[str, Any]) -> int | None:
@@ -158,16 +248,25 @@ def compare_records(now: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]
 
 
 def _summary_of(part: dict[str, Any]) -> dict[str, Any]:
-    """{"summary"} of one part, or {"error"}: why it has none."""
+    """{"summary"} of one part, or {"error"}: why it has none. A part only its rank's container sees is read
+    through that container's root while its process lives (snapshot's `_root`), else it is unreadable here: its
+    path names a file of the container, never one of this host (issue 41, 6: a root pod's part read the node's
+    root-only files)."""
     if part["state"] != "done" or not part.get("path"):
         return {"error": part.get("error") or f"no trace ({part['state']})"}
+    root, process = "/", None
+    if part.get("pod_only"):
+        if not part.get("_root"):
+            return {"error": "no summary: it is in the rank's container's own filesystem, which this host reaches "
+                             "only through the rank's live process (gone, or not seen by this daemon)"}
+        root, process = part["_root"]
     try:
-        return {"summary": read_summary(part["path"], _owner(part))}
+        return {"summary": cached_summary(part["path"], _owner(part), root, process)}
     except (OSError, ValueError) as exc:
         return {"error": f"no summary: {exc}"}
 
 
-def conclude_replies(replies: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+def conclude_replies(replies: Iterable[tuple[str, dict[str, Any]]]) -> "Comparison":
     """(daemon name, compare_records reply) pairs -> the comparison (report/compare.py conclude) of the ranks of
     every host. A rank whose baseline and capture were written on different hosts is said so, not compared."""
     from ..report.compare import conclude

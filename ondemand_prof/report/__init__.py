@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .grouping import group_ranks, slowest_rank
-from .model import CaptureGroup, FailedRank, RankResult, Report, Slowest
+from .model import CaptureGroup, Comparison, FailedRank, RankComparison, RankResult, Report, Slowest
 from .sources import Discovery, discover, read_source
 
 log = logging.getLogger("ondemand_prof.report")
@@ -160,7 +160,7 @@ def collectives(ranks: list[RankResult]) -> dict[str, Any] | None:
 
 
 
-def compare_groups(base: CaptureGroup, now: CaptureGroup) -> dict[str, Any]:
+def compare_groups(base: CaptureGroup, now: CaptureGroup) -> Comparison:
     """The comparison of two captures (compare.py): their ranks matched by rank number. A rank whose report does
     not hold what a comparison reads (compare.Unusable: its metadata's rank is not a number, a trace's step has a
     negative length) is not compared, said in a note."""
@@ -177,7 +177,7 @@ def compare_groups(base: CaptureGroup, now: CaptureGroup) -> dict[str, Any]:
                 notes.append(f"{r.get('path')} ({side}): not compared: {exc}")
         return out
 
-    def compared(rb: RankResult, rn: RankResult, rank: Any) -> list[dict[str, Any]]:
+    def compared(rb: RankResult, rn: RankResult, rank: Any) -> list[RankComparison]:
         try:
             return [compare_rank(dict(rb), dict(rn))]
         except Unusable as exc:

@@ -19,12 +19,13 @@ what adds up; a kernel's its time inside the steps)."""
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, cast
 
 from .cause import DISPATCH_US, RULE, change_text, decide
 from .checks import Unusable, rank_number
 from .classify import is_comm
 from .figures import SPLIT, rank_figures
+from .model import Comparison, Pair, RankComparison, Test
 from .stats import Change, change, hiccups
 from .timeline import decode
 
@@ -41,11 +42,11 @@ PER_CALL_MIN_SHARE = 0.5  # the operators of unchanged calls hold at least this 
 __all__ = ["compare_rank", "conclude", "rank_figures", "rank_number", "CHANGES", "Unusable", "SPLIT", "change_text"]
 
 
-def _pair(a: float | None, b: float | None, digits: int = 3) -> dict[str, float | None]:
+def _pair(a: float | None, b: float | None, digits: int = 3) -> Pair:
     return {"baseline": None if a is None else round(a, digits), "now": None if b is None else round(b, digits)}
 
 
-def compare_rank(base: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+def compare_rank(base: dict[str, Any], now: dict[str, Any]) -> RankComparison:
     """One rank (module docstring). `base`, `now`: a rank's report (RankResult or summary.json)."""
     b, n = (_figures(r, side) for r, side in ((base, "baseline"), (now, "capture")))
     split = {key: _pair(b["split"][key], n["split"][key]) for key, _ in SPLIT}
@@ -72,7 +73,7 @@ def compare_rank(base: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
             "step_ms": _pair(b["step_ms"], n["step_ms"]), "split": split,
             "step_ms_by_step": {"baseline": [round(x, 3) for x in b["series"]["step"]],
                                 "now": [round(x, 3) for x in n["series"]["step"]]},
-            "tests": {k: v.as_dict() for k, v in tests.items()},
+            "tests": {k: cast(Test, v.as_dict()) for k, v in tests.items()},
             "hiccups": {"baseline": _hiccups(b), "now": _hiccups(n)},
             "communication": {"libraries": [{"library": lib, **_pair(b["libraries"].get(lib, 0.0),
                                                                       n["libraries"].get(lib, 0.0))}
@@ -252,18 +253,24 @@ def _change_row(name: str, category: str, status: str, bv: list[float] | None, n
 # ----------------------------------------------------------------------------------------------------------
 
 
-def conclude(ranks: list[dict[str, Any]], baseline: Any, capture: Any, *, unmatched: dict[str, list[int]] | None = None,
-             jobs: tuple[Any, Any] = (None, None)) -> dict[str, Any]:
+def conclude(ranks: list[RankComparison] | list[dict[str, Any]], baseline: Any, capture: Any, *, unmatched: dict[str, list[int]] | None = None,
+             jobs: tuple[Any, Any] = (None, None)) -> Comparison:
     """The comparison (module docstring). `ranks`: compare_rank's rows (any order); `unmatched`: ranks found on
     one side only ({"baseline": [...], "now": [...]})."""
-    from .replay import analyze, growth
-    from .waits import clock_text, match, summary
 
-    ranks = sorted(ranks, key=lambda r: (r["rank"] is None, r["rank"] or 0))
+    rows = sorted((cast(dict[str, Any], r) for r in ranks), key=lambda r: (r["rank"] is None, r["rank"] or 0))
+    return _conclude(rows, baseline, capture, unmatched or {}, jobs)
+
+
+def _conclude(ranks: list[dict[str, Any]], baseline: Any, capture: Any, unmatched: dict[str, list[int]],
+              jobs: tuple[Any, Any]) -> Comparison:
+    from .replay import analyze, growth
+    from .waits import match, summary
+
     timelines = {side: _timelines(ranks, side) for side in ("baseline", "now")}
     for r in ranks:
         r.pop("timeline", None)  # (read above; the rows stay small in --json)
-    notes = _notes(ranks, unmatched or {}, jobs)
+    notes = _notes(ranks, unmatched, jobs)
     matched = {side: match(timelines[side]) if timelines[side] else None for side in timelines}
     waits = {side: summary(m) if m else None for side, m in matched.items()}
     replayed = {"now": analyze(matched["now"]) if matched["now"] else None}  # (the baseline's: in growth's)
@@ -277,10 +284,10 @@ def conclude(ranks: list[dict[str, Any]], baseline: Any, capture: Any, *, unmatc
     verdict = decide(ranks, job, waits, shares, replayed["now"]) if ranks and step.get("delta") is not None else \
         {"cause": "nothing to compare: no rank has timed steps on both sides", "culprits": [], "waiting": [],
          "category": None, "verdict": "none"}
-    return {"baseline": baseline, "capture": capture, "job": {"baseline": jobs[0], "now": jobs[1]},
-            "step_ms": step, "ranks": ranks, **verdict, "notes": notes + _wait_notes(waits, matched),
-            "communication": _job_kinds(ranks), "collectives": waits, "replay": replayed, "shares": shares,
-            "rule": RULE}
+    return cast(Comparison, {"baseline": baseline, "capture": capture, "job": {"baseline": jobs[0], "now": jobs[1]},
+                             "step_ms": step, "ranks": ranks, **verdict, "notes": notes + _wait_notes(waits, matched),
+                             "communication": _job_kinds(ranks), "collectives": waits, "replay": replayed,
+                             "shares": shares, "rule": RULE})
 
 
 def _timelines(ranks: list[dict[str, Any]], side: str) -> list[tuple[int, str | None, Any]]:

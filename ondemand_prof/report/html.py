@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .analyze import SHARES
 from .grouping import vs_median_pct
@@ -473,7 +473,7 @@ def _open_traces(group: CaptureGroup) -> str:
 
 
 
-def render_comparison_html(c: dict[str, Any]) -> str:
+def render_comparison_html(c: Mapping[str, Any]) -> str:
     """A capture against its baseline, side by side: the cause line, the step time per rank, each rank's split as
     two bars (baseline, now), communication by collective, and what changed most; measured values only."""
     from .figures import SPLIT

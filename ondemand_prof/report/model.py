@@ -118,3 +118,76 @@ class Report(_ReportCore, total=False):
     sources: list[dict[str, Any]]
     other_files: dict[str, int]
     failed_hosts: dict[str, str]  # daemon name -> why it gave no answer
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A comparison of a capture with its baseline (compare.py): what --json prints under "comparison", what the daemon
+# keeps on an automatic capture's record, what text.py and html.py render
+
+
+class Test(TypedDict):
+    """One figure's test on its per-step values (stats.Change.as_dict): means before and after, their difference
+    and its 95 % interval (None: one step on a side), the verdict, the steps on each side, Cohen's d."""
+
+    before: float | None
+    after: float | None
+    delta: float | None
+    lo: float | None
+    hi: float | None
+    verdict: str  # grew | shrank | same | one_step | none
+    n_before: int
+    n_after: int
+    effect: float | None
+
+
+class Pair(TypedDict):
+    baseline: float | None
+    now: float | None
+
+
+class RankComparison(TypedDict, total=False):
+    """One rank, baseline against now (compare.compare_rank)."""
+
+    rank: int | None
+    host: dict[str, str | None]
+    step_ms: Pair
+    step_ms_by_step: dict[str, list[float]]
+    split: dict[str, Pair]  # compute, communication, overlap, idle
+    tests: dict[str, Test]  # step, own, compute, communication, overlap, idle, cpu, cpu_wait, proc_cpu, proc_wait
+    hiccups: dict[str, dict[str, Any] | None]
+    communication: dict[str, list[dict[str, Any]]]  # libraries, collectives (per kind, with its test)
+    changes: list[dict[str, Any]]  # the operators and kernels that changed most, each with its test
+    per_call: dict[str, Any] | None  # the operators of unchanged calls: their time a call, now over baseline
+    own_growth_ms: float
+    wait_growth_ms: float
+    collective_host_ms: float
+    matched_share: float
+    world_size: dict[str, int | None]
+    level: dict[str, str | None]
+    basis: dict[str, str | None]
+    steps: dict[str, int]
+    timeline: dict[str, Any]  # (read by conclude, then dropped)
+
+
+class Comparison(TypedDict, total=False):
+    """The comparison (compare.conclude)."""
+
+    baseline: Any
+    capture: Any
+    job: dict[str, Any]
+    step_ms: dict[str, Any]  # baseline, now, delta, pct, test
+    ranks: list[RankComparison]
+    cause: str
+    category: str | None
+    verdict: str  # none | one_step | no_change | faster | hiccup | slower | rank | alike | host
+    kind: str  # job | host | none: whose the verdict is
+    culprits: list[int]
+    waiting: list[int]
+    notes: list[str]
+    communication: list[dict[str, Any]]  # per collective kind, mean of the ranks
+    collectives: dict[str, dict[str, Any] | None]  # who made whom wait on each side (waits.summary)
+    replay: dict[str, Any]  # the capture's what-if replay (replay.analyze)
+    shares: dict[str, Any] | None  # each rank's share of the growth (replay.growth)
+    rule: str
+    failed_hosts: Any  # across hosts: the daemons that did not answer
+    trimmed: str  # on an automatic capture's record: what was left out to keep it bounded

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Any
+from typing import Any, Mapping
 
 from .analyze import SHARES, round_shares
 from .classify import short_name
@@ -311,7 +311,7 @@ def _ops_table(ops: list[dict[str, Any]]) -> str:
 # A capture against its baseline (compare.py): the cause first, then the figures behind it
 
 
-def render_comparison(c: dict[str, Any], top: int = 5) -> str:
+def render_comparison(c: Mapping[str, Any], top: int = 5) -> str:
     """What `ondemandctl report NOW --baseline BASE` prints."""
     jobs = c.get("job") or {}
     out = [f"capture {c['capture']}" + (f" (job {jobs['now']})" if jobs.get("now") else "")
@@ -368,7 +368,7 @@ def render_comparison(c: dict[str, Any], top: int = 5) -> str:
     return text + f"\nrule: {c.get('rule', '')}\n"
 
 
-def _compared_waits(c: dict[str, Any]) -> str:
+def _compared_waits(c: Mapping[str, Any]) -> str:
     """Who made whom wait on each side, inside each capture (immune to the host drifting between the two), the
     transfer per collective kind, and the what-if replay of the growth."""
     w = c.get("collectives") or {}
@@ -415,7 +415,7 @@ def _test_text(t: dict[str, Any]) -> str:
     return f"{t['delta']:+.2f} ms/step, 95 % CI {t['lo']:+.2f} to {t['hi']:+.2f} ({word})"
 
 
-def _ranks_to_detail(c: dict[str, Any], ranks: list[dict[str, Any]], most: int = 4) -> list[dict[str, Any]]:
+def _ranks_to_detail(c: Mapping[str, Any], ranks: list[dict[str, Any]], most: int = 4) -> list[dict[str, Any]]:
     """The culprits, then the ranks that waited, up to `most` (every rank of a small job)."""
     if len(ranks) <= most:
         return ranks

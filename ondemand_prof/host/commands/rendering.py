@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Mapping, TextIO
 
 from ..client import CtlError, OneHost, dumps
 from .base import capture_replies, warned_exit
@@ -32,7 +32,7 @@ def html_written(args: argparse.Namespace, out: TextIO) -> None:
         out.write(f"HTML report: {os.path.abspath(args.html)}\n")
 
 
-def render_comparison(comparison: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None:
+def render_comparison(comparison: Mapping[str, Any], args: argparse.Namespace, out: TextIO) -> None:
     """Print a comparison (text or --json, under "comparison") and write --html."""
     from ...report.html import render_comparison_html
     from ...report.text import render_comparison as text

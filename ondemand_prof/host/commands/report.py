@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Mapping, TextIO
 
 from ...core.config import ProfileConfig
 from ...core.ids import valid_id
@@ -97,7 +97,7 @@ def compare_across(fan: Fanout | OneHost, args: argparse.Namespace, out: TextIO)
     return warned_exit(failed, compared(comparison))
 
 
-def compared(comparison: dict[str, Any]) -> bool:
+def compared(comparison: Mapping[str, Any]) -> bool:
     """Whether anything was compared: a rank with timed steps on both sides (else the cause line says nothing
     was, and the exit status says so too)."""
     return comparison["step_ms"].get("delta") is not None
@@ -112,13 +112,23 @@ class Compare(Command):
     fields = {"capture_id": (str,), "baseline_id": (str,)}
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
-        from ..summaries import compare_records
+        """Off the daemon's loop (service.offload: issue 41, 3), on snapshots of both records taken here. A
+        baseline of another job or owner is refused (issue 41, 5: an automatic baseline's id taken first by
+        another user's capture was compared with as the job's baseline)."""
+        from ..service import baseline_mismatch
+        from ..summaries import compare_records, snapshot
 
         now, base = service.find(msg["capture_id"]), service.find(msg["baseline_id"])
         if now is base:
             raise BadRequest(f"the baseline is the capture itself ({now.capture_id}): give a capture taken when the "
                              "job was healthy")
-        return compare_records(now.data, base.data)
+        mismatch = baseline_mismatch(now, base)
+        if mismatch:
+            raise BadRequest(f"{mismatch}: not compared (a capture is compared with a baseline of its own job; "
+                             "to compare captures of two jobs, give their folders: ondemandctl report NOW_DIR "
+                             "--baseline BASE_DIR)")
+        now_snap, base_snap = snapshot(now, service.registry), snapshot(base, service.registry)
+        return service.offload(route, msg, "compare", lambda: compare_records(now_snap, base_snap))
 
 
 class Summaries(Command):
@@ -130,12 +140,15 @@ class Summaries(Command):
     fields = {"capture_id": (str,)}
 
     def execute(self, service: Service, route: bytes, msg: dict[str, Any]) -> Any:
+        """Read off the daemon's loop (service.offload), from a snapshot of the record taken here."""
         from ..records import record_source
-        from ..summaries import part_summaries
+        from ..summaries import part_summaries, snapshot
 
         record = service.find(msg["capture_id"])
-        return {**{k: record.data.get(k) for k in ("capture_id", "job", "window", "status", "options")},
-                "source": record_source(record.data), "parts": part_summaries(record.data)}
+        head = {**{k: record.data.get(k) for k in ("capture_id", "job", "window", "status", "options")},
+                "source": record_source(record.data)}
+        snap = snapshot(record, service.registry)
+        return service.offload(route, msg, "summaries", lambda: {**head, "parts": part_summaries(snap)})
 
 
 DEFAULT_SAVE = Path(ProfileConfig.save_path)  # ./profile: where a rank started from this directory saves

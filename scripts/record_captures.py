@@ -190,6 +190,76 @@ scenario("healthy", "10 healthy pairs (healthy_01 .. healthy_10), the load diffe
     healthy)
 
 
+@scenario("network", "2 hosts in network namespaces, a rank on each (gloo over their veths); the capture with both "
+          "hosts' links capped at 50 Mbit/s (tc tbf)")
+def network(out: Path) -> Any:
+    """Two 'hosts' (network namespaces, their own names and addresses, a bridge), a daemon and a rank on each, the
+    CLI across hosts with CurveZMQ keys (tests/test_netns.py's Net); root only."""
+    import tempfile
+
+    from ondemand_prof.host.keys import keygen
+    from test_netns import RANK_HOSTS, Net
+
+    root = Path(tempfile.mkdtemp(prefix="odprecnet"))
+    net = Net(root)
+    try:
+        net.up()
+        keygen(net.keys)
+        for host in RANK_HOSTS:
+            net.start_daemon(host)
+        inject = root / "inject.json"
+        inject.write_text("{}")
+        for rank, host in enumerate(RANK_HOSTS):
+            env = base_env(RANK=str(rank), WORLD_SIZE=str(len(RANK_HOSTS)), LOCAL_RANK="0",
+                           MASTER_ADDR=net.addr(RANK_HOSTS[0]), MASTER_PORT="29519", GLOO_SOCKET_IFNAME="eth0",
+                           ONDEMAND_PROF_RUNTIME_DIR=str(net.daemons[host]["run"]))
+            net.ranks.append(net.spawn(host, [sys.executable, "-m", "ondemand_prof.demo.toy_train", "--steps", "1000000",
+                                              "--step-sleep", STEP_SLEEP, "--profile-min-free-mb", "0",
+                                              "--profile-save-path", str(net.save(rank))],
+                                       env, root / f"rank{rank}.log"))
+        hosts = ",".join(RANK_HOSTS)
+
+        def stepping() -> bool:
+            res = net.ctl("status", "--json", "--connect-timeout", "2", hosts=hosts)
+            if res.returncode != 0:
+                return False
+            ranks = [r for h in json.loads(res.stdout)["hosts"].values() for rs in h["data"]["jobs"].values()
+                     for r in rs]
+            return len(ranks) == 2 and all(r["step_time_s"] for r in ranks)
+
+        wait_for(stepping, 180, "2 ranks on h1 and h2 stepping", pause=0.5)
+        time.sleep(3)
+
+        def capture() -> str:
+            res = net.ctl("capture", "--steps", "6", "--wait", "--timeout", "120", "--json", hosts=hosts)
+            if res.returncode != 0:
+                raise RuntimeError(f"capture exited {res.returncode}: {res.stderr[-2000:]}")
+            return json.loads(res.stdout)["capture_id"]
+
+        def keep(capture_id: str, dest: Path) -> None:
+            shown = json.loads(net.ctl("show", capture_id, "--json", hosts=hosts).stdout)
+            for part in shown["parts"].values():
+                src = Path(part["path"])
+                (dest / src.name).mkdir(parents=True, exist_ok=True)
+                for name in ("summary.json", "metadata.json"):
+                    shutil.copy(src / name, dest / src.name / name)
+
+        base = capture()
+        for host in RANK_HOSTS:  # both directions of the link between the two hosts
+            subprocess.run(["ip", "netns", "exec", net.ns[host], "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
+                            "rate", "50mbit", "burst", "32kbit", "latency", "400ms"], check=True)
+        time.sleep(3)
+        now = capture()
+        shutil.rmtree(out, ignore_errors=True)
+        keep(base, out / "baseline")
+        keep(now, out / "now")
+        return {"baseline": base, "now": now, "steps": 6, "slowdown": "tc tbf rate 50mbit on h1's and h2's eth0",
+                "load": os.getloadavg()}
+    finally:
+        net.down()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def _write_how(out: Path, how: Any) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "how.json").write_text(json.dumps({**how, "recorded_at": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -97,6 +97,18 @@ def test_a_rank_starved_of_cpu_is_said_to_wait_for_a_cpu_not_to_compute_more() -
     assert "aten::mm" not in c["cause"]
 
 
+def test_a_slower_link_between_two_hosts_is_the_network_not_a_rank() -> None:
+    """Two hosts (network namespaces) whose link was capped with tc: the all_reduce's transfer grew on both ranks,
+    no rank arrived later, no rank's own work grew: the network; the clocks of the two hosts were aligned."""
+    c = compared("network")
+    assert c["category"] == "network" and c["kind"] == "job", c["cause"]
+    assert "all_reduce transfer +" in c["cause"] and "no rank arrived later" in c["cause"], c["cause"]
+    for r in c["ranks"]:
+        assert r["tests"]["own"]["verdict"] != "grew", r["tests"]["own"]
+    assert c["collectives"]["now"]["clock"]["hosts"] == 2
+    assert any("the clocks of 2 hosts aligned on" in n for n in c["notes"]), c["notes"]
+
+
 def test_healthy_pairs_of_one_job_name_no_cause_in_the_job() -> None:
     """Ten pairs of healthy captures of one unchanged job, the host's load different between the two (two busy
     loops during one of them): at least nine name nothing in the job (no change, faster, or the host: a rank

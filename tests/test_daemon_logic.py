@@ -864,3 +864,81 @@ def test_an_adopted_capture_id_follows_the_one_id_rule(tmp_path: Path) -> None:
         assert reply["type"] == "error" and "capture_id" in reply["error"] and "expected 1-128" in reply["error"], reply
     assert capture("20261206-000000-abcdef")["data"]["capture_id"] == "20261206-000000-abcdef"
     assert "already exists on this host" in capture("20261206-000000-abcdef")["error"]
+
+
+def test_the_daemon_acknowledges_a_bye_that_asks_and_no_other(tmp_path: Path) -> None:
+    """Issue 44, 1: a rank that is ending waits for the daemon to say it read its bye. The daemon answers a bye
+    that asks (ack) with "bye_ok" to that route, after the rank's parts took its words; a bye that does not ask
+    (an older rank, which would not know the message) gets nothing."""
+    d, sent = inprocess_daemon(tmp_path, ranks=2)
+    try:
+        sent.clear()
+        d.dispatch(b"r/0", encode("bye", why="terminated by SIGTERM", step=3, ack=True))
+        assert [(route, json.loads(body)["type"]) for route, body in sent] == [(b"r/0", "bye_ok")]
+        assert b"r/0" not in d.service.registry.by_route
+        sent.clear()
+        d.dispatch(b"r/1", encode("bye", why="closed the profiler", step=3))
+        assert sent == [] and b"r/1" not in d.service.registry.by_route
+    finally:
+        d.close()
+
+
+def test_a_rank_that_is_ending_waits_for_its_bye_to_be_read(tmp_path: Path) -> None:
+    """Issue 44, 1: the rank's real DaemonLink against a bare ROUTER standing for the daemon. Its last words (a
+    SIGTERM, the end of the interpreter) ask for an acknowledgement and do not return, so the process does not
+    die, until the daemon says it read them; a daemon that never answers (stopped, or older) holds the end for
+    LAST_WORDS_S at most. Before, the bye was handed to ZMQ's I/O thread and the process died: a rank SIGTERMed as
+    another was SIGKILLed read "process exited, killed by SIGTERM" (the daemon's pid sweep saw the death first)."""
+    import threading
+    from types import SimpleNamespace
+
+    import zmq
+
+    from ondemand_prof.core.options import ProfileConfig
+    from ondemand_prof.core.protocol import endpoint
+    from ondemand_prof.rank import daemon_link
+    from ondemand_prof.rank.backends import Identity
+    from ondemand_prof.rank.daemon_link import DaemonLink
+
+    assert 1.0 <= daemon_link.LAST_WORDS_S <= 5.0  # long enough for a loaded host, well within torchrun's 30 s
+    ident = Identity(rank=0, world_size=1, local_rank=0, host="h", pid=os.getpid(), job_id="j", dist_initialized=True)
+    prof = SimpleNamespace(config=ProfileConfig(save_path=str(tmp_path)), identity=lambda: ident, current_step=5,
+                           state="idle")
+    agent = SimpleNamespace(config=prof.config, prof=prof, trigger_dir="", wake=lambda: None,
+                            step_time=lambda: 0.1, step_began=lambda: (5, time.time()),
+                            triage=SimpleNamespace(native=SimpleNamespace(announce=lambda: None)))
+    ctx = zmq.Context()
+    try:
+        for answer in (True, False):
+            run = tmp_path / f"run{int(answer)}"
+            run.mkdir(mode=0o700)
+            router = ctx.socket(zmq.ROUTER)
+            router.bind(endpoint(run))
+            link = DaemonLink(agent, run, context=ctx)  # type: ignore[arg-type]
+            deadline = time.monotonic() + 30
+            while not router.poll(50) and time.monotonic() < deadline:  # until the registration arrives
+                link._next_beat = 0.0  # noqa: SLF001 - register at once
+                link.poll(time.monotonic())
+            route, body = router.recv_multipart()
+            assert json.loads(body)["type"] == "register"
+            router.send_multipart([route, encode("registered", events_batch=32)])
+            while not link.acknowledged and time.monotonic() < deadline:
+                link.poll(time.monotonic())
+                time.sleep(0.01)
+            ending = threading.Thread(target=link.last_words, args=("terminated by SIGTERM", 7, True),
+                                      kwargs={"wait_s": 60.0 if answer else 0.5})
+            ending.start()
+            bye: dict[str, Any] = {}
+            while not bye and router.poll(30_000):
+                msg = json.loads(router.recv_multipart()[1])
+                bye = msg if msg["type"] == "bye" else {}
+            assert bye == {**bye, "why": "terminated by SIGTERM", "step": 7, "ack": True}, bye
+            if answer:
+                ending.join(0.5)
+                assert ending.is_alive(), "the last words returned before the daemon read them"
+                router.send_multipart([route, encode("bye_ok")])
+            ending.join(30)  # not answered: LAST_WORDS_S (here 0.5 s) and the linger
+            assert not ending.is_alive() and link._closed  # noqa: SLF001
+            router.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)

@@ -35,13 +35,19 @@ DAEMON_MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
     "triage": {"triage_id": (str,), "action": (str,)},
     "register": {},
     "registered": {},
+    "bye_ok": {},  # the daemon read our bye (asked for with ack: True)
     "error": {},
 }
 MAX_REPLY_BYTES = MAX_MESSAGE_BYTES - 1024  # what a triage answer may take of a message (1 KiB to spare)
 REFUSED_RETRY_S = 5.0  # a registration the daemon refused is tried again this often
 RECENT = 16  # the last events of this many captures are replayed at registration (a restarted daemon learns them)
-LAST_WORDS_S = 0.5  # how long a thread ending the process (SIGTERM, exit) waits for the agent to say why
-BYE_LINGER_MS = 300  # how long the last words may take to leave the process (_let_go), within LAST_WORDS_S
+# How long a process that is ending (SIGTERM, exit, close) waits at most for the daemon to say it read the bye: a
+# daemon that hears it answers in milliseconds; one that is stopped, hung or older (it does not answer byes) costs
+# this, once, at the end. A bye not acknowledged was lost at times: the process died before ZMQ's I/O thread wrote
+# it, or before the daemon read it while its pid sweep saw the death (issue 44, 1: "process exited" read for a
+# rank SIGTERMed as another was SIGKILLed). torchrun and Slurm wait 30 s between SIGTERM and SIGKILL.
+LAST_WORDS_S = 2.0
+BYE_LINGER_MS = 300  # a bye not acknowledged in time: how long it may still take to leave the process (_let_go)
 MAX_WHY = 400  # characters of a bye's why
 Listener = Callable[[str, dict[str, Any]], None]  # a window's progress: (event, info)
 
@@ -108,6 +114,7 @@ class DaemonLink(Extension):
         self._opened: dict[str, dict[str, Any]] = {}  # "opened" of the captures in _recent that had one
         self._replies: collections.deque[bytes] = collections.deque()  # triage answers (rank/triage.py)
         self._last_words: tuple[str, int] | None = None  # (why, step): the process is ending (last_words)
+        self._words_by = 0.0  # monotonic time the last words' acknowledgement is waited for until
         self._said = threading.Event()  # the last words left (or there was no daemon to hear them)
         self._closed = False  # the socket is closed (after the last words, or by close())
         log.debug("ondemand_prof: daemon link to %s", self.url)
@@ -174,13 +181,15 @@ class DaemonLink(Extension):
 
     def last_words(self, why: str, step: int, on_agent_thread: bool, wait_s: float = LAST_WORDS_S) -> None:
         """The process is ending (SIGTERM, interpreter exit): what is queued, then a bye saying why and at which
-        step. Sent by the agent thread; another thread waits for it at most `wait_s`."""
+        step, until the daemon says it read it (at most `wait_s`). Said by the agent thread; another thread
+        waits for that (and the socket's close) before the process goes on to die."""
+        self._words_by = time.monotonic() + wait_s
         self._last_words = (why[:MAX_WHY], step)
         if on_agent_thread:
             self._say_last_words()
             return
         self.agent.wake()
-        self._said.wait(wait_s)
+        self._said.wait(wait_s + BYE_LINGER_MS / 1000 + 0.2)
 
     def _say_last_words(self) -> None:
         if self._last_words is None or self._said.is_set():
@@ -189,35 +198,62 @@ class DaemonLink(Extension):
         try:
             if self.registered:
                 self._flush()
-                if self._send(encode("bye", why=why, step=step)):
-                    self._let_go()
+                self._bye(why, step, self._words_by)
                 self.registered = False
         finally:
             self._said.set()
 
-    def _let_go(self) -> None:
-        """The process dies right after its last words (SIGTERM's default action, the end of the interpreter),
-        and ZMQ's I/O thread writes a message on its own time: a process that died first lost its bye (the
-        daemon then read a rank that vanished). Closing with a linger and ending the context waits, at most
-        BYE_LINGER_MS, until what was sent has left the process."""
+    def _bye(self, why: str, step: int, until: float) -> None:
+        """Say goodbye and close: the bye, then (it was sent) the daemon's acknowledgement waited for until
+        `until`. The process may die right after (SIGTERM's default action, the end of the interpreter), and a
+        bye sent is not yet a bye read: ZMQ's I/O thread writes it on its own time, and the daemon's pid sweep
+        may see the death before it reads the bye. Acknowledged, the daemon has acted on it; not (a daemon
+        stopped, or older), the socket is closed with a linger of BYE_LINGER_MS, so that what was sent at least
+        leaves the process."""
+        acked = self._send(encode("bye", why=why, step=step, ack=True)) and self._acknowledged(until)
+        self._let_go(0 if acked else BYE_LINGER_MS)
+
+    def _acknowledged(self, until: float) -> bool:
+        """Whether the daemon's "bye_ok" arrives before `until` (monotonic). Anything else it sends meanwhile
+        is dropped: this rank is going."""
+        zmq = self._zmq
+        while (left := until - time.monotonic()) > 0:
+            try:
+                if not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                    continue
+                frame = self._sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError:
+                return False
+            if self._distrust is not None or not self._from_daemon(frame):
+                continue
+            try:
+                if decode(frame.bytes, DAEMON_MESSAGES)["type"] == "bye_ok":
+                    return True
+            except ProtocolError:
+                continue
+        return False
+
+    def _let_go(self, linger_ms: int) -> None:
+        """Close the socket and end our context (waiting at most `linger_ms` for what is queued to leave)."""
         self._closed = True
-        self._sock.close(linger=BYE_LINGER_MS)
+        self._sock.close(linger=linger_ms)
         if self._own_ctx:
             self._ctx.term()
 
     def close(self) -> None:
+        """The profiler is closed (its thread: the agent thread has stopped): a bye saying why, acknowledged or
+        at most LAST_WORDS_S, and the socket closed."""
         if self._closed:
             return
-        if self._said.is_set():
-            pass  # the daemon heard our last words already
-        elif self.registered:
+        if not self._said.is_set() and self.registered:  # (set: the daemon heard our last words already)
             self.poll(0.0)  # results that finished while the agent was stopping
-            self._send(encode("bye", why=str(getattr(self.agent, "closing_why", "closed the profiler"))[:MAX_WHY],
-                              step=self.agent.prof.current_step))
-        self._closed = True
-        self._sock.close(linger=0)
-        if self._own_ctx:
-            self._ctx.term()
+            if self.registered:
+                self._bye(str(getattr(self.agent, "closing_why", "closed the profiler"))[:MAX_WHY],
+                          self.agent.prof.current_step, time.monotonic() + LAST_WORDS_S)
+                return
+        self._let_go(0)
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -344,6 +380,8 @@ class DaemonLink(Extension):
             self._last_error = ""
             batch = msg.get("events_batch")
             self._batch = batch if bounded_int(batch, 1, MAX_BATCHED_EVENTS) else 1
+        elif kind == "bye_ok":
+            pass  # (waited for by _acknowledged; one that comes late is nothing to act on)
         elif kind == "register":
             self.registered = False
             self._next_beat = 0.0  # at once, not in a second

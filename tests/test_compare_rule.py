@@ -108,3 +108,21 @@ def test_the_slowdown_switch_is_read_again_when_its_bytes_land_under_the_same_ti
     assert injection.applies("sync", 1) == 4
     injection.refresh(50)
     assert injection.applies("sync", 1) == 8
+
+
+def test_a_rank_whose_own_work_shrank_is_never_the_cause_while_anothers_grew() -> None:
+    """The HF Trainer case of issue 43 (figures as reported; synthetic summaries): the baseline was taken while
+    rank 0 was slowed, so now rank 0's own compute is 155 ms a step shorter and its wait 280 ms longer, while rank
+    1 (two hogs on its core) did 111 ms more of its own: rank 1 is the cause, rank 0 waited, whatever the ratio of
+    the two growths."""
+    def rank(r: int, compute: float, comm: float, jitter: float) -> dict[str, Any]:
+        s = summary(r)
+        s["steps"] = [{"dur_ms": compute + comm + 2.0 + jitter * k, "compute_ms": compute + jitter * k,
+                       "comm_ms": comm, "overlap_ms": 0.0, "idle_ms": 2.0} for k in range(4)]
+        return s
+
+    base = [rank(0, 400.0, 50.0, 1.0), rank(1, 250.0, 200.0, 1.0)]
+    now = [rank(0, 245.0, 330.0, 1.5), rank(1, 361.0, 214.0, 1.5)]
+    c = conclude([compare_rank(b, n) for b, n in zip(base, now)], "b", "n")
+    assert c["culprits"] == [1] and c["waiting"] == [0], c["cause"]
+    assert c["cause"].startswith("rank 1: compute grew"), c["cause"]

@@ -136,6 +136,13 @@ def _own(r: dict[str, Any]) -> float:
     return max(0.0, (t.delta or 0.0) - r.get("collective_host_ms", 0.0)) if t else 0.0
 
 
+def _shrank(r: dict[str, Any]) -> float:
+    """How much a rank's own work shrank (ms a step, 0 if it did not): in a synchronous job its wait grows by that
+    too (a baseline taken while it was slowed), which another rank's growth need not explain."""
+    t = _t(r, "own")
+    return max(0.0, -(t.delta or 0.0)) if t else 0.0
+
+
 def _wait(r: dict[str, Any]) -> float:
     t = _t(r, "communication")
     return (t.delta or 0.0) + r.get("collective_host_ms", 0.0) if t else 0.0
@@ -220,7 +227,7 @@ def _rank_cause(ranks: list[dict[str, Any]], grew: list[dict[str, Any]], late: d
     others = [r for r in ranks if r["rank"] not in named]
     largest = max(_own(r) for r in culprits)
     if others and not late and not _by_share(grew, shares, growth) and \
-            largest * WAIT_FACTOR < max(_wait(r) for r in others):
+            any(_wait(r) > WAIT_FACTOR * (largest + _shrank(r)) for r in others):
         return _communication(ranks, grew)  # the others waited far longer than this work explains
     texts = [_own_text(r, late.get(r["rank"]) if r not in grew else None, waits) for r in culprits[:4]] + \
         ([f"+{len(culprits) - 4} more ranks"] if len(culprits) > 4 else [])

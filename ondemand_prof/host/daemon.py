@@ -367,6 +367,9 @@ class Daemon:
         elif msg["type"] == "bye" and msg.get("ack") is True:
             # read and acted on: a rank that is ending waits for this before it dies (rank/daemon_link.py _bye)
             self._send(route, encode("bye_ok"))
+        elif msg["type"] == "bye" and msg.get("ack") is True:
+            # read and acted on: a rank that is ending waits for this before it dies (rank/daemon_link.py _bye)
+            self._send(route, encode("bye_ok"))
 
     def _flush_outbox(self) -> None:
         service = self.service

@@ -184,10 +184,10 @@ def _selected(parts: list[Part], spec: str | None) -> list[Part]:
     if spec is None:
         return parts
     try:
-        wanted = set(parse_ranks(spec, max((p.rank for p in parts), default=0) + 1))
+        wanted = set(parse_ranks(spec))
     except RankSpecError as exc:
         raise CtlError(f"--ranks {spec}: {exc}", EXIT_USAGE) from None
-    chosen = [p for p in parts if p.rank in wanted]
+    chosen = [p for p in parts if p.rank in wanted or -1 in wanted]
     if not chosen:
         raise CtlError(f"--ranks {spec}: the capture has rank(s) {spans(p.rank for p in parts)}", EXIT_USAGE)
     return chosen

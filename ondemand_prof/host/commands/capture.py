@@ -179,8 +179,8 @@ class Capture(Command):
         # one host: its outcome settled by the daemon, on the record (misaligned too); across: the records merged
         record = found[here] if run is None else capture_record(run, quiet)
         timed_out = not finished and any(running(d) for n, d in found.items() if n not in quiet)
-        self._result(record, result_text(record, not timed_out, wait, across=run is not None), args, out,
-                     self._report(fan, record, run, args, out))
+        text = result_text(record, not timed_out, wait, across=run is not None) + export_hint(record, run is not None)
+        self._result(record, text, args, out, self._report(fan, record, run, args, out))
         if not wait:
             return EXIT_PARTIAL if failed or quiet else EXIT_OK
         return EXIT_TIMEOUT if timed_out else exit_for(record)
@@ -218,6 +218,17 @@ class Capture(Command):
             if not args.json:
                 out.write("\n")
             report()
+
+
+def export_hint(record: dict[str, Any], across: bool) -> str:
+    """The line that makes every rank's trace one timeline (ondemandctl export, host/commands/export.py)."""
+    done = [p for p in record["parts"].values() if p["state"] == "done" and str(p.get("trace") or "").endswith(
+        (".pt.trace.json", ".pt.trace.json.gz"))]
+    if len(done) < 2:
+        return ""
+    cid = record["capture_id"]
+    return (f"  one timeline: ondemandctl {'--hosts ... ' if across else ''}export {cid} --perfetto {cid}.json  "
+            "(every rank, clocks aligned; Perfetto UI)\n")
 
 
 def waits(args: argparse.Namespace) -> bool:

@@ -222,7 +222,8 @@ class _Processes:
         if type(pid) is not int:  # Kineto's "Spans"/"Traces": folded into the main track, not named after it
             return
         new = self.pid_of(pid)
-        args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
+        raw = ev.get("args")
+        args = raw if isinstance(raw, dict) else {}
         key = {"process_name": "name", "process_labels": "labels"}.get(str(ev.get("name")))
         value = args.get(key) if key else None
         if key and isinstance(value, str) and value:

@@ -258,7 +258,7 @@ def _header(part: Part) -> dict[str, Any]:
     except TraceError as exc:
         raise CtlError(f"rank {part.rank}: {exc}") from None
     finally:
-        events.close()
+        getattr(events, "close")()  # (a generator: its file closed now)
     info = reader.header.get("distributedInfo")
     said = info.get("rank") if isinstance(info, dict) else None
     if type(said) is int and said != part.rank:
@@ -269,8 +269,9 @@ def _header(part: Part) -> dict[str, Any]:
 
 def _base_us(header: dict[str, Any]) -> float:
     base = header.get("baseTimeNanoseconds")
-    ok = isinstance(base, (int, float)) and not isinstance(base, bool) and 0 < base < 1e20
-    return base / 1000 if ok else 0.0
+    if isinstance(base, (int, float)) and not isinstance(base, bool) and 0 < base < 1e20:
+        return base / 1000
+    return 0.0
 
 
 def _write(parts: list[Part], capture_id: str, job: str | None, dest: Path

@@ -3,12 +3,14 @@ training step at each optimizer step (ondemand_prof.integrations.zerocode), with
 
 Run at interpreter start-up by ondemand_prof_auto.pth (installed next to this module in site-packages), which
 imports this module only when ONDEMAND_PROF_AUTO is set. It stays tiny on purpose: it never imports torch or
-ondemand_prof itself. A meta path finder waits for `import torch`; once torch has finished importing, one
-global optimizer post-step hook is registered, and ondemand_prof is imported (its profiler made) at once in a
+ondemand_prof itself. A meta path finder waits for `import torch` (a bare find_spec("torch"), which datasets,
+evaluate and transformers ask at import, is not one: it stays for the import); once torch has finished importing,
+one global optimizer post-step hook is registered, and ondemand_prof is imported (its profiler made) at once in a
 rank its launcher started (RANK and WORLD_SIZE set, not a multiprocessing child), else when the process shows it
-trains: init_process_group called (before its rendezvous), an optimizer made, a forward with gradients, the first
-optimizer step. So a process that never imports torch pays nothing, and one that never trains (torchrun's agent,
-Lightning's or Accelerate's launcher, a DataLoader worker) neither counts steps nor registers anywhere.
+trains: init_process_group called (before its rendezvous; right after it where RANK is unset), an optimizer made, a
+forward with gradients, the first optimizer step. So a process that never imports torch pays nothing, and one that
+never trains (torchrun's agent, Lightning's or Accelerate's launcher, a DataLoader worker) neither counts steps nor
+registers anywhere.
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ What counts as a step (docs/training-stacks.md, "Zero-code"):
 - wrappers that step an inner optimizer (ZeroRedundancyOptimizer, Lightning's LightningOptimizer) count once:
   the inner optimizer steps first and becomes the lead.
 While a window is due, the boundary is taken at the next module forward rather than inside the optimizer's
-own record_function range (see StepCounter.__call__). Steps are numbered from 0. In ONDEMAND_PROF_AUTO mode the profiler is made at the first counted step, so a
-process that never steps an optimizer (a launcher, a DataLoader worker) never registers with the daemon, and the
-earliest recordable step is step 1.
+own record_function range (see StepCounter.__call__). Steps are numbered from 0. In ONDEMAND_PROF_AUTO mode,
+ondemand_prof_auto.py watches torch's import and says when the profiler is made (auto_appeared: at torch's import
+in a rank its launcher started, else when the process shows it trains; auto_step at the latest), so a process
+that never trains (a launcher, a DataLoader worker) never registers with the daemon.
 """
 
 from __future__ import annotations

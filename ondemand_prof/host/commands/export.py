@@ -199,7 +199,8 @@ def _found(part: Part, dirs: list[Path]) -> tuple[Path | None, str | None]:
     assert part.trace is not None
     name = os.path.basename(part.trace)
     folder = os.path.basename(os.path.dirname(part.trace))
-    for candidate in [Path(part.trace), *(c for d in dirs for c in (d / name, d / folder / name))]:
+    inside = [name] + ([os.path.join(folder, name)] if folder not in ("", ".", "..") else [])
+    for candidate in [Path(part.trace), *(d / c for d in dirs for c in inside)]:
         if _regular(candidate):
             return candidate, None
     where = f" on {part.daemon}" if part.daemon else ""

@@ -7,8 +7,9 @@ threads waiting side by side many times), from /proc/self/task/TID/schedstat.
 A comparison reads these per step (report/compare.py): a rank whose step grew while its threads waited longer for
 a CPU, with the same operator calls, was starved (other work on its cores, a CPU quota), not given more work; a
 training thread that sleeps most of its step hardly waits, while its collectives' worker threads do.
-Cost, at each boundary of a recorded window only (nothing while idle): one pread of a file kept open for the
-training thread, and one open and read per thread of the process (about 5 us each; at most MAX_THREADS).
+Cost, at each boundary of a recorded window only (nothing while idle): one pread of a file kept open per thread of
+the process (at most MAX_THREADS), the thread list read again every RESCAN boundaries: about 10 us with a few
+threads.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 MAX_SAMPLES = 100_000  # boundaries a window keeps (a window is capped far below this; a bound all the same)
 MAX_THREADS = 256  # threads of the process read at a boundary
+RESCAN = 8  # boundaries between two reads of the process's thread list (a thread started meanwhile counts from then)
 
 
 def _read(path: str) -> tuple[int, int] | None:
@@ -43,6 +45,7 @@ class ThreadClock:
         self.samples: list[tuple[int, int, int, int, int]] = []  # (step, cpu, wait, process cpu, helper wait)
         self._me = str(threading.get_native_id())
         self._threads: dict[str, tuple[int, int]] = {}  # tid -> (cpu, wait) at the last boundary
+        self._fds: dict[str, int] = {}  # tid -> its schedstat, open
         try:
             self._fd = os.open(f"{self._tasks}/{threading.get_native_id()}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:  # not Linux, or /proc not mounted: the comparison says it has no CPU figures
@@ -63,15 +66,17 @@ class ThreadClock:
     def _process(self) -> tuple[int, int]:
         """The CPU all threads added since the last boundary (a thread's own delta: one that ended took its counts
         with it, one that began counts from zero), accumulated; and the longest wait any other thread added, also
-        accumulated (so that per_step's differences give it per step)."""
+        accumulated (so that per_step's differences give it per step). The threads' files stay open between
+        boundaries (a pread each); the thread list is read again every RESCAN boundaries."""
+        if not self._fds or len(self.samples) % RESCAN == 0:
+            self._rescan()
         now: dict[str, tuple[int, int]] = {}
-        with os.scandir(self._tasks) as it:
-            for i, entry in enumerate(it):
-                if i >= MAX_THREADS:
-                    break
-                got = _read(f"{self._tasks}/{entry.name}/schedstat")
-                if got is not None:
-                    now[entry.name] = got
+        for tid, fd in list(self._fds.items()):
+            try:
+                fields = os.pread(fd, 128, 0).split()
+                now[tid] = (int(fields[0]), int(fields[1]))
+            except (OSError, ValueError, IndexError):  # the thread ended
+                os.close(self._fds.pop(tid))
         prev = self._threads
         dcpu = sum(c - prev.get(t, (0, 0))[0] for t, (c, _) in now.items())
         dwait = max((w - prev.get(t, (0, 0))[1] for t, (_, w) in now.items() if t != self._me and t in prev),
@@ -80,13 +85,24 @@ class ThreadClock:
         last = self.samples[-1] if self.samples else (0, 0, 0, 0, 0)
         return last[3] + dcpu, last[4] + dwait
 
+    def _rescan(self) -> None:
+        with os.scandir(self._tasks) as it:
+            tids = [entry.name for _, entry in zip(range(MAX_THREADS), it)]
+        for tid in tids:
+            if tid not in self._fds:
+                try:
+                    self._fds[tid] = os.open(f"{self._tasks}/{tid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    continue
+
     def close(self) -> None:
-        if self._fd is not None:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
+        for fd in [self._fd, *self._fds.values()]:
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._fd, self._fds = None, {}
 
     def per_step(self, recorded: list[int]) -> dict[str, Any] | None:
         """{"steps", "cpu_ms", "wait_ms", "proc_cpu_ms", "proc_wait_ms"} for each recorded step whose start and end

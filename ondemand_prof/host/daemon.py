@@ -2,7 +2,8 @@
 directory), the metrics endpoint's wiring, and the loop: one ROUTER socket on the unix socket serves both the
 ranks' agents (register, heartbeats, progress events) and ondemandctl (one reply per request), beside the TCP
 listener of host/transport.py. Single-threaded: frames are decoded here and handed to the Service
-(host/service.py), which holds every handler; disk writes are batched on a timer."""
+(host/service.py), which holds every handler; disk writes are batched on a timer. Reading and comparing
+ranks' summaries runs on a worker thread (host/worker.py): the loop queues it and sends its reply once done."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from .records import RecordStore
 from .sdnotify import notify, watchdog_interval
 from .service import Service
 from .transport import SCHEMA, TCP_FILE, TCP_ROUTE, DaemonError, TcpListener, heartbeat
+from .worker import Worker, connection_of
 
 log = logging.getLogger("ondemand_prof.host.profd")
 
@@ -38,6 +40,9 @@ TICK_S = 0.2  # housekeeping: expire ranks, write changed records, answer watche
 BATCH_S = 0.01
 BATCH_ABOVE_RATE = 1000  # heartbeats per second
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
+# requests that may be served off the loop (service.offload): whose connection is noted, so that a reply to an
+# asker who has gone is not computed
+OFFLOADED = frozenset(("compare", "summaries", "show"))
 
 
 def _read_pid(pid_file: Path) -> int | None:
@@ -108,6 +113,8 @@ class Daemon:
         self._prepare_runtime_dir()
         self.service = Service(RecordStore(self.state_dir), DAEMON_COMMANDS, host=self.host, runtime_dir=self.runtime_dir,
                                state_dir=self.state_dir)
+        self.service.worker = Worker()
+        self.service.worker.start()
         path = socket_path(self.runtime_dir)
         url = endpoint(self.runtime_dir)
         self._refuse_if_running(url, path)
@@ -188,6 +195,9 @@ class Daemon:
 
     def close(self) -> None:
         if self.service is not None:
+            if self.service.worker is not None:
+                self.service.worker.stop()
+                self.service.worker = None
             self.service.store.flush()
         if self._listener is not None:
             self._listener.close()  # the gate thread first: it watches the sockets closed below
@@ -233,6 +243,9 @@ class Daemon:
         if tcp is not None:
             for extra in tcp.sockets():
                 poller.register(extra, zmq.POLLIN)
+        worker = service.worker
+        if worker is not None:
+            poller.register(worker.read_fd, zmq.POLLIN)  # a job done: its reply is sent from here
         recv, getopt = sock.recv, sock.getsockopt
         rate = 0.0  # heartbeats per second over the last tick (requests and events do not count: they want speed)
         next_tick = time.monotonic() + TICK_S
@@ -248,7 +261,10 @@ class Daemon:
             else:
                 woke = time.monotonic()
                 self._guarded(listener.check)  # the gate thread closes it; the loop opens it again
-                if tcp is not None and (len(ready) > 1 or ready[0][0] is not sock):
+                if worker is not None and any(r[0] == worker.read_fd for r in ready):
+                    self._guarded(service.collect_offloaded)
+                if tcp is not None and any(r[0] is not sock and r[0] != getattr(worker, "read_fd", None)
+                                           for r in ready):
                     self._serve_tcp()
                 for n in range(10_000):  # drain, but let housekeeping run under a flood
                     try:
@@ -322,9 +338,11 @@ class Daemon:
             return
         self._request(route, frame, SCHEMA, carrier)  # (it sends what the request queued, then the reply)
 
-    def _request(self, route: bytes, frame: bytes, schema: dict[str, Any], carrier: Any = None) -> None:
+    def _request(self, route: bytes, frame: bytes, schema: dict[str, Any], carrier: Any = None,
+                 tcp_frame: Any = None) -> None:
         """Decode one message against `schema` and send the service's reply (or the decoder's error).
-        `carrier`: the zmq.Frame of a unix-socket message (its peer credentials); None over TCP."""
+        `carrier`: the zmq.Frame of a unix-socket message (its peer credentials); over TCP, `tcp_frame` is the
+        message's zmq.Frame (the client key's name, its connection)."""
         service = self.service
         assert service is not None
         try:
@@ -336,7 +354,12 @@ class Daemon:
             return
         self.messages[msg["type"]] = self.messages.get(msg["type"], 0) + 1  # types: the schema's, bounded
         # the kernel's word, not the sender's (and, for a registration, whether the connector is still there)
-        msg["_peer"] = peer_of(carrier, connector=msg["type"] == "register") if carrier is not None else None
+        msg["_peer"] = peer_of(carrier, connector=msg["type"] == "register") if tcp_frame is None and \
+            carrier is not None else None
+        msg["_key"] = _user_id(tcp_frame) if tcp_frame is not None else None  # over TCP: the client key's name
+        # the connection it came on, for a request served off the loop: not computed for an asker who has gone
+        msg["_conn"] = connection_of(tcp_frame if tcp_frame is not None else carrier, msg["_peer"]) \
+            if msg["type"] in OFFLOADED and (carrier is not None or tcp_frame is not None) else None
         out = service.handle(route, msg)
         self._flush_outbox()  # what the request sends to ranks leaves before its reply (a new capture's windows)
         if out is not None:
@@ -362,7 +385,7 @@ class Daemon:
         assert tcp is not None and self.service is not None
         tcp.answer_zap()
         for route, frame in tcp.receive():
-            self._request(route, frame, CLI_MESSAGES)
+            self._request(route, frame.bytes, CLI_MESSAGES, tcp_frame=frame)
 
     def _send(self, route: bytes, body: bytes) -> None:
         assert self._sock is not None
@@ -374,6 +397,15 @@ class Daemon:
             sock.send(body, _NOBLOCK)
         except zmq.Again:
             log.debug("ondemand-profd: peer not keeping up; reply dropped")
+
+
+def _user_id(frame: Any) -> str | None:
+    """The name of the client key a TCP message was authenticated with (the ZAP handler's User-Id)."""
+    try:
+        value = frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return None
+    return str(value)[:64] if value else None
 
 
 def run(runtime_dir: Path, state_dir: Path, *, group: str | None = None, listen: str | None = None,

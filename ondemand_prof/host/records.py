@@ -152,6 +152,7 @@ class CaptureRecord:
         self.replan: Replan | None = None
         self._busy: dict[int, dict[str, Any]] = {}
         self._superseded: list[list[int]] = []
+        self.concluding = False  # an automatic capture's comparison being computed off the loop (service.py)
 
     @classmethod
     def new(cls, capture_id: str, job: str, request: dict[str, Any], plan: Plan | Mapping[str, Any],
@@ -343,7 +344,8 @@ class RecordStore:
         self.records: dict[str, CaptureRecord] = {}
         self.dirty: set[str] = set()
         self._running: set[str] = set()
-        self._owned: dict[int, int] = {}  # records per owner uid (automatic captures), kept as they come and go
+        self._owned: dict[int | str | None, int] = {}  # records per whom they are charged to (add), kept up to date
+        self.unsaved: dict[str, str] = {}  # capture id -> why its last write failed (a full disk), until one works
         self._load()
 
     def _load(self) -> None:
@@ -371,27 +373,34 @@ class RecordStore:
             self._own(record, 1)
         if self.records:
             log.info("ondemand-profd: loaded %d capture records from %s", len(self.records), self.dir)
-        while len(self.records) > KEEP_RECORDS and self._evict(None):
+        while len(self.records) > KEEP_RECORDS and self._evict_oldest():
             pass
 
-    def add(self, record: CaptureRecord, owner: int | None = None, save: bool = True) -> None:
+    def add(self, record: CaptureRecord, owner: int | str | None = None, save: bool = True) -> None:
         """Take a new record; RecordRefused when its id exists (a record is never replaced) or no room can be
-        made. `owner`: the uid whose rank asked for it (automatic captures); such a record can only push out
-        older finished records of that same uid, and that uid holds at most KEEP_PER_UID of them. `save`:
-        False when the caller writes it (save()) once its windows are sent."""
+        made. `owner`: whom the record is charged to: the uid whose rank asked for it (automatic, trigger-file and
+        signal captures), the uid that asked ondemandctl for it (its connection's, the kernel's word), or over TCP
+        `key:NAME` (the client key). Each holds at most KEEP_PER_UID records, and room is made only by pushing out
+        its own oldest finished record (never a running record, never a job's current baseline): one asker's
+        flood pushes out only its own (issue 41, 4: 1,000 refused captures of one member once evicted every
+        user's records and another's baseline; records of nobody, from before charges, make room for records of
+        nobody). `save`: False when the caller writes it (save()) once its windows are sent."""
         if not valid_id(record.capture_id):
             raise RecordRefused(f"capture id {record.capture_id[:80]!r} is not a valid id")
         if record.capture_id in self.records:
             raise RecordRefused(f"capture {record.capture_id} already exists")
-        if owner is not None:
+        if isinstance(owner, int):
             record.data["owner_uid"] = owner
-            mine = self._owned.get(owner, 0)
-            if mine >= KEEP_PER_UID and not self._evict(owner):
-                raise RecordRefused(f"uid {owner} holds {mine} capture records, all running")
+        elif owner is not None:
+            record.data["owner_key"] = owner
+        mine = self._owned.get(owner, 0)
+        if owner is not None and mine >= KEEP_PER_UID and not self._evict(owner):
+            raise RecordRefused(f"{_whose(owner)} holds {mine} capture records (at most {KEEP_PER_UID}), none of "
+                                "them finished")
         while len(self.records) >= KEEP_RECORDS:
             if not self._evict(owner):
                 raise RecordRefused(f"the daemon holds {len(self.records)} capture records (its limit) and none "
-                                    "it may drop" + (f" for uid {owner}" if owner is not None else ""))
+                                    f"it may drop for {_whose(owner)}")
         self.records[record.capture_id] = record
         self._own(record, 1)
         if record.status == "running":
@@ -400,26 +409,38 @@ class RecordStore:
             self.save(record)
 
     def _own(self, record: CaptureRecord, n: int) -> None:
-        owner = record.data.get("owner_uid")
-        if type(owner) is int:  # (not a bool from a hand-edited file)
-            self._owned[owner] = self._owned.get(owner, 0) + n
+        owner = charged(record.data)
+        self._owned[owner] = self._owned.get(owner, 0) + n
+        if self._owned[owner] <= 0:
+            del self._owned[owner]
 
     def mark(self, record: CaptureRecord) -> None:
         self.dirty.add(record.capture_id)
 
     def flush(self) -> None:
-        """Write the records that changed (batched: thousands of rank events become one write per record)."""
-        for capture_id in list(self.dirty):
+        """Write the records that changed (batched: thousands of rank events become one write per record); those
+        that could not be written stay to be tried again."""
+        dirty, self.dirty = self.dirty, set()
+        for capture_id in dirty:
             record = self.records.get(capture_id)
             if record is not None:
                 self.save(record)
-        self.dirty.clear()
 
-    def save(self, record: CaptureRecord) -> None:
+    def save(self, record: CaptureRecord) -> bool:
+        """Write the record (atomically); False when it could not be (a full disk): the record stays in `unsaved`
+        with why, is written again at the next flush, and is nobody's baseline until it is on disk (issue 41, 9:
+        a baseline reported as marked was lost at the next restart)."""
         try:
             write_json_atomic(self.dir / f"{record.capture_id}.json", record.data, compact=True)
         except OSError as exc:
-            log.error("ondemand-profd: cannot save capture record %s: %s", record.capture_id, exc)
+            if record.capture_id not in self.unsaved:
+                log.error("ondemand-profd: cannot save capture record %s: %s", record.capture_id, exc)
+            self.unsaved[record.capture_id] = f"{exc.strerror or exc}"
+            self.dirty.add(record.capture_id)
+            return False
+        if self.unsaved.pop(record.capture_id, None) is not None:
+            log.warning("ondemand-profd: capture record %s saved at last", record.capture_id)
+        return True
 
     def running(self) -> list[CaptureRecord]:
         """Captures still in progress (kept as a set: the daemon asks twice a second, records may be 1000)."""
@@ -450,8 +471,8 @@ class RecordStore:
         """Every job's baseline (baseline_of), in one pass over the records (oldest first: the newest wins)."""
         out: dict[tuple[int | None, str], CaptureRecord] = {}
         for record in self.records.values():
-            if record.is_baseline and record.status in RECORDED_SOMETHING:
-                out[(record.owner, record.data["job"])] = record
+            if record.is_baseline and record.status in RECORDED_SOMETHING and record.capture_id not in self.unsaved:
+                out[(record.owner, record.data["job"])] = record  # (one not on disk is not the baseline yet)
         return out
 
     def newest(self, limit: int, job: str | None = None) -> list[CaptureRecord]:
@@ -459,20 +480,51 @@ class RecordStore:
         records.sort(key=lambda r: r.created, reverse=True)
         return records[:limit]
 
-    def _evict(self, owner: int | None) -> bool:
-        """Drop the oldest finished record (of `owner`'s records when given); False when there is none."""
-        record = next((r for r in self.records.values() if r.status != "running" and
-                       (owner is None or r.data.get("owner_uid") == owner)), None)
-        if record is None:
-            return False
+    def _evict(self, owner: int | str | None) -> bool:
+        """Drop the oldest finished record charged to `owner` (None: to nobody, records from before charges),
+        never a job's current baseline; False when there is none."""
+        keep: set[str] | None = None  # the current baselines, looked up only when a candidate is marked so
+        for r in self.records.values():
+            if r.status == "running" or charged(r.data) != owner:
+                continue
+            if r.is_baseline:
+                if keep is None:
+                    keep = {b.capture_id for b in self.baselines().values()}
+                if r.capture_id in keep:
+                    continue
+            self._drop(r)
+            return True
+        return False
+
+    def _evict_oldest(self) -> bool:
+        """(Loading more records than the store holds.) Drop the oldest finished record, whoever's."""
+        record = next((r for r in self.records.values() if r.status != "running"), None)
+        if record is not None:
+            self._drop(record)
+        return record is not None
+
+    def _drop(self, record: CaptureRecord) -> None:
         self.records.pop(record.capture_id, None)
         self._own(record, -1)
         self.dirty.discard(record.capture_id)
+        self.unsaved.pop(record.capture_id, None)
         try:
             (self.dir / f"{record.capture_id}.json").unlink()
         except OSError:
             pass
-        return True
+
+
+def charged(data: Mapping[str, Any]) -> int | str | None:
+    """Whom a record is charged to (RecordStore.add): a uid, `key:NAME` over TCP, or None (a record from before)."""
+    uid = data.get("owner_uid")
+    if type(uid) is int:  # (not a bool from a hand-edited file)
+        return uid
+    key = data.get("owner_key")
+    return key if isinstance(key, str) else None
+
+
+def _whose(owner: int | str | None) -> str:
+    return f"uid {owner}" if isinstance(owner, int) else (str(owner) if owner is not None else "records of nobody")
 
 
 def record_problem(data: Any) -> str | None:

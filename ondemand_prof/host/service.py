@@ -30,6 +30,7 @@ from .registry import RankConflict, RankInfo, Registry
 from .autocapture import RankCaptures
 from .records import Plan
 from .triage import TriageBook
+from .worker import Job, Worker, connection_alive
 
 log = logging.getLogger("ondemand_prof.daemon")
 
@@ -70,6 +71,9 @@ class Service:
         self._next_pid_check = 0.0
         self._last_housekeeping: float | None = None
         self.commands = commands
+        # reading and comparing summaries, off the loop (host/worker.py); None: inline (a service driven directly)
+        self.worker: Worker | None = None
+        self.capture_rate: Any = None  # captures asked per asker a minute (host/commands/capture.py CaptureRate)
         self.triage = TriageBook(self)  # stacks, memory, flight-recorder requests waiting for their ranks
         self.rank_captures = RankCaptures(self)  # automatic, trigger-file and signal captures (host/autocapture.py)
         self.rank_handlers: dict[str, Callable[[bytes, dict[str, Any]], bytes | None]] = {
@@ -97,6 +101,52 @@ class Service:
     def send(self, route: bytes, body: bytes) -> None:
         self.outbox.append((route, body))
 
+    def offload(self, route: bytes, msg: dict[str, Any], kind: str, compute: Callable[[], Any],
+                finish: Callable[[Any], Any] | None = None) -> Any:
+        """A request's slow part (reading and comparing summaries) run off the loop (issue 41, 3): `compute` on
+        the worker thread (it reads files and the snapshot it closes over, never this service's state), then
+        `finish(result)` here on the loop for the reply's data. Returns None (the reply follows once done, or not
+        at all when the asker has disconnected meanwhile); BadRequest when the asker holds its share of the queue
+        already. Without a worker (the service driven directly, in tests) both run now and the data is returned."""
+        if self.worker is None:
+            result = compute()
+            return finish(result) if finish is not None else result
+        rid, peer = msg.get("id"), msg.get("_peer")
+        asker = f"uid {peer.uid}" if peer is not None else f"key {msg.get('_key') or '?'}"
+        alive = connection_alive(*(msg.get("_conn") or (None, None)))
+
+        def done(result: Any, error: BaseException | None) -> None:
+            if not alive():
+                log.info("ondemand-profd: %s of %s done; not replied: it has disconnected", kind, asker)
+                return
+            try:
+                if error is not None:
+                    raise error
+                data = finish(result) if finish is not None else result
+                reply = reply_ok(rid, data)
+            except (BadRequest, RecordRefused) as exc:
+                self.refused[kind] = self.refused.get(kind, 0) + 1
+                reply = reply_error(rid, str(exc))
+            except Exception as exc:  # noqa: BLE001 - one bad request never takes the daemon down
+                log.error("ondemand-profd: error handling %s", kind, exc_info=exc)
+                reply = reply_error(rid, f"internal error: {type(exc).__name__}: {exc}")
+            self.send(route, reply)
+
+        why = self.worker.submit(Job(asker, kind, compute, done, alive))
+        if why:
+            raise BadRequest(why)
+        return None
+
+    def collect_offloaded(self) -> None:
+        """(The loop, when the worker says so.) Each job done: its finish, which queues its reply in `outbox`."""
+        if self.worker is None:
+            return
+        for job, result, error in self.worker.take_done():
+            try:
+                job.finish(result, error)
+            except Exception:  # noqa: BLE001
+                log.exception("ondemand-profd: unexpected error finishing a %s request; carrying on", job.kind)
+
     def then(self, fn: Callable[[], None]) -> None:
         """Run `fn` once what is in the outbox now has been sent, before the reply to the request being served."""
         self.after_send.append(fn)
@@ -106,7 +156,10 @@ class Service:
         return {"pid": os.getpid(), "version": __version__, "host": self.host,
                 "started_at": iso_time(self.started_wall), "uptime_s": round(now - self.started, 1),
                 "runtime_dir": str(self.runtime_dir), "state_dir": str(self.state_dir),
-                "captures": len(self.store.records), "running_captures": len(self.store.running())}
+                "captures": len(self.store.records), "running_captures": len(self.store.running()),
+                # records that could not be written (a full state disk): none of them is a baseline yet
+                **({"unsaved_records": len(self.store.unsaved),
+                    "unsaved_error": next(iter(self.store.unsaved.values()))} if self.store.unsaved else {})}
 
     def find(self, capture_id: str) -> CaptureRecord:
         try:
@@ -297,7 +350,7 @@ class Service:
     # Records and watches
 
     def open_capture(self, capture_id: str, job: str, request: dict[str, Any], plan: Plan, options: dict[str, Any],
-                     targets: list[RankInfo], wall: float, *, owner: int | None = None, save: bool = True,
+                     targets: list[RankInfo], wall: float, *, owner: int | str | None = None, save: bool = True,
                      **marks: Any) -> CaptureRecord:
         """The one place a capture is made on the daemon (ondemandctl capture, a rank's automatic, trigger-file
         or signal window): its record, a part per target rank, taken into the store (RecordRefused: it cannot
@@ -315,31 +368,64 @@ class Service:
         if record.status != "running":
             if record.data.get("compare_with") and "cause" not in record.data:
                 self._conclude_automatic(record)
-            self.store.save(record)  # results are written at once; progress is batched
-            self.store.dirty.discard(record.capture_id)
+            if self.store.save(record):  # results are written at once; progress is batched (and a failed write
+                self.store.dirty.discard(record.capture_id)  # is tried again at each flush)
         if self.watches:
             self._watch_due.add(record.capture_id)  # answered after this batch of messages: one reply, not 4096
 
     def _conclude_automatic(self, record: CaptureRecord) -> None:
         """An automatic capture, once done, against the baseline it was taken to be compared with (this host's
         ranks, from their summaries), computed once: the comparison is kept on the record (show and report AUTO
-        print that one, bounded: records.stored_comparison) and its cause line logged and listed."""
+        print that one, bounded: records.stored_comparison) and its cause line logged and listed. Computed off the
+        loop (issue 41, 3: a large job's comparison held every user's requests), on snapshots of both records;
+        a baseline of another job or owner (an id taken over once the baseline's record was dropped) is not
+        compared with (issue 41, 5)."""
         from .records import MAX_TEXT, stored_comparison
-        from .summaries import compare_records, conclude_replies
+        from .summaries import compare_records, conclude_replies, snapshot
 
+        if record.concluding:
+            return
+        record.concluding = True
         base = self.store.records.get(record.data["compare_with"])
-        try:
-            if base is None:
+        now_snap = snapshot(record, self.registry)
+        base_snap = snapshot(base, self.registry) if base is not None else None
+        mismatch = baseline_mismatch(record, base) if base is not None else None
+
+        def compute() -> dict[str, Any]:
+            if base_snap is None:
                 raise ValueError(f"the baseline's record {record.data['compare_with']} was dropped")
-            comparison = conclude_replies([(self.host, compare_records(record.data, base.data))])
-            cause = comparison["cause"]
-            record.data["comparison"] = stored_comparison(comparison)
-        except Exception as exc:  # noqa: BLE001 - a summary we cannot read: said, and the record still settles
-            cause = f"not compared: {exc}"
-            record.data["comparison"] = {"error": cause[:MAX_TEXT]}
-        record.data["cause"] = cause[:MAX_TEXT]
-        log.warning("ondemand-profd: automatic capture %s of job %s against baseline %s: %s", record.capture_id,
-                    record.data["job"], record.data["compare_with"], record.data["cause"])
+            if mismatch:
+                raise ValueError(mismatch)
+            return dict(conclude_replies([(self.host, compare_records(now_snap, base_snap))]))
+
+        def finish(comparison: Any, error: BaseException | None) -> None:
+            record.concluding = False
+            if "cause" in record.data or self.store.records.get(record.capture_id) is not record:
+                return
+            if error is None:
+                cause = comparison["cause"]
+                record.data["comparison"] = stored_comparison(comparison)
+            else:  # a summary we cannot read: said, and the record still settles
+                if not isinstance(error, (ValueError, OSError, KeyError)):
+                    log.error("ondemand-profd: comparing automatic capture %s", record.capture_id, exc_info=error)
+                cause = f"not compared: {error}"
+                record.data["comparison"] = {"error": cause[:MAX_TEXT]}
+            record.data["cause"] = cause[:MAX_TEXT]
+            log.warning("ondemand-profd: automatic capture %s of job %s against baseline %s: %s",
+                        record.capture_id, record.data["job"], record.data["compare_with"], record.data["cause"])
+            self.changed(record)
+
+        if self.worker is None:
+            try:
+                result, error = compute(), None
+            except Exception as exc:  # noqa: BLE001
+                result, error = None, exc
+            finish(result, error)
+            return
+        owner = record.owner
+        why = self.worker.submit(Job(f"uid {owner} (automatic)", "comparison", compute, finish, bounded=False))
+        if why:
+            finish(None, ValueError(why))
 
     def watch(self, route: bytes, rid: Any, record: CaptureRecord, timeout: float, since: int | None = None) -> None:
         self.watches.append((route, rid, record.capture_id, time.monotonic() + timeout, since))
@@ -479,6 +565,18 @@ def window_position(record: Any, part: dict[str, Any], step: int | None, heard: 
     if type(window[1]) is int and step >= window[1]:
         return f" ({at}, after the window {span}, before its trace was written)"
     return f" ({at}, during the window {span})"
+
+
+def baseline_mismatch(record: Any, base: Any) -> str | None:
+    """Why `base` is not a baseline `record` may be compared with by id (None: it may): another job's, or another
+    owner's (issue 41, 5: an id squatted by another user's capture was compared with as the job's baseline)."""
+    if base.data["job"] != record.data["job"]:
+        return (f"the baseline {base.capture_id} is a capture of job {base.data['job']}, not of job "
+                f"{record.data['job']} ({record.capture_id}'s)")
+    if base.owner != record.owner:
+        return (f"the baseline {base.capture_id} is of a job of uid {base.owner}, not of uid {record.owner}, which "
+                f"owns {record.capture_id}'s")
+    return None
 
 
 def of_job(record: Any, info: RankInfo) -> bool:

@@ -112,15 +112,17 @@ class TcpListener:
                 return
             self._zap_sock.send_multipart(self.zap.reply(frames))
 
-    def receive(self, limit: int = 10_000) -> list[tuple[bytes, bytes]]:
+    def receive(self, limit: int = 10_000) -> list[tuple[bytes, Any]]:
+        """(route, zmq.Frame of the body) of each message waiting: the frame carries the client key's name
+        (User-Id) and the connection it came on."""
         out = []
         for _ in range(limit):
             try:
-                frames = self.sock.recv_multipart(_NOBLOCK)
+                frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
                 break
             if len(frames) == 2:
-                out.append((TCP_ROUTE + frames[0], frames[1]))
+                out.append((TCP_ROUTE + frames[0].bytes, frames[1]))
         return out
 
     def close(self) -> None:

@@ -123,27 +123,47 @@ class Capture(Command):
         except (RequestError, ValueError) as exc:
             raise BadRequest(str(exc)) from None
         capture_id = _adopted_id(service, msg) or make_capture_id(wall=wall)
+        charge = charged_to(msg)
+        if not host_root(msg.get("_peer")):  # (root can do anything anyway)
+            if service.capture_rate is None:
+                service.capture_rate = CaptureRate()
+            held = service.capture_rate.take(charge, time.monotonic())
+            if held:
+                raise BadRequest(held)
         windows = Windows(request, defaults, planned.start_step, capture_id, targets)
         first = windows.first
         plan = planned.noted(first.note)  # the plan whole (the cap's note too) before any window leaves
+        # charged to the asker (issue 41, 4): its records count against its share, and push out only its own
         record = service.open_capture(capture_id, live[0].job, request.as_dict(), plan, first.options.as_dict(),
-                                      targets, wall, save=False)
+                                      targets, wall, owner=charge, save=False)
         late = late_refusal(plan) if msg.get("across_hosts") is True else None
         if late:  # shared with other hosts' ranks: on the same steps everywhere or not here (host/alignment.py)
             refuse_parts(record, late, wall)
             service.store.save(record)
             log.warning("ondemand-profd: capture %s: %s", capture_id, late)
             return {**record.view(), "asked_by": asker}
+        unsaved = None
         if msg.get("baseline") is True:  # the job's baseline once it records something (records.py baseline_of)
             record.data["baseline"] = True
+            # on disk before anyone is told it is the baseline (issue 41, 9: a full state disk lost a baseline the
+            # reply had called marked); written now, not after the windows leave, so that the reply can say
+            if not service.store.save(record):
+                unsaved = service.store.unsaved.get(record.capture_id, "not written")
+                log.error("ondemand-profd: capture %s: marked as job %s's baseline, but its record cannot be "
+                          "written to %s (%s): it is not the job's baseline until it is", capture_id, job,
+                          service.store.dir, unsaved)
+        else:
+            service.then(lambda: service.store.save(record))  # on disk before the CLI's reply, after the windows
         if request.start_step is None and msg.get("across_hosts") is not True:  # (across hosts: the same steps
             # everywhere or none; an absolute start is what was asked)
             record.replan = Replanner(service, request, defaults, steps, live[0].key)
-        service.then(lambda: service.store.save(record))  # on disk before the CLI's reply, after the windows leave
         windows.send(service, targets, plan.note if plan.after else None)
         log.info("ondemand-profd: capture %s: job %s, %d rank(s), steps [%d, %d)%s", capture_id, job, len(targets),
                  plan.start_step, plan.end_step, f" ({plan.note})" if plan.note else "")
-        return {**record.view(), "asked_by": asker}  # the CLI says so when the job is another user's
+        reply = {**record.view(), "asked_by": asker}  # the CLI says so when the job is another user's
+        if unsaved is not None:
+            reply["unsaved"] = f"{unsaved} ({service.store.dir})"
+        return reply
 
     # ------------------------------------------------------------------------------------------------------
     # ondemandctl
@@ -339,8 +359,54 @@ def _common_defaults(targets: list[Any]) -> WindowDefaults:
     return dataclasses.replace(known[0], max_steps=common_cap(d.max_steps for d in known))
 
 
+CAPTURES_PER_MINUTE = 60  # captures one asker (a uid, a client key) may ask of a daemon a minute (root: any)
+
+
+class CaptureRate:
+    """How many captures each asker asked for in the last minute (issue 41, 4: one member asked for 1,000 in 2 s)."""
+
+    def __init__(self, per_minute: int = CAPTURES_PER_MINUTE) -> None:
+        self.per_minute = per_minute
+        self.asked: dict[Any, list[float]] = {}
+
+    def take(self, asker: Any, now: float) -> str:
+        """'' and the capture is counted, or why not."""
+        times = [t for t in self.asked.get(asker, []) if now - t < 60.0]
+        if len(times) >= self.per_minute:
+            self.asked[asker] = times
+            return (f"{_asker_text(asker)} asked for {len(times)} captures in the last minute, the most this daemon "
+                    f"takes of one asker (at most {self.per_minute} a minute); try again in "
+                    f"{60.0 - (now - times[0]):.0f} s")
+        times.append(now)
+        self.asked[asker] = times
+        if len(self.asked) > 4096:
+            self.asked = {k: v for k, v in self.asked.items() if v and now - v[-1] < 60.0}
+        return ""
+
+
+
+def charged_to(msg: dict[str, Any]) -> int | str | None:
+    """Whom a capture asked for with `msg` is charged to: the asker's uid (the kernel's word), over TCP its client
+    key (`key:NAME`, the ZAP handler's User-Id); None when neither is known (a service driven directly)."""
+    peer = msg.get("_peer")
+    if peer is not None:
+        return int(peer.uid)
+    key = msg.get("_key")
+    return f"key:{key}" if isinstance(key, str) and key else None
+
+
+def _asker_text(asker: Any) -> str:
+    return f"uid {asker}" if isinstance(asker, int) else (f"client {asker}" if asker else "this asker")
+
+
+# ids a rank makes itself (core/ids.capture_id): a caller's chosen id never takes one first (issue 41, 5: a
+# member's capture named an automatic baseline's predictable id, and the job got no baseline)
+RANK_ID_PREFIXES = ("auto-", "baseline-", "file-", "signal-", "static-")
+
+
 def _adopted_id(service: Service, msg: dict[str, Any]) -> str | None:
-    """A capture id chosen by the caller (ondemandctl across hosts: one id on every host), when well-formed."""
+    """A capture id chosen by the caller (ondemandctl across hosts: one id on every host), when well-formed and
+    not of a kind the ranks name themselves."""
     value = msg.get("capture_id")
     if value is None:
         return None
@@ -348,6 +414,9 @@ def _adopted_id(service: Service, msg: dict[str, Any]) -> str | None:
         check_id(value, "capture_id")  # the one id rule (core/ids.py)
     except BadId as exc:
         raise BadRequest(str(exc)) from None
+    if value.startswith(RANK_ID_PREFIXES):
+        raise BadRequest(f"capture_id {value[:80]!r}: ids beginning {', '.join(RANK_ID_PREFIXES)} are the ranks' "
+                         "own (automatic, trigger-file, signal and static windows); choose another")
     if value in service.store.records:
         raise BadRequest(f"capture {value} already exists on this host")
     return value
@@ -364,7 +433,11 @@ def _plan_text(record: dict[str, Any]) -> str:
     text += owner_note(record)
     if plan.get("note"):
         text += f"  note: {plan['note']}\n"
-    if record.get("baseline"):
+    if record.get("baseline") and record.get("unsaved"):
+        text += (f"  NOT yet job {record['job']}'s baseline: its record cannot be written to the daemon's state "
+                 f"directory: {record['unsaved']}; it becomes the baseline once it is (the daemon tries again; "
+                 "ondemandctl status says while records are not written)\n")
+    elif record.get("baseline"):
         text += f"  marked as job {record['job']}'s baseline: later captures compare with it " \
                 f"(ondemandctl report <capture> --baseline {record['capture_id']}, or automatically)\n"
     past = plan.get("past_ranks", plan.get("late_ranks")) or []

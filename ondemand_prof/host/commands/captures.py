@@ -109,8 +109,23 @@ class Show(OneCapture):
         baseline = service.store.baseline_of(record.data["job"], record.owner)
         shown["is_job_baseline"] = baseline is record
         if record.data.get("compare_with") and record.status != "running":
-            # computed once, when the capture settled (service._conclude_automatic); a record from before: now
-            shown["comparison"] = record.data.get("comparison") or comparison_of(service, record)
+            # computed once, when the capture settled (service._conclude_automatic); a record from before (or
+            # one still being compared): computed now, off the loop, and kept
+            stored = record.data.get("comparison")
+            if stored:
+                shown["comparison"] = stored
+            else:
+                compute = comparison_of(service, record)
+
+                def finish(comparison: dict[str, Any]) -> dict[str, Any]:
+                    if "comparison" not in record.data and "error" not in comparison:
+                        from ..records import stored_comparison
+
+                        record.data["comparison"] = stored_comparison(comparison)
+                        service.changed(record)
+                    return {**shown, "comparison": comparison}
+
+                return service.offload(route, msg, "show", compute, finish)
         return shown
 
     def run_on(self, fan: Fanout | OneHost, args: argparse.Namespace, out: TextIO) -> int:
@@ -200,13 +215,28 @@ class Cancel(OneCapture):
 
 
 
-def comparison_of(service: Service, record: Any) -> dict[str, Any]:
-    """An automatic capture against the baseline it was taken to be compared with, from this host's summaries;
-    {"error"} when that cannot be done (the baseline's record was dropped, no summary)."""
-    from ..summaries import compare_records, conclude_replies
+def comparison_of(service: Service, record: Any) -> Any:
+    """What compares an automatic capture with the baseline it was taken to be compared with, from this host's
+    summaries, on snapshots of both records taken now (it runs off the daemon's loop: service.offload); it returns
+    {"error"} when that cannot be done (the baseline's record was dropped, or is now another job's or owner's: an
+    id taken over; no summary)."""
+    from ..service import baseline_mismatch
+    from ..summaries import compare_records, conclude_replies, snapshot
 
     try:
         base = service.store.find(record.data["compare_with"])
-        return conclude_replies([(service.host, compare_records(record.data, base.data))])
-    except (KeyError, ValueError, OSError) as exc:
-        return {"error": str(exc.args[0] if exc.args else exc)}
+        mismatch = baseline_mismatch(record, base)
+    except KeyError as exc:
+        base, mismatch = None, str(exc.args[0] if exc.args else exc)
+    now_snap = snapshot(record, service.registry)
+    base_snap = snapshot(base, service.registry) if base is not None and not mismatch else None
+
+    def compute() -> dict[str, Any]:
+        if base_snap is None:
+            return {"error": mismatch}
+        try:
+            return dict(conclude_replies([(service.host, compare_records(now_snap, base_snap))]))
+        except (KeyError, ValueError, OSError) as exc:
+            return {"error": str(exc.args[0] if exc.args else exc)}
+
+    return compute

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -23,10 +24,10 @@ from typing import Any
 
 import pytest
 
-from conftest import base_env, ctl, kill_tree, short_dir, start_daemon, wait_for
+from conftest import base_env, ctl, ctl_json, kill_tree, short_dir, start_daemon, wait_for
 from test_containers import Pod, WHY_NOT, needs_namespaces  # noqa: F401 - one copy of the pods' code
 from test_containers import host, pods  # noqa: F401 - fixtures: the module's daemon, each test's pods
-from test_security import other_user  # noqa: F401 - fixture: the throwaway user (cross-user cases)
+from test_security import group_daemon, other_user  # noqa: F401 - fixtures: the throwaway user, a group daemon
 
 
 def _pod(host: dict[str, Any], pods: list[Pod], name: str, argv: list[str], **kw: Any) -> Pod:  # noqa: F811
@@ -370,3 +371,45 @@ def test_summaries_are_parsed_once_until_the_file_changes(tmp_path: Path, monkey
     (tmp_path / "now" / "rank0" / "summary.json").write_text(json.dumps({"rank": 0, "steps": [{"dur_ms": 5.0}] * 4}))
     again = compare_records(records["now"], records["base"])
     assert len(parsed) == 3 and again["ranks"][0]["step_ms"]["now"] == 5.0, (parsed, again["ranks"][0]["step_ms"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. Automatic baselines' ids are not predictable, and a capture is compared only with its own job's baseline
+
+def test_an_automatic_baseline_cannot_be_squatted_nor_another_jobs_capture_compared_with(
+        group_daemon: dict[str, Any], tmp_path: Path) -> None:
+    """Issue 41, 5. Before: an automatic baseline's id was `baseline-<second>-r0-<pid>` (the pid is public in
+    status), a member's capture could name any id (the across-hosts path adopts the caller's), and the job's
+    baseline was refused as existing; `report AUTO --baseline <its id>` then compared with the member's folder.
+    Now the id has 12 random hex digits, a caller may not name an id of the ranks' kinds, and a comparison by id
+    of captures of two jobs (or owners) is refused by the daemon and by ondemandctl."""
+    from test_security import _register, _user_rank, train
+
+    env = group_daemon
+    member = _user_rank(env)
+    assert _register(member, "member", member.run("value = os.getpid()"),
+                     save_root=str(env["shared"]))["type"] == "registered"
+    member.beat(True)
+    member.send(type="capture", id=5, job="member", request={"steps": 1, "start": 100000},
+                capture_id="baseline-20261206-120000-r0-4242")
+    squat = member.expect(lambda m: m.get("got", {}).get("id") == 5)["got"]
+    assert squat["type"] == "error" and "are the ranks' own" in squat["error"], squat
+    victim = train(tmp_path, "victim", "--profile-auto", "3", "--profile-baseline-at", "30",
+                   env={"ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])}, steps=100000, log=tmp_path / "victim.log")
+    try:
+        def baseline() -> Any:
+            caps = ctl_json(env["run"], "list")["captures"]
+            return next((c for c in caps if c["job"] == "victim" and c["baseline"]), None)
+
+        base = wait_for(baseline, 180, "the victim's automatic baseline", pause=0.5)
+        assert re.fullmatch(rf"baseline-\d{{8}}-\d{{6}}-[0-9a-f]{{12}}-r0-{victim.pid}", base["capture_id"]), base
+        member.send(type="capture", id=6, job="member", request={"steps": 1, "start": 100000})
+        theirs = member.expect(lambda m: m.get("got", {}).get("id") == 6)["got"]  # (its window comes first)
+        assert theirs["type"] == "ok", theirs
+        asked = {"type": "compare", "capture_id": base["capture_id"], "baseline_id": theirs["data"]["capture_id"]}
+        refused, _ = _ask(env["run"], asked)
+        assert refused is not None and refused["type"] == "error" and "not of job victim" in refused["error"], refused
+        res = ctl(env["run"], "report", base["capture_id"], "--baseline", theirs["data"]["capture_id"])
+        assert res.returncode == 2 and "is a capture of job member, not of job victim" in res.stderr, res.stderr
+    finally:
+        kill_tree(victim)

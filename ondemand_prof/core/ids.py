@@ -4,7 +4,7 @@ A capture id becomes a file name in the daemon's state directory ({id}.json) and
 path; a job id keys records and registrations. Whatever a peer sends, an id is 1 to 128 characters of letters,
 digits and `_ . - + @ :`, and does not start with `.` or `-` (so it is never `.`, `..`, a hidden file or an
 option), so it can never name a path outside the directory it is put in. What ondemand_prof makes itself
-(`20261129-200514-a618f2`, `auto-...-r0-4242`, `file-...`, SLURM's `123.4`, torchrun's UUIDs, `port29500`)
+(`20261129-200514-a618f2`, `auto-...-<random>-r0-4242`, `file-...`, SLURM's `123.4`, torchrun's UUIDs, `port29500`)
 passes as it is.
 """
 
@@ -58,6 +58,14 @@ def capture_id(source: str = "", *parts: object, wall: float | None = None) -> s
     if not source:
         return f"{id_stamp(wall)}-{secrets.token_hex(3)}"
     return safe_id("-".join([source, *(str(p) for p in parts)]))
+
+
+def automatic_id(kind: str, rank: object, pid: int, wall: float | None = None) -> str:
+    """A rank's automatic capture id (`auto`: a slowdown; `baseline`: the job's baseline): the second, 12 random
+    hex digits, the rank and its pid, `baseline-20261129-200514-3fa9c1d2e4b7-r0-4242`. The random part makes it
+    unpredictable: `baseline-<second>-r0-<pid>` (the pid is public in status) was taken first by another user's
+    capture of that id, and the job got no baseline (issue 41, 5)."""
+    return capture_id(kind, id_stamp(wall), secrets.token_hex(6), f"r{rank}", pid)
 
 
 def match_id(given: str, known: Iterable[str], what: str, plural: str | None = None) -> str:

@@ -33,7 +33,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.requests import CaptureRequest, WindowDefaults, resolve
-from ..core.ids import capture_id as make_capture_id, id_stamp
+from ..core.ids import automatic_id
 from ..core.protocol import encode
 from ..core.window import Window
 from .extension import Extension
@@ -317,7 +317,7 @@ class AutoCapture(Extension):
         took one) or baseline; from `start`, else `lead` steps ahead (enough for the daemon to reach other ranks)."""
         prof, config = self.prof, self.prof.config
         start = prof.current_step + lead if start is None else start
-        cid = make_capture_id(kind, id_stamp(), f"r{prof.identity().rank}", os.getpid())
+        cid = automatic_id(kind, prof.identity().rank, os.getpid())  # (a random part: issue 41, 5)
         defaults = WindowDefaults.from_config(config)
         extra: dict[str, Any] = {}
         if kind == "baseline":

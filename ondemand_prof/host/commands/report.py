@@ -248,6 +248,8 @@ def compare_here(args: argparse.Namespace, out: TextIO) -> int:
 
     if len(args.paths) != 1:
         raise CtlError("report --baseline compares one capture with one baseline: give one capture", EXIT_USAGE)
+    if not _is_path(args.paths[0]) and not _is_path(args.baseline):
+        _one_job(args.paths[0], args.baseline, args)
     base_paths = local_paths(args.baseline, args)
     if not base_paths or not any(p.exists() for p in base_paths):
         raise CtlError(f"the baseline {args.baseline} is not here: " + ", ".join(map(str, base_paths)))
@@ -264,6 +266,31 @@ def compare_here(args: argparse.Namespace, out: TextIO) -> int:
                                           f"{report['captures'][0].get('capture_id') or report['captures'][0]['title_path']}")
     render_comparison(comparison, args, out)
     return EXIT_OK if compared(comparison) else EXIT_FAILED
+
+
+def _one_job(now_id: str, base_id: str, args: argparse.Namespace) -> None:
+    """Two capture ids the daemon knows are compared only when they are of one job and one owner (issue 41, 5: a
+    job's automatic baseline id, taken first by another user's capture, was compared with as its baseline).
+    CtlError says why not; nothing is checked without a daemon (the folders under ./profile are the user's own)."""
+    from ...core.protocol import default_runtime_dir
+
+    try:
+        with Client(args.runtime_dir or default_runtime_dir(), args.connect_timeout) as client:
+            now = client.request("show", capture_id=now_id)
+            base = client.request("show", capture_id=base_id)
+    except CtlError:
+        return
+
+    def owners(record: dict[str, Any]) -> list[int]:
+        return sorted({p["uid"] for p in record["parts"].values() if isinstance(p.get("uid"), int)})
+
+    why = f"of job {base['job']}, not of job {now['job']}" if base["job"] != now["job"] else \
+        f"of uid {', '.join(map(str, owners(base)))}'s job, not of uid {', '.join(map(str, owners(now)))}'s" \
+        if owners(base) != owners(now) else ""
+    if why:
+        raise CtlError(f"the baseline {base['capture_id']} is a capture {why} (as {now['capture_id']} is): not "
+                       "compared; a capture is compared with a baseline of its own job (to compare two jobs' "
+                       "captures, give their folders)", EXIT_USAGE)
 
 
 def _one_capture(report: ReportData, given: str) -> Any:

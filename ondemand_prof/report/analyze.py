@@ -48,8 +48,9 @@ from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
 from ..core.tracedefs import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
+from .checks import MAX_DEVICE, bounded_name, one_line
 from .classify import (BACKEND_LIBRARIES, CATEGORY_ALIASES, DEVICE_PROCESSES, LAUNCH_CATS, LAUNCH_FLOWS,
-                       collective_kind, comm_library, device_name, is_comm, kernel_group)
+                       NPU_LISTED_TASKS, collective_kind, comm_library, device_name, is_comm, kernel_group)
 from .timeline import DEFAULT_GROUP, encode, group_of_args, in_steps, shifted
 from .tracefile import TraceError, TraceReader
 
@@ -60,6 +61,9 @@ SHARES = ("compute", "comm", "overlap", "idle")
 PER_STEP_OPS, PER_STEP_KERNELS = 300, 300
 # ... of which the first rows carry their time in each step (a comparison's significance needs the spread)
 PER_STEP_SERIES = 64
+# what a device event is: compute (a kernel, a copy), communication, or a task only listed in the kernel tables and
+# counted in neither (torch_npu's event records and waits, async copies: what torch_npu's own split leaves out)
+COMPUTE, COMM, LISTED = 0, 1, 2
 
 __all__ = ["RankAnalyzer", "StepRow", "analyze_trace_file", "is_comm", "peak_downsample", "round_shares", "SHARES"]
 
@@ -102,13 +106,14 @@ class _Timed:
     pid: array = field(default_factory=lambda: array("i"))
     comm: array = field(default_factory=lambda: array("b"))
 
-    def add(self, ts: float, dur: float, name: int, corr: int, pid: int = 0, comm: bool = False) -> None:
+    def add(self, ts: float, dur: float, name: int, corr: int, pid: int = 0, comm: int = COMPUTE) -> None:
+        """`comm`: COMPUTE, COMM or LISTED (a bool is COMPUTE or COMM)."""
         self.ts.append(ts)
         self.dur.append(dur)
         self.name.append(name)
         self.corr.append(corr)
         self.pid.append(pid)
-        self.comm.append(comm)
+        self.comm.append(int(comm))
 
 
 def _corr(args: Any, key: str) -> int:
@@ -151,7 +156,7 @@ class RankAnalyzer:
         i = self.names.get(name)
         if i is None:
             i = self.names[name] = len(self.name_list)
-            self.name_list.append(name)
+            self.name_list.append(bounded_name(name))  # (a summary's and a comparison's bound on names)
         return i
 
     def _pid(self, pid: Any) -> int:
@@ -205,9 +210,12 @@ class RankAnalyzer:
         elif cat is None:
             self.loose.add(ts, dur, self._name_id(kernel_group(name)), -1, self._pid(ev.get("pid")), is_comm(name))
 
-    def device_event(self, ts: float, dur: float, name: str, correlation: int, comm: bool) -> None:
-        """A kernel, memcpy or collective on the device; `correlation` joins it to its launch (-1: unknown)."""
-        self.dev.add(ts, dur, self._name_id(kernel_group(name)), correlation, comm=comm)
+    def device_event(self, ts: float, dur: float, name: str, correlation: int, comm: bool,
+                     listed: bool = False) -> None:
+        """A kernel, memcpy or collective on the device; `correlation` joins it to its launch (-1: unknown);
+        `listed`: a task in the kernel tables that the split counts in neither compute nor communication."""
+        kind = LISTED if listed else COMM if comm else COMPUTE
+        self.dev.add(ts, dur, self._name_id(kernel_group(name)), correlation, comm=kind)
 
     def _note_group(self, args: Any, where: Any) -> None:
         """Record the process group a collective's args name (newer torch: "Process Group Name" and "Process Group
@@ -321,13 +329,19 @@ class RankAnalyzer:
             if not at_task[i]:  # the operator's end of the flow: the launch
                 self.launches.add(times[i], 0.0, 0, ids[i])
         lo = self.loose
+        hccl = {(lo.ts[i], lo.dur[i]) for i in range(len(lo.ts)) if by_index.get(lo.pid[i]) == "HCCL"}
         for i in range(len(lo.ts)):
             process = by_index.get(lo.pid[i], "")
-            if process in DEVICE_PROCESSES:
-                comm = DEVICE_PROCESSES[process] or bool(lo.comm[i])
-                if comm and not lo.comm[i]:  # Notify_Wait, Memcpy ... under the HCCL process
-                    self.library_of[lo.name[i]] = "HCCL"
-                self.dev.add(lo.ts[i], lo.dur[i], lo.name[i], flow_at.get(lo.ts[i], -1), comm=comm)
+            if process not in DEVICE_PROCESSES:
+                continue
+            if process != "HCCL" and (lo.ts[i], lo.dur[i]) in hccl:
+                continue  # the hardware track's copy of an HCCL task ("Notify Wait" of Notify_Wait): counted once
+            comm = DEVICE_PROCESSES[process] or bool(lo.comm[i])
+            if comm and not lo.comm[i]:  # Notify_Wait, Memcpy ... under the HCCL process
+                self.library_of[lo.name[i]] = "HCCL"
+            kind = COMM if comm else LISTED if self.name_list[lo.name[i]] in NPU_LISTED_TASKS else COMPUTE
+            # (the task's flow id is found by its start: a copy dropped above passes its launch to the HCCL task)
+            self.dev.add(lo.ts[i], lo.dur[i], lo.name[i], flow_at.get(lo.ts[i], -1), comm=kind)
         self.loose = _Timed()
         self.flow_id, self.flow_ts, self.flow_at_task = array("q"), array("d"), array("b")
 
@@ -376,7 +390,7 @@ class RankAnalyzer:
         for i in range(len(d.ts)):
             row = agg.get(d.name[i])
             if row is None:
-                row = agg[d.name[i]] = [0, 0.0, bool(d.comm[i])]
+                row = agg[d.name[i]] = [0, 0.0, d.comm[i] == COMM]
             row[0] += 1
             row[1] += d.dur[i]
         return [{"name": self.name_list[nid], "calls": int(c), "total_us": tot, "avg_us": tot / c, "comm": bool(comm)}
@@ -411,7 +425,7 @@ class RankAnalyzer:
         spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
         d = self.dev
         for i in range(len(d.ts)):
-            if d.comm[i] and member[i] >= 0:
+            if d.comm[i] == COMM and member[i] >= 0:
                 spans[self._library(d.name[i])].append((d.ts[i], d.ts[i] + d.dur[i]))
         windows = sorted(bounds.values())
         return _library_rows(spans, windows, "kernels")
@@ -562,9 +576,9 @@ class RankAnalyzer:
         issuers = _Issuers(self, {i: k for k, i in self.thread_ids.items()})
         d = self.dev
         for i in range(len(d.ts)):
-            if not d.comm[i] or member[i] < 0:
+            if d.comm[i] != COMM or member[i] < 0:
                 continue
-            if ops and d.name[i] not in ops and self.library_of.get(d.name[i]) == "HCCL":
+            if ops and d.name[i] not in ops and self._library(d.name[i]) == "HCCL":
                 continue  # an HCCL task of an operation counted as its operation
             name = self.name_list[d.name[i]]
             at = launched.get(d.corr[i]) if d.corr[i] >= 0 else None
@@ -643,6 +657,20 @@ def analyze_trace_file(trace: Path, out: dict[str, Any], top: int) -> None:
         out["rank"] = info["rank"]
     if out.get("world_size") is None and isinstance(info.get("world_size"), int):
         out["world_size"] = info["world_size"]
+    device = device_of(reader.header.get("deviceProperties"))
+    if device and out.get("device") is None:
+        out["device"] = device
+
+
+def device_of(properties: Any) -> str | None:
+    """The device a Kineto trace ran on, from its header's deviceProperties ("NVIDIA H100 80GB HBM3"; the distinct
+    names joined where a host mixes them), one line of at most MAX_DEVICE characters; None where it names none.
+    A comparison says so where the two sides ran on different devices (their kernels do not match by name)."""
+    if not isinstance(properties, list):
+        return None
+    names = sorted({p["name"].strip() for p in properties if isinstance(p, dict) and isinstance(p.get("name"), str)
+                    and p["name"].strip()})
+    return one_line(", ".join(names))[:MAX_DEVICE] if names else None
 
 
 def shift_to_epoch(result: dict[str, Any], base_ns: Any) -> None:
@@ -744,7 +772,7 @@ def _device_rows(steps: list[tuple[int, float, float, Any]], dev: _Timed, member
     summed: dict[int, float] = defaultdict(float)
     for i in range(len(dev.ts)):
         k = member[i]
-        if k >= 0:
+        if k >= 0 and dev.comm[i] != LISTED:  # (a listed task neither opens nor closes a step's window)
             first[k] = min(first.get(k, dev.ts[i]), dev.ts[i])
             last_end[k] = max(last_end.get(k, 0.0), dev.ts[i] + dev.dur[i])
             summed[k] += dev.dur[i]
@@ -754,8 +782,8 @@ def _device_rows(steps: list[tuple[int, float, float, Any]], dev: _Timed, member
         lo = max(first[k], bounds[present[j - 1]][1]) if j else first[k]  # windows never overlap
         hi = max(lo, first[present[j + 1]]) if j + 1 < len(present) else max(lo, last_end[k])
         bounds[k] = (lo, hi)
-    compute = _merge((dev.ts[i], dev.ts[i] + dev.dur[i]) for i in range(len(dev.ts)) if not dev.comm[i])
-    comm = _merge((dev.ts[i], dev.ts[i] + dev.dur[i]) for i in range(len(dev.ts)) if dev.comm[i])
+    compute = _merge((dev.ts[i], dev.ts[i] + dev.dur[i]) for i in range(len(dev.ts)) if dev.comm[i] == COMPUTE)
+    comm = _merge((dev.ts[i], dev.ts[i] + dev.dur[i]) for i in range(len(dev.ts)) if dev.comm[i] == COMM)
     rows = []
     for k, (number, ts, dur, _) in enumerate(steps):
         lo, hi = bounds.get(k, (0.0, 0.0))

@@ -28,9 +28,12 @@ import sqlite3
 from array import array
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
+from urllib.parse import quote
 
+from ..core.options import LEVELS
 from .analyze import RankAnalyzer, StepRow, analyze_trace_file, peak_downsample, step_summary
-from .classify import COMM_CORE_TYPES, RANK_IN_NAME, is_comm, kernel_group
+from .checks import MAX_DEVICE, one_line
+from .classify import COMM_CORE_TYPES, HCCL_TASKS, NPU_LISTED_TASKS, RANK_IN_NAME, is_comm, kernel_group
 
 log = logging.getLogger("ondemand_prof.report")
 
@@ -52,7 +55,7 @@ def read_ascend(path: Path, top: int) -> dict[str, Any]:
     """One rank's report from a *_ascend_pt directory or its ASCEND_PROFILER_OUTPUT."""
     root = path if path.name == ASCEND_DIR else path / ASCEND_DIR
     out: dict[str, Any] = {"path": str(root.parent), "kind": "ascend", "rank": _rank(root.parent), "warnings": [],
-                           "world_size": _world_size(root.parent)}
+                           "world_size": _world_size(root.parent), "level": npu_level(root.parent)}
     used: list[str] = []
     problems: list[str] = []
 
@@ -124,6 +127,19 @@ def _world_size(top_dir: Path) -> int | None:
     """torch_npu's profiler_metadata.json names the job's world size (distributed_args) when Megatron set it."""
     args = _json_object(top_dir / "profiler_metadata.json").get("distributed_args")
     return _small_int(args.get("world_size")) if isinstance(args, dict) else None
+
+
+def npu_level(top_dir: Path) -> str | None:
+    """The level torch_npu recorded at (profiler_info_N.json: experimental_config._profiler_level, "Level1"), as
+    our options name it ("level1"): a comparison of Level1 with Level2 says so (their operators and tasks differ by
+    what each level records). None where no profiler_info says."""
+    for info in (top_dir / "profiler_info.json", *sorted(top_dir.glob("profiler_info_*.json"))):
+        config = _json_object(info).get("config") if info.exists() else None
+        level = ((config or {}).get("experimental_config") or {}).get("_profiler_level") \
+            if isinstance(config, dict) else None
+        if isinstance(level, str) and level.lower() in LEVELS:  # (torch_npu's Level0 ... Level_none, lowercased)
+            return level.lower()
+    return None
 
 
 def _rank(top_dir: Path) -> int | None:
@@ -285,7 +301,15 @@ def npu_memory(rows: Iterable[MemoryRow]) -> dict[str, Any] | None:
 # db export
 
 def _connect(db: Path) -> sqlite3.Connection:
-    return sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    return connect_read_only(db)
+
+
+def connect_read_only(db: Path) -> sqlite3.Connection:
+    """A database opened to be read, never written: read-only and immutable, so that SQLite neither creates the
+    -shm and -wal files beside a WAL database (torch_npu's are: each report left both in the capture folder) nor
+    fails on a read-only mount ("unable to open database file": the rank's operators and kernels were lost). The
+    path is quoted into the URI (a '?' or '#' in a folder name is part of the path)."""
+    return sqlite3.connect(f"file:{quote(str(db.absolute()))}?mode=ro&immutable=1", uri=True)
 
 
 def sqlite_tables(con: sqlite3.Connection) -> set[str]:
@@ -321,6 +345,10 @@ def npu_db_result(db: Path, top: int) -> dict[str, Any]:
         out = an.result(top)
         out["db"] = str(db)
         out["memory"] = _db_memory(con, tables, strings)
+        if "NPU_INFO" in tables:  # the device type ("Ascend910B"): a comparison says where the two differ
+            row = con.execute("SELECT name FROM NPU_INFO LIMIT 1").fetchone()
+            if row and isinstance(row[0], str) and row[0].strip():
+                out["device"] = one_line(row[0].strip())[:MAX_DEVICE]
         if "RANK_DEVICE_MAP" in tables:
             row = con.execute("SELECT rankId FROM RANK_DEVICE_MAP LIMIT 1").fetchone()
             if row and _int(row[0]) >= 0:
@@ -394,14 +422,8 @@ def _db_steps_and_ops(con: sqlite3.Connection, tables: set[str], strings: dict[i
 
 
 def _db_device(con: sqlite3.Connection, tables: set[str], strings: dict[int, str], an: RankAnalyzer) -> None:
-    if {"TASK", "COMPUTE_TASK_INFO"} <= tables:
-        for name, start, end, conn in con.execute(
-                "SELECT c.name, t.startNs, t.endNs, t.connectionId FROM COMPUTE_TASK_INFO c "
-                "JOIN TASK t ON t.globalTaskId = c.globalTaskId"):
-            span = _span(start, end)
-            if span is not None:
-                text = strings.get(_int(name), str(name))
-                an.device_event(span[0], span[1], text, _int(conn), is_comm(text))
+    if "TASK" in tables:
+        _db_tasks(con, tables, strings, an)
     if "COMMUNICATION_OP" in tables:
         for name, start, end, conn in con.execute("SELECT opName, startNs, endNs, connectionId FROM COMMUNICATION_OP"):
             span = _span(start, end)
@@ -414,6 +436,37 @@ def _db_device(con: sqlite3.Connection, tables: set[str], strings: dict[int, str
             t = _ns(start)
             if t is not None:
                 an.launch_event(t / 1000, _int(conn))
+
+
+def _db_tasks(con: sqlite3.Connection, tables: set[str], strings: dict[int, str], an: RankAnalyzer) -> None:
+    """The device tasks as the text export's trace_view.json has them (one capture exported both ways holds the
+    same tasks under the same names): a compute task by its operator's name (COMPUTE_TASK_INFO); an HCCL task by
+    its type (COMMUNICATION_TASK_INFO: Notify_Wait, Memcpy, Reduce_Inline ..., communication); a task known only
+    by its type (EVENT_WAIT, MEMCPY_ASYNC, ...) by that type, listed in neither compute nor communication. A
+    kernel-type task with neither is not in the text export (rank 0 of MindStudio Insight's level1 job has 17
+    AI_CORE and KERNEL_AICORE ones; four are the parents of its hcom_ operations' HCCL tasks, each lasting its
+    whole operation: counted as compute they would hide the communication): left out."""
+    hccl: dict[int, str] = {}
+    if "COMMUNICATION_TASK_INFO" in tables:  # (a type we do not know, or an id no string names: its operation,
+        # COMMUNICATION_OP, holds its time; CANN's msprof_0.db in MindStudio Insight's tests has such ids)
+        hccl = {_int(g): strings[_int(t)] for g, t in
+                con.execute("SELECT globalTaskId, taskType FROM COMMUNICATION_TASK_INFO")
+                if strings.get(_int(t)) in HCCL_TASKS}
+    named = "COMPUTE_TASK_INFO" in tables
+    query = ("SELECT c.name, t.startNs, t.endNs, t.connectionId, t.globalTaskId, t.taskType FROM TASK t "
+             "LEFT JOIN COMPUTE_TASK_INFO c ON c.globalTaskId = t.globalTaskId" if named else
+             "SELECT NULL, startNs, endNs, connectionId, globalTaskId, taskType FROM TASK")
+    for name, start, end, conn, task, kind in con.execute(query):
+        span = _span(start, end)
+        if span is None:
+            continue
+        if name is not None:
+            text = strings.get(_int(name), str(name))
+            an.device_event(span[0], span[1], text, _int(conn), is_comm(text))
+        elif _int(task) in hccl:
+            an.device_event(span[0], span[1], hccl[_int(task)], _int(conn), True)
+        elif strings.get(_int(kind)) in NPU_LISTED_TASKS:
+            an.device_event(span[0], span[1], strings[_int(kind)], _int(conn), False, listed=True)
 
 
 def _db_memory(con: sqlite3.Connection, tables: set[str], strings: dict[int, str]) -> dict[str, Any] | None:

@@ -4,11 +4,14 @@ where it is read: Unusable names the first field that is not what a report of ou
 
     summary_problem(summary, rank=, capture_id=, job_id=) -> why a rank's summary cannot stand for its trace in a
                                                             report (None: it can)
+    bounded_name(name) -> an operator's or kernel's name within MAX_NAME: a longer one keeps its start and a
+                          hash of the whole (two long names that share a start stay apart)
 
 The checks of single values (a time, a name, a list, an object, a rank number) are shared with compare.py. Pure."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from typing import Any
@@ -24,6 +27,7 @@ MAX_ROWS = 1000  # operators or kernels a table: a report of ours writes 300 of 
 MAX_KINDS = 64  # collective kinds, communication libraries: a dozen of each exist
 MAX_NAME = 4096  # characters of an operator's or kernel's name (a long demangled signature is 1-2 thousand)
 MAX_WORD = 64  # a kind's, library's, level's or basis's name
+MAX_DEVICE = 256  # a device's name as the trace gives it (deviceProperties: "AMD Instinct MI300X VF")
 
 
 class Unusable(ValueError):
@@ -57,6 +61,17 @@ def word(value: Any, where: str, limit: int = MAX_WORD, optional: bool = True) -
         raise Unusable(f"{where} is {shown(value)}, not a name of at most {limit} characters"
                        + (" without control characters" if limit <= MAX_WORD else ""))
     return value
+
+
+def bounded_name(name: str, limit: int = MAX_NAME) -> str:
+    """`name` when it fits `limit`; else its start, an ellipsis and 16 hex digits of its SHA-1, `limit` characters
+    in all. ROCm's normal_ kernel (any torch.randn on the GPU) has a 5,160-character name: a bound on names is
+    never a reason to drop a rank, and the same long name shortens alike in every trace (a comparison matches it)."""
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    tail = f"…#{digest}"
+    return name[:limit - len(tail)] + tail
 
 
 def one_line(text: str) -> str:
@@ -101,6 +116,14 @@ MORE_STEP_TIMES = ("comm_total_ms", "kernel_ms")
 SHARES = ("compute_pct", "comm_pct", "overlap_pct", "idle_pct")
 NAMED_TABLES = ("top_self", "top_total", "top_kernels", "annotations")  # rows: a name and its figures
 KIND_TABLES = ("collectives", "comm_libraries")
+# what the text and HTML reports read of each table's rows (report/text.py, html.py): a summary whose rows lack one
+# failed the whole report with a KeyError (issue 41, item 10); a row of ours always has them
+_OPS = {"calls": "number", "self_us": "number", "total_us": "number", "avg_us": "number", "comm": "flag"}
+RENDERED = {"top_self": _OPS, "top_total": _OPS,
+            "top_kernels": {"calls": "number", "total_us": "number", "avg_us": "number", "comm": "flag"},
+            "annotations": {},
+            "collectives": {"kind": "word", "count_per_step": "number", "ms_per_step": "number", "via": "words"},
+            "comm_libraries": {"library": "word", "ms": "number", "count": "number", "unit": "word"}}
 
 
 def summary_problem(summary: Any, *, rank: Any, capture_id: Any, job_id: Any) -> str | None:
@@ -143,11 +166,17 @@ def _check_summary(s: dict[str, Any], rank: Any, capture_id: Any, job_id: Any) -
     word(s.get("basis"), "basis")
     for table in NAMED_TABLES:
         for i, row in enumerate(a_list(s.get(table), table, MAX_ROWS)):
-            word(entry(row, f"{table}[{i}]").get("name"), f"{table}[{i}].name", MAX_NAME, optional=False)
+            name = entry(row, f"{table}[{i}]").get("name")
+            if not isinstance(name, str):  # (a long one is shown shortened: the file's size bounds it)
+                raise Unusable(f"{table}[{i}].name is {shown(name)}, not a name")
             _plain(row, f"{table}[{i}]")
+            _rendered(row, RENDERED[table], f"{table}[{i}]")
     for table in KIND_TABLES:
         for i, row in enumerate(a_list(s.get(table), table, MAX_KINDS)):
             _plain(entry(row, f"{table}[{i}]"), f"{table}[{i}]")
+            _rendered(row, RENDERED[table], f"{table}[{i}]")
+    if s.get("device") is not None:
+        word(s["device"], "device", MAX_DEVICE)
     memory = s.get("memory")
     if memory is not None:
         for i, device in enumerate(a_list(entry(memory, "memory").get("devices"), "memory.devices", MAX_KINDS)):
@@ -172,6 +201,18 @@ def column_sum(steps: list[dict[str, Any]], key: str, hi: float = MAX_MS) -> flo
     return sum(number(x.get(key), f"steps[{i}].{key}", hi) for i, x in enumerate(steps))
 
 
+def _rendered(row: dict[str, Any], fields: dict[str, str], where: str) -> None:
+    """The fields of a table's row that the reports read, each of the kind they read it as."""
+    for key, kind in fields.items():
+        value = row.get(key)
+        ok = {"number": type(value) in (int, float), "flag": type(value) is bool,
+              "word": isinstance(value, str) and len(value) <= MAX_WORD,
+              "words": isinstance(value, list) and all(isinstance(v, str) for v in value)}[kind]
+        if not ok:
+            what = {"number": "a number", "flag": "true or false", "word": "a name", "words": "a list of names"}[kind]
+            raise Unusable(f"{where}.{key} is {'missing' if key not in row else shown(value)}, not {what}")
+
+
 def _plain(row: dict[str, Any], where: str) -> None:
     """A table row's values as a report of ours writes them: names, numbers (finite, within +-MAX_US: a device id
     may be -1), flags, nothing; a list of names or numbers; an object of names to names or numbers (a collective's
@@ -184,7 +225,7 @@ def _plain(row: dict[str, Any], where: str) -> None:
         if len(inner) > MAX_ROWS:
             raise Unusable(f"{where}.{key} has {len(inner)} entries, more than the {MAX_ROWS} a report of ours holds")
         for v in inner:
-            if v is None or isinstance(v, bool) or (isinstance(v, str) and len(v) <= MAX_NAME):
+            if v is None or isinstance(v, bool) or (isinstance(v, str) and (len(v) <= MAX_NAME or key == "name")):
                 continue
             if type(v) in (int, float) and math.isfinite(v) and -MAX_US <= v <= MAX_US:
                 continue

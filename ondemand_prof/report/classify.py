@@ -22,6 +22,15 @@ LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
 DEVICE_PROCESSES = {"Ascend Hardware": False, "HCCL": True}
 # ... and links each to the operator that launched it by a flow of this category (start: the op, finish: the task)
 LAUNCH_FLOWS = frozenset({"async_npu"})
+# torch_npu's device tasks known only by their type (the db's TASK rows without compute or HCCL info, named by their
+# taskType; the text export's "Ascend Hardware" rows of the same names): synchronisation and async copies. Listed in
+# the kernel tables, counted in neither compute nor communication, as torch_npu's own split (Computing) leaves them
+# out: an EVENT_WAIT that lasts an allreduce is a stream waiting, not work.
+# The tasks of an hcom_ operation, as torch_npu names them (its HCCL process in trace_view.json, the taskType of
+# COMMUNICATION_TASK_INFO in the db): HCCL's task types SDMA (Memcpy), RDMA (RDMASend), REDUCE_INLINE, REDUCE_TBE,
+# NOTIFY_RECORD, NOTIFY_WAIT (CANN's hccl dispatcher task types)
+HCCL_TASKS = frozenset({"Notify_Wait", "Notify_Record", "Reduce_Inline", "Reduce_TBE", "Memcpy", "RDMASend"})
+NPU_LISTED_TASKS = frozenset({"EVENT_WAIT", "EVENT_RECORD", "MEMCPY_ASYNC", "PROFILING_ENABLE", "PROFILING_DISABLE"})
 
 _V = r"(?:void )?"  # Kineto writes a CUDA kernel's demangled signature: `void ns::kernel<...>(args)`
 # library -> what it emits (device kernels, CPU operators, record_function ranges), matched at the name's start
@@ -29,8 +38,9 @@ COMM_LIBRARIES: dict[str, str] = {
     # ncclDevKernel_AllReduce_Sum_f32_RING_LL, ncclKernel_* (older NCCL, RCCL), ncclSymk* (NCCL 2.27 symmetric
     # kernels), the nccl:all_reduce ranges ProcessGroupNCCL records
     "NCCL/RCCL": _V + r"(?:nccl|rccl)",
-    # hcom_allReduce__885_0_1 (kernels), HcclAllReduce (API), hccl:... ranges
-    "HCCL": r"hcom_|hccl[:_]|Hccl[A-Z]",
+    # hcom_allReduce__885_0_1 (kernels), HcclAllReduce (API), hccl:... ranges; the tasks of an hcom_ operation as
+    # torch_npu names them (HCCL_TASKS), whole names only ("Memcpy" alone is HCCL's; CUDA's are "Memcpy HtoD ...")
+    "HCCL": r"hcom_|hccl[:_]|Hccl[A-Z]|(?:Notify_Wait|Notify_Record|Reduce_Inline|Reduce_TBE|Memcpy|RDMASend)$",
     # ProcessGroupGloo's ranges: gloo:all_reduce, gloo:broadcast ...
     "gloo": r"gloo:",
     # torch.distributed's operators: c10d::allreduce_, _c10d_functional::all_reduce and ::wait_tensor (the wait for

@@ -52,7 +52,7 @@ def compare_rank(base: dict[str, Any], now: dict[str, Any]) -> RankComparison:
     split = {key: _pair(b["split"][key], n["split"][key]) for key, _ in SPLIT}
     d = {key: (n["split"][key] or 0.0) - (b["split"][key] or 0.0) for key, _ in SPLIT}
     own = max(0.0, d["compute"]) + max(0.0, d["overlap"]) + max(0.0, d["idle"])
-    changes, matched = _changes(b, n)
+    changes, matched = _changes(b, n, kernels=not _other_device(b["device"], n["device"]))
     kinds = _kinds(b, n)
     added = sum(max(0.0, k["calls_now"] - k["calls_baseline"]) for k in kinds)
     # on the CPU, a collective's wait for its peers runs outside its operator: host time growth that the added
@@ -85,6 +85,7 @@ def compare_rank(base: dict[str, Any], now: dict[str, Any]) -> RankComparison:
             "matched_share": round(matched, 3),
             "world_size": {"baseline": b["world_size"], "now": n["world_size"]},
             "level": {"baseline": b["level"], "now": n["level"]}, "basis": {"baseline": b["basis"], "now": n["basis"]},
+            "device": {"baseline": b["device"], "now": n["device"]},
             "steps": {"baseline": b["steps"], "now": n["steps"]},
             "timeline": {"baseline": b["timeline"], "now": n["timeline"]}}
 
@@ -201,14 +202,15 @@ def _per_call(b: dict[str, Any], n: dict[str, Any]) -> dict[str, Any] | None:
             "slower_share": round(slower, 3), "slower_ops": round(broad, 3), "calls_added": round(added, 1)}
 
 
-def _changes(b: dict[str, Any], n: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
+def _changes(b: dict[str, Any], n: dict[str, Any], kernels: bool = True) -> tuple[list[dict[str, Any]], float]:
     """The CHANGES names whose per-step time moved most, sorted by growth, each tested where both sides hold its
     per-step values; and the share of time spent in names both sides have (the mean of each side's share: 1.0
-    for the same operators, however much slower they run; near 0 for two different models)."""
+    for the same operators, however much slower they run; near 0 for two different models). `kernels`: False
+    where the two sides ran on different devices (a kernel's name is the device's: they do not match by name)."""
     rows = []
     shared = {"b": 0.0, "n": 0.0}
     total = {"b": 0.0, "n": 0.0}
-    for table, category in (("ops", "operator"), ("kernels", "kernel")):
+    for table, category in (("ops", "operator"), ("kernels", "kernel"))[:2 if kernels else 1]:
         bt, nt = b[table], n[table]
         bs, ns = b[f"{table}_series"], n[f"{table}_series"]
         b_full, n_full = b["complete"].get(table, True), n["complete"].get(table, True)
@@ -284,6 +286,8 @@ def _conclude(ranks: list[dict[str, Any]], baseline: Any, capture: Any, unmatche
     verdict = decide(ranks, job, waits, shares, replayed["now"]) if ranks and step.get("delta") is not None else \
         {"cause": "nothing to compare: no rank has timed steps on both sides", "culprits": [], "waiting": [],
          "category": None, "verdict": "none"}
+    if _devices(ranks):  # read knowing that: its kernels were not matched by name, so it names no vendor's kernel
+        verdict["cause"] += f"; {_devices(ranks)[0]}: kernels not compared by name"
     return cast(Comparison, {"baseline": baseline, "capture": capture, "job": {"baseline": jobs[0], "now": jobs[1]},
                              "step_ms": step, "ranks": ranks, **verdict, "notes": notes + _wait_notes(waits, matched),
                              "communication": _job_kinds(ranks), "collectives": waits, "replay": replayed,
@@ -366,6 +370,9 @@ def _notes(ranks: list[dict[str, Any]], unmatched: dict[str, list[int]], jobs: t
         if b and n and b != n:
             notes.append(f"different levels ({b} in the baseline, {n} now): operator and kernel counts differ by "
                          "what each level records, not only by what ran")
+    notes += [f"{text}: a kernel's name is the device's (its vendor's libraries pick kernels per architecture), so "
+              "kernels are not compared by name (the device time is, in the split); operators are"
+              for text in _devices(ranks)]
     bases = {(r["basis"]["baseline"], r["basis"]["now"]) for r in ranks}
     for b, n in sorted(bases, key=str):
         if b and n and b != n:
@@ -378,9 +385,30 @@ def _notes(ranks: list[dict[str, Any]], unmatched: dict[str, list[int]], jobs: t
         notes.append(f"two jobs: baseline of job {jobs[0]}, capture of job {jobs[1]}")
     one = [r["rank"] for r in ranks if min(r["steps"]["baseline"], r["steps"]["now"]) == 1]
     if one:
-        notes.append(f"one step on a side ({ranks_list(one)}): no noise estimate, so no change is called significant "
+        notes.append(f"one step on a side ({_ranks_said(one)}): no noise estimate, so no change is called significant "
                      "or within noise")
     return notes
+
+
+def _ranks_said(numbers: list[Any]) -> str:
+    """Ranks as a note names them; a trace that names no rank (no distributedInfo) is `rank ?`, not `no rank`."""
+    from .cause import ranks_list
+
+    known = [x for x in numbers if x is not None]
+    unknown = "rank ? (no distributedInfo)" if len(known) < len(numbers) else ""
+    return ", ".join(t for t in (ranks_list(known) if known else "", unknown) if t)
+
+
+def _other_device(b: str | None, n: str | None) -> bool:
+    return b is not None and n is not None and b != n
+
+
+def _devices(ranks: list[dict[str, Any]]) -> list[str]:
+    """`different devices (X in the baseline, Y now)` for each pair of devices the ranks ran on (a trace's
+    deviceProperties, torch_npu's NPU_INFO), where the two sides differ."""
+    pairs = {(r["device"]["baseline"], r["device"]["now"]) for r in ranks if "device" in r}
+    return [f"different devices ({b} in the baseline, {n} now)" for b, n in sorted(pairs, key=str)
+            if _other_device(b, n)]
 
 
 __all__ += ["Change", "DISPATCH_US"]

@@ -4,7 +4,7 @@ the first field that is not what a report of ours writes, and the rank is then n
 
     rank_figures(report) -> per step means (step time, split, communication by library and by collective kind,
                             operators and kernels) and each figure's per-step values, the thread's CPU, the
-                            collectives' timeline (timeline.py)
+                            collectives' timeline (timeline.py), the level and the device it recorded on
 Pure: no I/O."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.ranks import MAX_RANK
-from .checks import (MAX_CALLS, MAX_KINDS, MAX_MS, MAX_NAME, MAX_ROWS, MAX_TABLE_STEPS, Unusable, column_sum,
-                     rank_number)
+from .checks import (MAX_CALLS, MAX_DEVICE, MAX_KINDS, MAX_MS, MAX_ROWS, MAX_TABLE_STEPS, Unusable, bounded_name,
+                     column_sum, one_line, rank_number)
 from .checks import a_list as _list
 from .checks import entry as _entry
 from .checks import number as _ms
@@ -30,7 +30,9 @@ def _table(rows: Any, where: str, width: int, m: int) -> dict[str, list[float]]:
     for i, row in enumerate(_list(rows, where, MAX_ROWS)):
         if not isinstance(row, list) or len(row) != width:
             raise Unusable(f"{where}[{i}] is {_shown(row)}, not [name{', a number' * (width - 1)}]")
-        name = _word(row[0], f"{where}[{i}][0]", MAX_NAME, optional=False)
+        if not isinstance(row[0], str):
+            raise Unusable(f"{where}[{i}][0] is {_shown(row[0])}, not a name")
+        name = bounded_name(row[0])  # (a long name is shortened, never a reason not to compare the rank)
         values = [_ms(x, f"{where}[{i}][{j + 1}]", MAX_CALLS if j == 0 else MAX_MS * 1000)
                   for j, x in enumerate(row[1:])]
         if m:
@@ -123,7 +125,8 @@ def rank_figures(r: dict[str, Any]) -> dict[str, Any]:
         "rank": rank_number(r.get("rank")), "world_size": world, "steps": n, "step_ms": step_ms, "split": split,
         "series": series, "step_numbers": numbers,
         "basis": _word(r.get("basis"), "basis"),
-        "level": _word(options.get("level"), "options.level") if isinstance(options, dict) else None,
+        "level": _level(r, options),
+        "device": _device(r.get("device")),
         "libraries": libraries, "collectives": collectives,
         "ops": ops, "kernels": kernels,
         "ops_series": _series(per.get("ops_by_step"), list(ops), "step_ops.ops_by_step", m) if m else {},
@@ -136,6 +139,23 @@ def rank_figures(r: dict[str, Any]) -> dict[str, Any]:
         "capture_id": r.get("capture_id") if isinstance(r.get("capture_id"), str) else None,
         "job_id": r.get("job_id") if isinstance(r.get("job_id"), str) else None,
     }
+
+
+def _level(r: dict[str, Any], options: Any) -> Any:
+    """The level the rank recorded at: our capture's options, else torch_npu's own (its profiler_info, read into
+    the rank's report by ascend.py)."""
+    if isinstance(options, dict) and options.get("level") is not None:
+        return _word(options.get("level"), "options.level")
+    return _word(r.get("level"), "level")
+
+
+def _device(value: Any) -> str | None:
+    """The device the rank ran on (a trace's deviceProperties, torch_npu's NPU_INFO), one line; None: not said."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise Unusable(f"device is {_shown(value)}, not a name")
+    return one_line(value)[:MAX_DEVICE] or None
 
 
 def _timeline(value: Any) -> Any:

@@ -87,6 +87,11 @@ def _rank(r: RankResult) -> str:
     return "?" if r.get("rank") is None else _e(r["rank"])
 
 
+def _said(rank: Any) -> str:
+    """A compared rank's number, escaped; a trace that names none (no distributedInfo) says so, not None."""
+    return "? (no distributedInfo)" if rank is None else _e(rank)
+
+
 def _num(x: float | None, d: int = 2) -> str:
     return "-" if x is None else f"{x:.{d}f}"
 
@@ -498,7 +503,7 @@ def render_comparison_html(c: Mapping[str, Any]) -> str:
         role = "cause" if r["rank"] in (c.get("culprits") or []) else \
             "waited" if r["rank"] in (c.get("waiting") or []) else ""
         cells = "".join(f'<td class=num>{_pair_text(r["split"][key])}</td>' for key, _ in SPLIT)
-        rows.append(f'<tr{" class=slowest" if role == "cause" else ""}><td>{_e(r["rank"])}</td>'
+        rows.append(f'<tr{" class=slowest" if role == "cause" else ""}><td>{_said(r["rank"])}</td>'
                     f'<td class=num>{_pair_text(r["step_ms"])}</td>{cells}<td>{role}</td></tr>')
     body.append('<h3>Per rank, ms per step (baseline → now)</h3><table class="sortable"><thead><tr><th>Rank</th>'
                 '<th>Step</th><th>Compute</th><th>Comm (exposed)</th><th>Overlap</th><th>Idle</th><th></th></tr>'
@@ -516,7 +521,7 @@ def render_comparison_html(c: Mapping[str, Any]) -> str:
         if not r["changes"]:
             continue
         labels = short_names([x["name"] for x in r["changes"]])
-        body.append(f'<h3>Rank {_e(r["rank"])}: what changed most, per step</h3><table class="sortable"><thead><tr>'
+        body.append(f'<h3>Rank {_said(r["rank"])}: what changed most, per step</h3><table class="sortable"><thead><tr>'
                     '<th>Name</th><th>What</th><th>Baseline ms</th><th>Now ms</th><th>Δ ms</th><th>Calls baseline'
                     '</th><th>Calls now</th><th>Mean us baseline</th><th>Mean us now</th></tr></thead><tbody>' + "".join(
                         f'<tr><td class=name title="{_e(x["name"])}">{_e(label)}</td><td>{_e(x["category"])}'
@@ -560,9 +565,9 @@ def _compare_step_chart(ranks: list[dict[str, Any]]) -> str:
         for k, (side, color) in enumerate((("baseline", "#bab0ac"), ("now", PALETTE["bar"]))):
             v = r["step_ms"][side]
             parts.append(f'<rect x="{left}" y="{y + k * bar}" width="{v * scale:.1f}" height="{bar - 1}" '
-                         f'fill="{color}"><title>rank {_e(r["rank"])} {side}: {v:.2f} ms per step</title></rect>'
+                         f'fill="{color}"><title>rank {_said(r["rank"])} {side}: {v:.2f} ms per step</title></rect>'
                          f'<text x="{left + v * scale + 4:.1f}" y="{y + k * bar + 8}">{side} {v:.2f} ms</text>')
-        parts.append(f'<text x="4" y="{y + bar + 3}">rank {_e(r["rank"])}</text>')
+        parts.append(f'<text x="4" y="{y + bar + 3}">rank {"?" if r["rank"] is None else _e(r["rank"])}</text>')
     height = 12 + len(timed) * (2 * bar + 8)
     return (f'<h3>Step time per rank</h3><div class="legend"><span style="background:#bab0ac"></span>baseline'
             f'<span style="background:{PALETTE["bar"]}"></span>now</div><svg class="chart" id="step-compare" '
@@ -589,10 +594,11 @@ def _compare_split_chart(ranks: list[dict[str, Any]]) -> str:
             for key, share in keys:
                 v = r["split"][key][side]
                 parts.append(f'<rect x="{x:.1f}" y="{y + j * bar}" width="{v * scale:.1f}" height="{bar - 2}" '
-                             f'fill="{PALETTE[share]}"><title>rank {_e(r["rank"])} {side} {SHARE_LABELS[share]}: '
+                             f'fill="{PALETTE[share]}"><title>rank {_said(r["rank"])} {side} {SHARE_LABELS[share]}: '
                              f'{v:.2f} ms per step</title></rect>')
                 x += v * scale
-            parts.append(f'<text x="4" y="{y + j * bar + 9}">rank {_e(r["rank"])} {side}</text>')
+            label = "?" if r["rank"] is None else _e(r["rank"])  # (a chart's label: short)
+            parts.append(f'<text x="4" y="{y + j * bar + 9}">rank {label} {side}</text>')
     height = 12 + len(timed) * (2 * bar + 10)
     legend = "".join(f'<span style="background:{PALETTE[s]}"></span>{SHARE_LABELS[s]}' for _, s in keys)
     return (f'<h3>Split per step, baseline and now</h3><div class="legend">{legend}</div><svg class="chart" '

@@ -165,6 +165,7 @@ class RankComparison(TypedDict, total=False):
     world_size: dict[str, int | None]
     level: dict[str, str | None]
     basis: dict[str, str | None]
+    device: dict[str, str | None]  # what each side ran on (deviceProperties, NPU_INFO): compare._notes
     steps: dict[str, int]
     timeline: dict[str, Any]  # (read by conclude, then dropped)
 

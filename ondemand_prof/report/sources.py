@@ -28,8 +28,8 @@ from typing import Any, Iterable, Iterator, cast
 
 from ..core import safejson
 from ..core.tracedefs import SUMMARY_FILE
-from .analyze import RankAnalyzer, analyze_trace_file
-from .ascend import ASCEND_DIR, is_npu_db, npu_db_result, read_ascend, sqlite_tables
+from .analyze import RankAnalyzer, analyze_trace_file, device_of
+from .ascend import ASCEND_DIR, connect_read_only, is_npu_db, npu_db_result, npu_level, read_ascend, sqlite_tables
 from .classify import RANK_IN_NAME
 from .model import RankResult
 
@@ -190,6 +190,24 @@ def _not_a_trace(path: Path) -> str | None:
     return f'JSON without a "traceEvents" array in its first {SNIFF_BYTES >> 10} KiB: not a Chrome/Kineto trace'
 
 
+def trace_device(path: Path) -> str | None:
+    """The device a Kineto trace names in its header (deviceProperties, written before "traceEvents"), from its
+    first SNIFF_BYTES only: a comparison of capture folders reads their summaries, which do not say it."""
+    try:
+        with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as fh:
+            head = fh.read(SNIFF_BYTES).decode("utf-8", "replace")
+    except (OSError, EOFError):
+        return None
+    at = head.find('"traceEvents"')
+    if at < 0:
+        return None
+    try:
+        header = json.loads(head[:at].strip().rstrip(",") + "}")
+    except ValueError:
+        return None
+    return device_of(header.get("deviceProperties")) if isinstance(header, dict) else None
+
+
 def _is_sqlite(path: Path) -> bool:
     try:
         with open(path, "rb") as fh:
@@ -204,7 +222,7 @@ def _not_a_profile_db(path: Path) -> str | None:
     if is_npu_db(path):
         return None
     try:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        con = connect_read_only(path)
         try:
             tables = sqlite_tables(con)
         finally:
@@ -287,15 +305,17 @@ def _read_capture(path: Path, top: int, summaries: bool = False) -> dict[str, An
     if meta.get("status") == "failed":
         out["error"] = meta.get("error") or "the capture failed"
         return out
-    if summaries and (path / SUMMARY_FILE).is_file():
-        why = _from_summary(path, out)
-        if why is None:
-            return out
-        out["warnings"].append(f"{SUMMARY_FILE} not used ({why}): the trace is read")
     trace = path / meta["trace_file"] if isinstance(meta.get("trace_file"), str) else None
     if trace is None or not trace.exists():
         found = [p for pattern in TRACE_GLOBS for p in sorted(path.glob(pattern))]
         trace = found[0] if found else None
+    if summaries and (path / SUMMARY_FILE).is_file():
+        why = _from_summary(path, out)
+        if why is None:
+            if out.get("device") is None and trace is not None:  # (the summary does not say: the trace's header)
+                out["device"] = trace_device(trace)
+            return out
+        out["warnings"].append(f"{SUMMARY_FILE} not used ({why}): the trace is read")
     if trace is not None:
         analyze_trace_file(trace, out, top)
     elif (path / "profile.db").exists():
@@ -340,6 +360,8 @@ def _read_db_file(path: Path, top: int) -> dict[str, Any]:
         out.update(npu_db_result(path, top))
         if out.get("rank") is None and m:
             out["rank"] = int(m.group(1))
+        if path.parent.name == ASCEND_DIR:  # torch_npu's own folder: its profiler_info says the level
+            out["level"] = npu_level(path.parent.parent)
         return out
     out.update(_db_result(path, top))
     return out
@@ -347,7 +369,7 @@ def _read_db_file(path: Path, top: int) -> dict[str, Any]:
 
 def _db_result(db: Path, top: int) -> dict[str, Any]:
     """Our SQLite export (postprocess.DB_SCHEMA) replayed as events through the same analysis."""
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    con = connect_read_only(db)
     try:
         tables = sqlite_tables(con)
         if not {"events", "meta"} <= tables:

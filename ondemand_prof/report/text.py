@@ -43,6 +43,12 @@ def _rank(r: RankResult) -> str:
     return "?" if r.get("rank") is None else str(r["rank"])
 
 
+def rank_said(rank: Any) -> str:
+    """A compared rank's number; a trace that names none (no distributedInfo in a Kineto trace) says so, rather
+    than printing None."""
+    return "? (no distributedInfo)" if rank is None else str(rank)
+
+
 def _window(w: Any) -> str:
     if isinstance(w, dict):
         steps = w.get("recorded_steps") or []
@@ -337,7 +343,7 @@ def render_comparison(c: Mapping[str, Any], top: int = 5) -> str:
             elif r["rank"] in (c.get("waiting") or []):
                 mark = "waited"
             tests = r.get("tests") or {}
-            rows.append([str(r["rank"]), _arrow(r["step_ms"], tests.get("step")),
+            rows.append(["?" if r["rank"] is None else str(r["rank"]), _arrow(r["step_ms"], tests.get("step")),
                          *[_arrow(r["split"][key], tests.get(key)) for key, _ in SPLIT],
                          _cpu_arrow(tests.get("proc_wait") or tests.get("cpu_wait")), mark])
         text += "\nper rank, ms per step (baseline -> now; * a significant change: Welch's t on the per-step values, 95 %)\n"
@@ -355,7 +361,8 @@ def render_comparison(c: Mapping[str, Any], top: int = 5) -> str:
         changes = r["changes"][:top]
         if not changes:
             continue
-        text += f"\nrank {r['rank']}: what changed most, per step (operators by self time, kernels by time; * significant)\n"
+        text += f"\nrank {rank_said(r['rank'])}: what changed most, per step (operators by self time, kernels by time; " \
+                "* significant)\n"
         labels = short_names([x["name"] for x in changes], 56)
         text += _table([[label, x["category"] + ("" if x["status"] == "changed" else f" ({x['status']})"),
                          _opt(x["baseline_ms"], 3), _opt(x["now_ms"], 3), _delta(x),

@@ -413,3 +413,85 @@ def test_an_automatic_baseline_cannot_be_squatted_nor_another_jobs_capture_compa
         assert res.returncode == 2 and "is a capture of job member, not of job victim" in res.stderr, res.stderr
     finally:
         kill_tree(victim)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. ondemandctl's captures are charged to whoever asked
+
+# A group member asks for argv[2] captures of its job (argv[3]) as a launch across hosts does (start_step 1:
+# every rank is past it, so each is refused at once as late, a record each); prints what came back, by kind.
+CAPTURE_FLOOD = r"""
+import collections, json, sys, zmq
+drop()
+run, n, job = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+s = zmq.Context().socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0)
+s.connect("ipc://" + run + "/profd.sock")
+for i in range(n):
+    s.send(json.dumps({"v": 1, "type": "capture", "id": i, "job": job, "across_hosts": True,
+                       "request": {"steps": 1, "start_step": 1}}).encode())
+said = collections.Counter()
+for i in range(n):
+    if not s.poll(30000):
+        break
+    r = json.loads(s.recv())
+    said[r["type"] if r["type"] == "ok" else r["error"][:60]] += 1
+print(json.dumps(said), flush=True)
+"""
+
+
+def test_a_members_flood_of_captures_is_charged_to_it_and_pushes_out_nobody_elses(
+        group_daemon: dict[str, Any], tmp_path: Path) -> None:
+    """Issue 41, 4. Before: ondemandctl's captures belonged to nobody: 1,100 refused across-hosts captures of a
+    member's own job (seconds) pushed every user's records out of the store (1,000 at most), another user's
+    baseline with its file. Now each is charged to the asker's uid, which may ask 60 a minute and hold 200: root's
+    records, its job's baseline first, stay."""
+    from test_security import _register, _user_rank, as_user, train
+
+    env = group_daemon
+    member = _user_rank(env)
+    assert _register(member, "member", member.run("value = os.getpid()"),
+                     save_root=str(env["shared"]))["type"] == "registered"
+    member.beat(True)
+    owner = train(tmp_path, "rootjob", env={"ONDEMAND_PROF_RUNTIME_DIR": str(env["run"])}, steps=100000,
+                  log=tmp_path / "owner.log")
+    try:
+        wait_for(lambda: "rootjob" in ctl(env["run"], "status").stdout, 180, "root's rank", pause=0.5)
+        res = ctl(env["run"], "capture", "--job", "rootjob", "--steps", "1", "--baseline", "--wait", "--json")
+        assert res.returncode == 0, res.stdout + res.stderr
+        base = json.loads(res.stdout)["capture_id"]
+        flood = as_user(env["user"], CAPTURE_FLOOD, str(env["run"]), "1100", "member")
+        out, err = flood.communicate(timeout=300)
+        said = json.loads(out.strip().splitlines()[-1])
+        caps = {c["capture_id"]: c for c in ctl_json(env["run"], "list", "--limit", "1000")["captures"]}
+    finally:
+        kill_tree(owner)
+    assert said.get("ok") == 60 and sum(said.values()) == 1100, said
+    assert all("captures in the last minute" in k for k in said if k != "ok"), said
+    assert base in caps and caps[base]["baseline"], (base, sorted(caps)[:5])
+    assert (env["state"] / "captures" / f"{base}.json").exists()
+    assert sum(c["job"] == "member" for c in caps.values()) == 60, len(caps)
+
+
+@pytest.mark.quick
+def test_a_jobs_current_baseline_is_never_pushed_out(tmp_path: Path) -> None:
+    """Issue 41, 4: the store makes room by pushing out its asker's oldest finished record, but never a job's
+    current baseline (before: the oldest went, the baseline too, with its file). A record of another asker is
+    never pushed out by this one's."""
+    from ondemand_prof.host.records import KEEP_PER_UID, CaptureRecord, RecordStore
+
+    store = RecordStore(tmp_path)
+
+    def record(cid: str, wall: float, baseline: bool = False) -> CaptureRecord:
+        r = CaptureRecord.new(cid, "j", {}, {"start_step": 1, "end_step": 2}, {},
+                              [{"rank": 0, "host": "h", "pid": 1, "uid": 5}], wall)
+        r.data["baseline"] = baseline
+        r.update(0, "done", {"path": "/x"}, wall)
+        return r
+
+    store.add(record("other", 0.5), owner=6)
+    store.add(record("base", 1.0, baseline=True), owner=5)
+    for i in range(KEEP_PER_UID + 50):
+        store.add(record(f"c{i:04d}", 2.0 + i), owner=5)
+    assert "base" in store.records and store.baseline_of("j", 5) is store.records["base"]
+    assert (tmp_path / "captures" / "base.json").exists() and "other" in store.records
+    assert sum(r.data.get("owner_uid") == 5 for r in store.records.values()) == KEEP_PER_UID

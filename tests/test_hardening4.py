@@ -495,3 +495,64 @@ def test_a_jobs_current_baseline_is_never_pushed_out(tmp_path: Path) -> None:
     assert "base" in store.records and store.baseline_of("j", 5) is store.records["base"]
     assert (tmp_path / "captures" / "base.json").exists() and "other" in store.records
     assert sum(r.data.get("owner_uid") == 5 for r in store.records.values()) == KEEP_PER_UID
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 9. A full state disk: nothing is called the baseline before it is on disk
+
+@pytest.fixture
+def small_state() -> Any:
+    """A daemon's runtime directory, and a state directory on a tmpfs of 1 MiB of its own (root only)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a tmpfs of its own needs root and mount")
+    run, state = short_dir("odph9"), short_dir("odph9s")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(state)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    yield {"run": run, "state": state}
+    subprocess.run(["umount", "-l", str(state)], capture_output=True)
+    for d in (run, state):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_baseline_that_cannot_be_written_is_not_called_the_baseline(small_state: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    """Issue 41, 9. Before: with the state disk full, `capture --baseline` printed "marked as job ...'s
+    baseline" while its record could not be written (ENOSPC only in the daemon's log), and after a restart the
+    job's baseline had reverted. Now the reply says it is not the baseline yet and why, status warns while
+    records are not written, `list` marks no baseline; once there is room the daemon writes it, and it is."""
+    from test_security import stop, train
+
+    run, state = small_state["run"], small_state["state"]
+    proc = start_daemon(run, state)
+    rank = train(tmp_path, "job9", env={"ONDEMAND_PROF_RUNTIME_DIR": str(run)}, steps=100000,
+                 log=tmp_path / "rank.log")
+    filler = state / "filler"
+    try:
+        wait_for(lambda: "job9" in ctl(run, "status").stdout, 180, "the rank", pause=0.5)
+        with open(filler, "wb") as fh:  # the state disk full
+            try:
+                while True:
+                    fh.write(b"\0" * 65536)
+                    fh.flush()
+            except OSError:
+                pass
+        res = ctl(run, "capture", "--job", "job9", "--steps", "1", "--baseline", "--wait", "--timeout", "120")
+        assert res.returncode == 0, res.stdout + res.stderr
+        cid = res.stdout.split()[1].rstrip(":")
+        assert "marked as job job9's baseline" not in res.stdout, res.stdout
+        assert "NOT yet job job9's baseline" in res.stdout and "No space left on device" in res.stdout, res.stdout
+        status = ctl(run, "status").stdout
+        assert "capture record(s) cannot be written" in status and "No space left on device" in status, status
+        listed = {c["capture_id"]: c for c in ctl_json(run, "list")["captures"]}
+        assert listed[cid]["status"] == "done" and not listed[cid]["baseline"], listed[cid]
+        filler.unlink()  # room again: written at the next flush, and only then the baseline
+        wait_for(lambda: (state / "captures" / f"{cid}.json").exists(), 30, "the record written")
+        wait_for(lambda: {c["capture_id"]: c for c in ctl_json(run, "list")["captures"]}[cid]["baseline"], 30,
+                 "the baseline")
+        assert "cannot be written" not in ctl(run, "status").stdout
+    finally:
+        kill_tree(rank)
+        _, err = stop(proc)
+    assert "Traceback" not in err, err[-3000:]

@@ -265,7 +265,7 @@ def write_db(path: Path, events: list[dict[str, Any]], steps: list[dict[str, Any
 def write_rank_summary(out_dir: Path, trace: dict[str, Any], spec: dict[str, Any]) -> str:
     """summary.json: this rank's report (step split, top operators and kernels, memory peaks), computed here
     where the trace is written, so that a report across hosts merges these instead of reading traces."""
-    from ..report.analyze import RankAnalyzer, shift_to_epoch  # the report's own definitions: summaries agree
+    from ..report.analyze import RankAnalyzer, device_of, shift_to_epoch  # the report's definitions: summaries agree
 
     analyzer = RankAnalyzer()
     analyzer.feed(trace["traceEvents"])
@@ -273,6 +273,9 @@ def write_rank_summary(out_dir: Path, trace: dict[str, Any], spec: dict[str, Any
     if summary.get("memory"):
         summary["memory"] = {"devices": summary["memory"]["devices"]}  # the series stays in the trace
     shift_to_epoch(summary, trace.get("baseTimeNanoseconds"))  # as the report does: wall-clock comparable times
+    device = device_of(trace.get("deviceProperties"))
+    if device:  # a comparison across hosts (summaries only) says where two sides ran on different devices
+        summary["device"] = device
     summary.update({k: v for k, v in (spec.get("meta") or {}).items() if k != "window"})
     summary.update(rank=spec["rank"], world_size=spec["world_size"], summary_version=1)
     with open(out_dir / SUMMARY_FILE, "w", encoding="utf-8") as fh:

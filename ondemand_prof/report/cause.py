@@ -206,7 +206,7 @@ def _communication(ranks: list[dict[str, Any]], grew: list[dict[str, Any]], pref
     comm = [r for r in ranks if _wait(r) >= MIN_MS] or ranks
     who = "every rank" if len(comm) == len(ranks) > 1 else ranks_text(comm)
     worked = [r for r in ranks if _own(r) >= MIN_MS]
-    listed = ", ".join(f"rank {r['rank']} {signed(_own(r))}" for r in worked[:4])
+    listed = ", ".join(f"{_label(r)} {signed(_own(r))}" for r in worked[:4])
     own = f"; own work grew less ({listed} ms/step)" if worked else ", no rank's own work did"
     return _out(f"{who}: communication grew ({_range(_wait(r) for r in comm)} ms/step){own}: "
                 + _kind_text(comm, prefer=prefer), "communication", "slower", culprits=[r["rank"] for r in comm])
@@ -284,7 +284,7 @@ def _share_text(culprits: list[dict[str, Any]], shares: dict[str, Any] | None, g
     if not shares or growth <= 0:
         return ""
     by_rank = {s["rank"]: s for s in shares.get("shares") or []}
-    parts = [f"rank {r['rank']} explains {min(100, max(0, round(100 * by_rank[r['rank']]['ms'] / growth)))} %"
+    parts = [f"{_label(r)} explains {min(100, max(0, round(100 * by_rank[r['rank']]['ms'] / growth)))} %"
              for r in culprits[:4] if r["rank"] in by_rank]
     if not parts:
         return ""
@@ -300,7 +300,7 @@ def _ideal_text(culprits: list[dict[str, Any]], replay: dict[str, Any] | None) -
         return ""
     above = statistics.fmean(replay["above_ideal_ms_by_step"]) if replay["above_ideal_ms_by_step"] else 0.0
     by_rank = {s["rank"]: s for s in replay["shares"]}
-    parts = [f"rank {r['rank']} explains {min(100, max(0, round(100 * by_rank[r['rank']]['ms'] / above)))} %"
+    parts = [f"{_label(r)} explains {min(100, max(0, round(100 * by_rank[r['rank']]['ms'] / above)))} %"
              for r in culprits[:4] if r["rank"] in by_rank and above > 0]
     if not parts:
         return ""
@@ -420,11 +420,11 @@ def _own_text(r: dict[str, Any], late: Change | None = None, waits: dict[str, An
         slower = f" (~{pc['ratio']:.1f}x slower a call)" if pc and pc["ratio"] >= 1.1 else ""
         which = "its training thread's" if (_starved_by(r) or ("",))[0] == "cpu_wait" else \
             "its most starved other thread's (a collective's worker, a loader)"
-        return (f"rank {r['rank']} waited {starved.text()} longer for a CPU ({which} run-queue wait); its "
+        return (f"{_label(r)} waited {starved.text()} longer for a CPU ({which} run-queue wait); its "
                 f"operators' calls did not change{slower}: other work on its cores or a CPU quota, not the job's"
                 + held)
     if _ran_slower(r):
-        return (f"rank {r['rank']}: every operator ~{r['per_call']['ratio']:.1f}x slower a call with the same calls "
+        return (f"{_label(r)}: every operator ~{r['per_call']['ratio']:.1f}x slower a call with the same calls "
                 f"(own work {(_t(r, 'own') or Change(None, None, None, None, None, 'none', 0, 0)).text()}): the rank ran slower, not more (CPU contention, a lower clock)"
                 + held)
     parts = []
@@ -438,7 +438,7 @@ def _own_text(r: dict[str, Any], late: Change | None = None, waits: dict[str, An
     category = _category(r)
     change = _top_change([r], comm=False, category=category) if category == "compute" or \
         r["basis"].get("now") == "device" else ""
-    return f"rank {r['rank']} " + ", ".join(parts) + (f" ({change})" if change else "") + held
+    return f"{_label(r)} " + ", ".join(parts) + (f" ({change})" if change else "") + held
 
 
 def _top_change(ranks: Iterable[dict[str, Any]], comm: bool, category: str = "compute") -> str:
@@ -529,7 +529,7 @@ def _hiccup_text(ranks: list[dict[str, Any]]) -> str:
         h = r["hiccups"]["now"]
         k = len(h["steps"])
         where = h["in"] + (f": {one_line(h['name'])}" if h.get("name") else "")
-        texts.append(f"{k} step{'s' if k > 1 else ''} in {h['of']}: {signed(h['extra_ms'])} ms on rank {r['rank']} "
+        texts.append(f"{k} step{'s' if k > 1 else ''} in {h['of']}: {signed(h['extra_ms'])} ms on {_label(r)} "
                      f"({where}; step {', '.join(map(str, h['steps'][:4]))})")
     return "; ".join(texts[:3])
 
@@ -540,6 +540,11 @@ def _biggest_change(ranks: list[dict[str, Any]], shrink: bool = False) -> str:
         return "no operator or kernel changed"
     pick = min if shrink else max
     c = pick(rows, key=lambda c: (c["now_ms"] or 0.0) - (c["baseline_ms"] or 0.0))
+    grown = (c["now_ms"] or 0.0) - (c["baseline_ms"] or 0.0)
+    if shrink and grown >= 0:
+        return "no operator or kernel shrank"
+    if not shrink and grown <= 0:
+        return "no operator or kernel grew"
     return ("largest decrease: " if shrink else "largest change: ") + change_text(c)
 
 
@@ -576,6 +581,11 @@ def _range(values: Iterable[float]) -> str:
         f"{signed(lo)} to {signed(hi)}"
 
 
+def _label(r: dict[str, Any]) -> str:
+    """`rank 3`, or `rank ? (no distributedInfo)` for a trace that names none."""
+    return f"rank {r['rank']}" if r.get("rank") is not None else "rank ? (no distributedInfo)"
+
+
 def ranks_text(rows: list[dict[str, Any]]) -> str:
     return ranks_list([r["rank"] for r in rows])
 
@@ -584,7 +594,7 @@ def ranks_list(numbers: list[Any]) -> str:
     """`rank 3`, `ranks 0, 1, 3`, or spans for many: `ranks 0-63, 65-127`."""
     nums = sorted(x for x in numbers if x is not None)
     if not nums:
-        return "no rank"
+        return "rank ? (no distributedInfo)" if numbers else "no rank"
     if len(nums) == 1:
         return f"rank {nums[0]}"
     if len(nums) <= 6:

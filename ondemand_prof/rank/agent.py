@@ -241,6 +241,14 @@ class Agent:
         except Exception as exc:  # noqa: BLE001 - no daemon link is not a reason to stop training
             log.warning("ondemand_prof: not connecting to ondemand-profd: %s", exc)
 
+    def add_extension(self, extension: AgentExtension) -> None:
+        """One more extension polled by this agent (automatic captures attach so)."""
+        self.extensions.append(extension)
+
+    def lead_steps(self) -> int:
+        """How far ahead a window this rank opens itself starts (the trigger file's lead: later ranks in time)."""
+        return self.files.lead_steps()
+
     def schedule(self, window: Window, listener: Callable[[str, dict[str, Any]], None]) -> None:
         """Hand a window to the training thread; the listener hears 'scheduled' or 'rejected', then progress."""
         self.prof.call_at_next_step(lambda step: self.submit_now(window, listener, step))

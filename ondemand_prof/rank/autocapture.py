@@ -39,7 +39,7 @@ from ..core.window import Window
 from .extension import Extension
 
 if TYPE_CHECKING:
-    from .agent import Agent
+    from .extension import AgentLike
 
 log = logging.getLogger("ondemand_prof.rank.autocapture")
 
@@ -170,7 +170,7 @@ class AutoCapture(Extension):
         self.monitor = SlowStepMonitor(self.ratio, self.steps, self._fired,
                                        arl=float(getattr(config, "auto_false_alarm_steps", FALSE_ALARM_STEPS)))
         self.clock = clock
-        self.agent: Agent | None = None
+        self.agent: AgentLike | None = None
         # bounded: without an agent to drain it (start_agent=False), slowdowns are dropped, not hoarded
         self._fired_q: collections.deque[tuple[list[float], float, int]] = collections.deque(maxlen=16)
         self.started: list[float] = []  # when automatic captures started (the budget's hour)
@@ -188,9 +188,9 @@ class AutoCapture(Extension):
     def idle_step(self, counter: Any) -> Callable[..., Any]:
         return self.monitor.step_fn(counter)
 
-    def attach(self, agent: Agent) -> None:
+    def attach(self, agent: AgentLike) -> None:
         self.agent = agent
-        agent.extensions.append(self)
+        agent.add_extension(self)
         log.info("ondemand_prof: automatic captures on %s (cooldown %g s, at most %d per hour), none before the "
                  "baseline; compared with a baseline %s", self.monitor.describe(), self.cooldown_s, self.per_hour,
                  self.baseline_text())
@@ -272,7 +272,7 @@ class AutoCapture(Extension):
         agent = self.agent
         assert agent is not None  # poll() runs on the agent thread, so attach() came first
         self.started.append(now)
-        window = self._window(reason, agent.files.lead_steps() + 1)
+        window = self._window(reason, agent.lead_steps() + 1)
         link = agent.link
         with_daemon = link is not None and link.registered
         log.warning("ondemand_prof: steps are %.1fx the baseline's (%.1f ms) at step %d: automatic capture %s of "
@@ -299,7 +299,7 @@ class AutoCapture(Extension):
             return
         reason = {"why": self.baseline_text() + (f"; not steady: {self.not_steady}" if self.not_steady else ""),
                   "median_step_s": round(median, 6), "decided_at_step": step}
-        lead = agent.files.lead_steps() + 1
+        lead = agent.lead_steps() + 1
         start = max(self.baseline_at, self.prof.current_step + lead) if self.baseline_at > 0 else None
         window = self._window(reason, lead, kind="baseline", start=start)
         self.baseline_id = window.capture_id

@@ -226,10 +226,6 @@ class OnDemandProfiler:
         return active.window if active else None
 
     @property
-    def queued_windows(self) -> list[Window]:
-        return [q.window for q in list(self.scheduler.queue)]
-
-    @property
     def state(self) -> str:
         """What the profiler is doing, for heartbeats: idle, scheduled, warmup, recording, disabled, closed; or
         rendezvous while the training thread is in init_process_group before its first step (rank/agent.py)."""

@@ -591,30 +591,64 @@ helpers._training_cpu = training_cpu  # what note_training_cpu() records at a wi
 assert helpers.helper_cpus() == [helper_cpu], helpers.helper_cpus()
 assert native_save.SAVER.module(build_missing=False) is not None, native_save.SAVER.reason
 hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-os.sched_setaffinity(hog.pid, {helper_cpu})
-os.kill(hog.pid, signal.SIGSTOP)
-how = []
-saver = threading.Thread(target=lambda: how.append(trace_save.save_trace(
-    prof.export_chrome_trace, out, kineto_result=lambda: prof.profiler.kineto_results)))
-longest, freeing_since, deadline = 0.0, None, time.monotonic() + 60
+os.sched_setaffinity(hog.pid, {helper_cpu})  # the helper's core is busy for the whole save: the frees compete for it
+trace_save.RAISE_AFTER_S = 0.5  # the writer leaves idle priority after 0.5 s, not 10 (it competes with the hog)
+how, caller, started = [], {}, threading.Event()
+
+def save():
+    if len(sys.argv) > 2 and sys.argv[2] == "idle-caller":  # the frees at idle priority, as before (a check of the check)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    caller.update(policy=os.sched_getscheduler(0), nice=os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    started.wait()  # once the training thread measures: the whole save is seen, however long it is descheduled
+    how.append(trace_save.save_trace(prof.export_chrome_trace, out, kineto_result=lambda: prof.profiler.kineto_results))
+
+def freeing_thread():
+    # the module's job thread (it writes through a lowered thread of its own, then frees the contents itself):
+    # policy, nice, CPUs; None before it starts and after it ends
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                if fh.read().strip() == "odp_save_job":
+                    return {"policy": os.sched_getscheduler(int(tid)), "nice": os.getpriority(os.PRIO_PROCESS, int(tid)),
+                            "cpus": sorted(os.sched_getaffinity(int(tid)))}
+        except OSError:
+            continue
+    return None
+
+# This thread's time asleep, not its time off the CPU: /proc's schedstat gives the time it ran and the time it
+# waited runnable for its core, so a wait for the core (another process on the training core, however loaded the
+# host) is not a wait for the lock. Read with pread: no allocation from malloc's arena while measuring it
+stat_fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+
+def ran_and_waited():
+    ran, waited = os.pread(stat_fd, 100, 0).split()[:2]
+    return int(ran) / 1e9, int(waited) / 1e9
+
+saver = threading.Thread(target=save)
+longest, off_cpu, deadline, windows, job = 0.0, 0.0, time.monotonic() + 90, 0, None
 saver.start()
 os.sched_setaffinity(0, {training_cpu})  # this thread, the training thread, keeps its core
+started.set()
 try:
     while saver.is_alive() and time.monotonic() < deadline and longest < 1.0:
-        if freeing_since is None and out.exists():  # written: the contents are freed from now on; the core is busy
-            os.kill(hog.pid, signal.SIGCONT)
-            freeing_since = time.monotonic()
-        w0, c0, v0 = time.perf_counter(), time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+        job = job or freeing_thread()
+        (r0, q0), v0 = ran_and_waited(), resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+        w0 = time.perf_counter()
         for _ in range(20):
             chunks = [bytearray(1500) for _ in range(20)]  # over 512 bytes: malloc's, not pymalloc's
             del chunks
-        w1, c1, v1 = time.perf_counter(), time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
-        if freeing_since is not None and v1 > v0:  # this thread slept: it waited for a lock (malloc's arena)
-            longest = max(longest, (w1 - w0) - (c1 - c0))
+        w1 = time.perf_counter()
+        (r1, q1), v1 = ran_and_waited(), resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+        windows += 1
+        if v1 > v0:  # this thread slept: it waited for a lock (malloc's arena)
+            longest = max(longest, (w1 - w0) - (r1 - r0) - (q1 - q0))
+            off_cpu = max(off_cpu, (w1 - w0) - (r1 - r0))  # what was measured before: asleep or not
 finally:
     hog.kill()
 saver.join()
-print(json.dumps({"how": how, "longest_wait_ms": round(longest * 1e3, 1), "freed": freeing_since is not None}))
+print(json.dumps({"how": how, "longest_wait_ms": round(longest * 1e3, 1), "longest_off_cpu_ms": round(off_cpu * 1e3, 1),
+                  "freed": out.exists(), "windows": windows, "caller": caller, "job": job,
+                  "training_cpu": training_cpu, "idle": os.SCHED_IDLE}))
 """
 
 
@@ -625,15 +659,28 @@ def test_freeing_a_saved_trace_never_holds_the_training_threads_allocations(nati
     Freed at idle priority on a busy core (before), the freeing thread was preempted holding the lock and the
     training thread's next allocation waited until SCHED_IDLE got the core again: 1.2-3.0 s here, with one hog
     on the helper's core. The frees now run at the caller's priority, so a wait lasts at most a scheduling turn
-    (12-16 ms measured at load average 10). The bound below is far from both."""
+    of the helper's core (12-16 ms measured at load average 10).
+
+    Under load (issue 44: the suite beside two `yes` hogs failed the old 250 ms bound on the training thread's
+    time off the CPU) what holds is what the fix is: the thread that frees (the module's job thread, found while
+    it runs) has the caller's policy and nice level, never SCHED_IDLE, and the helper's CPUs, not the training
+    thread's. The time is then the training thread's time asleep (waiting for the lock), not off the CPU (a wait
+    for its own core is not the frees' doing), and bounded only by what idle frees cost: 1 s, below their
+    1.2-3.0 s and far above a scheduling turn on a loaded core (up to 215 ms measured beside four hogs at load
+    16). The helper's core is busy from the start and the save begins once the training thread measures: a quick
+    save done while the training thread waited for its core was seen by nobody ("freed": False, also issue 44)."""
     script = tmp_path / "inversion.py"
     script.write_text(INVERSION_CHILD)
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "raw.json")], env=base_env(),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res["how"] == ["native"] and res["freed"], res
-    assert res["longest_wait_ms"] < 250, f"the training thread waited {res['longest_wait_ms']} ms to allocate"
+    assert res["how"] == ["native"] and res["freed"] and res["windows"] > 0, res
+    job, caller = res["job"], res["caller"]
+    assert job is not None, f"the job thread that frees the contents was never seen: {res}"
+    assert job["policy"] == caller["policy"] != res["idle"] and job["nice"] == caller["nice"], res
+    assert res["training_cpu"] not in job["cpus"], res
+    assert res["longest_wait_ms"] < 1000, f"the training thread slept {res['longest_wait_ms']} ms to allocate"
 
 
 EXIT_CHILD = r"""

@@ -556,3 +556,61 @@ def test_a_baseline_that_cannot_be_written_is_not_called_the_baseline(small_stat
         kill_tree(rank)
         _, err = stop(proc)
     assert "Traceback" not in err, err[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 7. A hostile capture folder neither hangs nor bloats whoever reports it
+
+def _gzip_with(path: Path, head: bytes, filler: bytes, size: int, tail: bytes) -> None:
+    """A gzip of `head`, `size` bytes of `filler` and `tail`, written in a few MB (a bomb: what it holds)."""
+    import zlib
+
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)  # (31: the gzip container)
+    chunk = filler * ((16 << 20) // len(filler))
+    with open(path, "wb") as fh:
+        fh.write(z.compress(head))
+        left = size
+        while left > 0:
+            fh.write(z.compress(chunk[:min(left, len(chunk))]))
+            left -= len(chunk)
+        fh.write(z.compress(tail) + z.flush())
+
+
+def test_a_hostile_capture_folder_neither_hangs_nor_bloats_the_report(tmp_path: Path) -> None:
+    """Issue 41, 7, one capture folder of four ranks, reported with `ondemandctl report DIR`. Before: rank 0's
+    metadata naming /dev/zero as its trace_file read it without end; rank 1's naming a FIFO in its folder hung the
+    report; rank 2's gzip, a real trace followed by 1 GiB of spaces after its events, took about a minute and
+    2.7 GB; rank 3's 256 MiB before "traceEvents" was searched again at every MiB read (quadratic). Now a
+    trace_file is a bare name of its folder, opened without blocking, a regular file; what a gzip holds is read up
+    to 100 times its size, what precedes and follows the events within bounds: the report is done in seconds,
+    rank 2 read whole."""
+    import gzip
+    import resource
+
+    folder = tmp_path / "cap"
+    real = json.loads(gzip.decompress((Path(__file__).parent / "fixtures" / "real" /
+                                       "hta_sampled_rank-0.json.gz").read_bytes()))
+    events = json.dumps(real["traceEvents"]).encode()
+    for rank, trace in enumerate(("/dev/zero", "fifo.json", "bomb.json.gz", "prefix.json.gz")):
+        d = folder / f"rank{rank}"
+        d.mkdir(parents=True)
+        (d / "metadata.json").write_text(json.dumps({"rank": rank, "capture_id": "cap", "status": "done",
+                                                     "trace_file": trace, "job_id": "j", "world_size": 4}))
+    os.mkfifo(folder / "rank1" / "fifo.json")
+    _gzip_with(folder / "rank2" / "bomb.json.gz", b'{"schemaVersion": 1, "traceEvents": ' + events, b" ", 1 << 30,
+               b"}")
+    _gzip_with(folder / "rank3" / "prefix.json.gz", b'{"pad": "', b"x", 256 << 20, b'", "traceEvents": []}')
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.monotonic()
+    res = ctl(Path("/nonexistent"), "report", str(folder), "--json", timeout=60)
+    took = time.monotonic() - t0
+    grew = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert took < 40, f"{took:.0f} s"
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = {Path(r["path"]).name: r for c in json.loads(res.stdout)["captures"]
+             for r in c["ranks"] + c.get("failed", [])}
+    assert ranks["rank2"].get("error") is None and ranks["rank2"]["steps"], ranks["rank2"]
+    assert "trace_file '/dev/zero' is not a file name of the capture folder" in ranks["rank0"]["error"], ranks
+    assert "fifo.json is not a regular file of the capture folder" in ranks["rank1"]["error"], ranks["rank1"]
+    assert 'has no "traceEvents" array in its first 64 MiB' in ranks["rank3"]["error"], ranks["rank3"]
+    assert grew < max(before, 1) + (1 << 20), f"the report's peak RSS {grew >> 10} MiB"  # (KiB: under 1 GiB)

@@ -16,11 +16,11 @@ bad input: a report covers everything that can be read.
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import os
 import sqlite3
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +32,7 @@ from .analyze import RankAnalyzer, analyze_trace_file, device_of
 from .ascend import ASCEND_DIR, connect_read_only, is_npu_db, npu_db_result, npu_level, read_ascend, sqlite_tables
 from .classify import RANK_IN_NAME
 from .model import RankResult
+from .tracefile import open_binary
 
 log = logging.getLogger("ondemand_prof.report")
 
@@ -176,7 +177,7 @@ def _file(d: Discovery, path: Path) -> None:
 def _not_a_trace(path: Path) -> str | None:
     """None when the file's start looks like a Chrome/Kineto trace, else why not."""
     try:
-        with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as fh:
+        with open_binary(path)[0] as fh:  # (without blocking, a regular file: a FIFO is none)
             head = fh.read(SNIFF_BYTES)
     except (OSError, EOFError) as exc:
         return f"cannot read: {exc}"
@@ -194,7 +195,7 @@ def trace_device(path: Path) -> str | None:
     """The device a Kineto trace names in its header (deviceProperties, written before "traceEvents"), from its
     first SNIFF_BYTES only: a comparison of capture folders reads their summaries, which do not say it."""
     try:
-        with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as fh:
+        with open_binary(path)[0] as fh:
             head = fh.read(SNIFF_BYTES).decode("utf-8", "replace")
     except (OSError, EOFError):
         return None
@@ -238,8 +239,32 @@ def read_metadata(rank_dir: Path) -> Any:
     """A capture directory's metadata.json, read by the bounded JSON reader (at most MAX_METADATA_BYTES, 64
     levels: json.loads recursed on "[[[...", a RecursionError that no caller took for a bad file); OSError or
     ValueError says why not."""
-    with open(rank_dir / "metadata.json", "rb") as fh:
+    with open_binary(rank_dir / "metadata.json", nofollow=True)[0] as fh:  # (a regular file, never a FIFO)
         return safejson.loads(fh.read(MAX_METADATA_BYTES + 1), MAX_METADATA_BYTES)
+
+
+def trace_name_problem(name: Any) -> str | None:
+    """Why a metadata.json's `trace_file` is not a file of its capture (None: it is): a bare name in the rank's
+    directory, or in the capture folder above it (`../NAME`, where rank/layout.py puts a Kineto trace) (issue 41,
+    7: "/dev/zero", a path out of the folder, or a FIFO's name in a hostile folder hung whoever reported it)."""
+    if not isinstance(name, str) or not name:
+        return "no trace_file"
+    base = name[3:] if name.startswith("../") else name
+    if "/" in base or "\0" in base or base in (".", "..", "") or len(base) > 255:
+        return f"trace_file {name[:80]!r} is not a file name of the capture folder"
+    return None
+
+
+def _in_folder(path: Path) -> tuple[Path | None, str | None]:
+    """`path`, a file in a capture folder, when it is a regular file there, not a link (lstat: the reader opens it
+    without blocking and checks it again), else why not (None: it does not exist)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None, None
+    if st.st_mode & 0o170000 == 0o100000:
+        return path, None
+    return None, f"{path.name} is not a regular file of the capture folder ({stat.filemode(st.st_mode)})"
 
 
 def _trace_of(rank_dir: Path) -> Path | None:
@@ -247,7 +272,7 @@ def _trace_of(rank_dir: Path) -> Path | None:
         name = read_metadata(rank_dir).get("trace_file")
     except (OSError, ValueError, AttributeError):
         return None
-    return (rank_dir / name).resolve() if isinstance(name, str) and name else None
+    return (rank_dir / name).resolve() if trace_name_problem(name) is None else None
 
 
 def _dir_kind(path: Path) -> str | None:
@@ -305,9 +330,15 @@ def _read_capture(path: Path, top: int, summaries: bool = False) -> dict[str, An
     if meta.get("status") == "failed":
         out["error"] = meta.get("error") or "the capture failed"
         return out
-    trace = path / meta["trace_file"] if isinstance(meta.get("trace_file"), str) else None
-    if trace is None or not trace.exists():
-        found = [p for pattern in TRACE_GLOBS for p in sorted(path.glob(pattern))]
+    named = meta.get("trace_file")
+    why = trace_name_problem(named) if named is not None else None
+    trace = None
+    if named is not None and why is None:
+        trace, why = _in_folder(path / named)
+    if why:  # said, and the trace looked for as when none is named
+        out["warnings"].append(f"metadata.json: {why}: not read")
+    if trace is None:
+        found = [q for pattern in TRACE_GLOBS for p in sorted(path.glob(pattern)) if (q := _in_folder(p)[0])]
         trace = found[0] if found else None
     if summaries and (path / SUMMARY_FILE).is_file():
         why = _from_summary(path, out)
@@ -321,7 +352,7 @@ def _read_capture(path: Path, top: int, summaries: bool = False) -> dict[str, An
     elif (path / "profile.db").exists():
         out.update(_db_result(path / "profile.db", top))
     else:
-        out["error"] = "no trace file and no profile.db in this capture"
+        out["error"] = (f"metadata.json: {why}; " if why else "") + "no trace file and no profile.db in this capture"
     return out
 
 

@@ -7,6 +7,12 @@ Two layouts, both of Chrome's Trace Event Format:
 The events are decoded one by one from a sliding text buffer with the C JSON scanner, so a trace of hundreds of MB
 never becomes one Python list. A file that ends early yields what it holds and then raises TraceError saying where
 it stopped.
+
+A trace comes from a capture folder anyone may have written (issue 41, 7): it is opened without blocking and must
+be a regular file (a FIFO or /dev/zero hung the report), not through a link where the folder names it
+(`nofollow`); what a gzip holds is read up to GZIP_RATIO times its size (a 1 MB gzip holding 1 GiB after the
+events took 57 s and 2.7 GB), what precedes the events and what follows them up to MAX_PREFIX_CHARS and
+MAX_SUFFIX_CHARS (1 GiB before "traceEvents" was searched again at every MiB read: quadratic).
 """
 
 from __future__ import annotations
@@ -14,41 +20,74 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import re
+import stat
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 CHUNK = 1 << 20
 MAX_EVENT_CHARS = 16 << 20  # no event is this long: a decode error with this much text left is corruption
+MAX_PREFIX_CHARS = 64 << 20  # before "traceEvents": Kineto's header is a few KB (deviceProperties, distributedInfo)
+MAX_SUFFIX_CHARS = 16 << 20  # after the events' "]": a few keys (traceName, displayTimeUnit, baseTimeNanoseconds)
+GZIP_RATIO = 100  # a .gz is read up to this many times its size (traces compress 5-20 times) ...
+GZIP_SLACK = 256 << 20  # ... plus this much (a small trace may compress better)
 _KEY = re.compile(r'"traceEvents"\s*:\s*\[')
+_KEY_TAIL = 64  # a chunk's end the key may straddle: searched again with the next chunk
 _WS = " \t\r\n,"
+_SKIP = re.compile(r"[ \t\r\n,]*")
 
 
 class TraceError(ValueError):
     pass
 
 
-def open_text(path: Path) -> io.TextIOBase:
+def open_binary(path: Path, nofollow: bool = False) -> tuple[IO[bytes], int | None]:
+    """A trace's bytes (decompressed for .gz) and how many may be read (None: the file's own size bounds it).
+    Opened without blocking (a FIFO named like a trace hung the report) and never a link with `nofollow` (the
+    name a capture folder's metadata gives); OSError unless it is a regular file."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY | (os.O_NOFOLLOW if nofollow else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if nofollow and exc.errno == 40:  # ELOOP
+            raise OSError(exc.errno, "a symbolic link (not followed)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"not a regular file (mode {stat.filemode(st.st_mode)})")
+        raw = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
     if path.name.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+        return gzip.GzipFile(fileobj=raw, mode="rb"), GZIP_SLACK + GZIP_RATIO * st.st_size
+    return raw, None
+
+
+def open_text(path: Path, nofollow: bool = False) -> io.TextIOBase:
+    return io.TextIOWrapper(open_binary(path, nofollow)[0], encoding="utf-8", errors="replace")
 
 
 class TraceReader:
     """Iterate `events()`; afterwards `header` holds the other top-level keys (distributedInfo, ...)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, nofollow: bool = False) -> None:
         self.path = path
+        self.nofollow = nofollow  # the name a capture folder gave: never through a link
         self.header: dict[str, Any] = {}
         self.bytes_read = 0
+        self.limit: int | None = None  # characters that may be read (a .gz: GZIP_RATIO times its size)
         self.array_format = False
 
     def events(self) -> Iterator[dict[str, Any]]:
         raw_decode = json.JSONDecoder().raw_decode
         try:
-            fh = open_text(self.path)
+            binary, self.limit = open_binary(self.path, self.nofollow)
         except OSError as exc:
-            raise TraceError(f"cannot open {self.path}: {exc.strerror}") from None
+            raise TraceError(f"cannot open {self.path}: {exc.strerror or exc}") from None
+        fh = io.TextIOWrapper(binary, encoding="utf-8", errors="replace")
         with fh:
             buf = self._read(fh)
             if not buf.strip():
@@ -63,8 +102,8 @@ class TraceReader:
             pos, eof = 0, False
             while True:
                 n = len(buf)
-                while pos < n and buf[pos] in _WS:
-                    pos += 1
+                if pos < n and buf[pos] in _WS:
+                    pos = _SKIP.match(buf, pos).end()  # type: ignore[union-attr]  # (matches even nothing)
                 if pos >= n:
                     if eof and bare:  # the format allows leaving out the closing bracket
                         return
@@ -75,7 +114,13 @@ class TraceReader:
                     buf, pos = buf[pos:] + more, 0
                     continue
                 if buf[pos] == "]":
-                    self._parse_suffix(buf[pos + 1:] + fh.read())
+                    rest = buf[pos + 1:]
+                    while len(rest) <= MAX_SUFFIX_CHARS:
+                        more = self._read(fh)
+                        if not more:
+                            self._parse_suffix(rest)  # (longer: the header keys after the events are let go)
+                            break
+                        rest += more
                     return
                 try:
                     event, pos = raw_decode(buf, pos)
@@ -92,15 +137,21 @@ class TraceReader:
                     buf, pos = buf[pos:], 0
 
     def _skip_to_events(self, fh: io.TextIOBase, buf: str) -> str:
-        """Read up to the start of the "traceEvents" array, parse what precedes it, return what follows."""
+        """Read up to the start of the "traceEvents" array, parse what precedes it, return what follows. Each
+        chunk is searched once (with the tail of the one before, which the key may straddle), and no more than
+        MAX_PREFIX_CHARS are read for it."""
         match = _KEY.search(buf)
         while match is None:
+            if len(buf) > MAX_PREFIX_CHARS:
+                raise TraceError(f"{self.path} has no \"traceEvents\" array in its first {MAX_PREFIX_CHARS >> 20} "
+                                 "MiB (a Kineto trace's header is a few KB): not read further")
             more = self._read(fh)
             if not more:
                 raise TraceError(f"{self.path} has no \"traceEvents\" array and is not a bare array of events "
                                  "(not a Chrome/Kineto trace)")
+            start = max(0, len(buf) - _KEY_TAIL)
             buf += more
-            match = _KEY.search(buf)
+            match = _KEY.search(buf, start)
         self._parse_prefix(buf[:match.start()])
         return buf[match.end():]
 
@@ -110,6 +161,9 @@ class TraceReader:
         except (OSError, EOFError) as exc:  # e.g. a gzip stream cut short
             raise TraceError(f"{self.path}: {exc} after {self.bytes_read} characters") from None
         self.bytes_read += len(text)
+        if self.limit is not None and self.bytes_read > self.limit:
+            raise TraceError(f"{self.path} decompresses to more than {self.limit >> 20} MiB ({GZIP_RATIO} times its "
+                             "size and more): not read further")
         return text
 
     def _stopped(self, pos: int, why: str) -> str:

@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -614,3 +615,68 @@ def test_a_hostile_capture_folder_neither_hangs_nor_bloats_the_report(tmp_path: 
     assert "fifo.json is not a regular file of the capture folder" in ranks["rank1"]["error"], ranks["rank1"]
     assert 'has no "traceEvents" array in its first 64 MiB' in ranks["rank3"]["error"], ranks["rank3"]
     assert grew < max(before, 1) + (1 << 20), f"the report's peak RSS {grew >> 10} MiB"  # (KiB: under 1 GiB)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 6. A pod's own files are read through its root, never on the node's `/`
+
+# Pod pid 1, root: a rank that registers with a save root in its own /tmp (the pod's tmpfs), writes a summary.json
+# there, at the very path argv[1] where the node keeps a root-only file, and reports every window it gets done
+# with that path: a part the daemon marks as the pod's own (pod_only).
+POD_PART = r"""
+import json, os, sys, time, zmq
+rank_dir, defaults = sys.argv[1], json.loads(sys.argv[2])
+os.makedirs(rank_dir)
+with open(rank_dir + "/summary.json", "w") as fh:
+    fh.write(json.dumps({"rank": 0, "pod": "POD-OWN"}))
+out = open("/srv/data/pod.jsonl", "a", buffering=1)
+s = zmq.Context().socket(zmq.DEALER)
+s.setsockopt(zmq.IDENTITY, b"r/pod-" + os.urandom(12).hex().encode())
+s.connect("ipc:///srv/run/profd.sock")
+s.send(json.dumps({"v": 1, "type": "register", "job": "podjob", "rank": 0, "world_size": 1, "host": "pod-s",
+                   "pid": os.getpid(), "step": 5, "save_root": os.path.dirname(rank_dir),
+                   "defaults": defaults}).encode())
+while True:
+    if s.poll(300):
+        msg = json.loads(s.recv())
+        out.write(json.dumps(msg) + "\n")
+        if msg.get("type") == "capture":
+            s.send(json.dumps({"v": 1, "type": "event", "capture_id": msg["window"]["capture_id"], "event": "done",
+                               "info": {"path": rank_dir}}).encode())
+    s.send(json.dumps({"v": 1, "type": "hb", "step": 5}).encode())
+"""
+
+
+@needs_namespaces
+def test_a_pods_own_summary_is_read_through_its_root_never_the_nodes(host: dict[str, Any], pods: list[Pod]  # noqa: F811
+                                                                       ) -> None:
+    """Issue 41, 6. Before: `summaries` (ondemandctl report across hosts) read a part only the pod sees at its path
+    on the node's `/`: a root pod reporting /tmp/X as done got the node's root-only /tmp/X/summary.json back. Now
+    it is read through /proc/PID/root of the live rank (the pod's own file), and once the pod is gone it is
+    unreadable, never the node's."""
+    from ondemand_prof.core.options import make_config_class
+    from ondemand_prof.core.requests import WindowDefaults
+
+    node = Path(tempfile.mkdtemp(prefix="odps", dir="/tmp"))
+    try:
+        (node / "rank0").mkdir(mode=0o700)
+        (node / "rank0" / "summary.json").write_text(json.dumps({"rank": 0, "secret": "NODE-SECRET"}))
+        os.chmod(node / "rank0" / "summary.json", 0o600)
+        defaults = json.dumps(WindowDefaults.from_config(make_config_class()()).to_wire())
+        pod = _pod(host, pods, "pod-s", [sys.executable, "-c", POD_PART, str(node / "rank0"), defaults])
+        wait_for(lambda: _lines(pod.data / "pod.jsonl"), 60, "the pod's registration")
+        res = ctl(host["run"], "capture", "--job", "podjob", "--steps", "1", "--wait", "--json", "--timeout", "60")
+        assert res.returncode == 0, res.stdout + res.stderr
+        record = json.loads(res.stdout)
+        assert record["parts"]["0"].get("pod_only") is True, record["parts"]
+        reply, _ = _ask(host["run"], {"type": "summaries", "capture_id": record["capture_id"]})
+        assert reply is not None and reply["type"] == "ok", reply
+        assert "NODE-SECRET" not in json.dumps(reply), reply
+        assert reply["data"]["parts"][0].get("summary") == {"rank": 0, "pod": "POD-OWN"}, reply["data"]["parts"]
+        pod.kill()
+        wait_for(lambda: "podjob" not in ctl(host["run"], "status").stdout, 30, "the pod's rank gone")
+        gone, _ = _ask(host["run"], {"type": "summaries", "capture_id": record["capture_id"]})
+        assert gone is not None and "NODE-SECRET" not in json.dumps(gone), gone
+        assert "container's own filesystem" in gone["data"]["parts"][0]["error"], gone["data"]["parts"]
+    finally:
+        shutil.rmtree(node, ignore_errors=True)

@@ -680,3 +680,77 @@ def test_a_pods_own_summary_is_read_through_its_root_never_the_nodes(host: dict[
         assert "container's own filesystem" in gone["data"]["parts"][0]["error"], gone["data"]["parts"]
     finally:
         shutil.rmtree(node, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 8. A pod's paths are resolved within its root: its links never lead the daemon or root's CLI onto the node
+
+# Pod pid 1, root: puts absolute links where it writes (argv[1]: NAME=TARGET,...: in its volume /srv/data, in its
+# own /tmp), registers with the trigger directory argv[2] and save root argv[3], and reports each window it gets
+# done with the path argv[4].
+POD_LINKS = r"""
+import json, os, sys, zmq
+links, trigger_dir, save_root, done_path, defaults = sys.argv[1:6]
+for pair in links.split(","):
+    name, target = pair.split("=")
+    os.makedirs(os.path.dirname(name), exist_ok=True)
+    os.symlink(target, name)
+out = open("/srv/data/pod.jsonl", "a", buffering=1)
+s = zmq.Context().socket(zmq.DEALER)
+s.setsockopt(zmq.IDENTITY, b"r/pod-" + os.urandom(12).hex().encode())
+s.connect("ipc:///srv/run/profd.sock")
+s.send(json.dumps({"v": 1, "type": "register", "job": "podjob8", "rank": 0, "world_size": 1, "host": "pod-l",
+                   "pid": os.getpid(), "step": 5, "trigger_dir": trigger_dir, "save_root": save_root,
+                   "defaults": json.loads(defaults)}).encode())
+while True:
+    if s.poll(300):
+        msg = json.loads(s.recv())
+        out.write(json.dumps(msg) + "\n")
+        if msg.get("type") == "capture":
+            s.send(json.dumps({"v": 1, "type": "event", "capture_id": msg["window"]["capture_id"], "event": "done",
+                               "info": {"path": done_path}}).encode())
+    s.send(json.dumps({"v": 1, "type": "hb", "step": 5}).encode())
+"""
+
+
+@needs_namespaces
+def test_a_pods_links_lead_neither_the_daemon_nor_roots_trigger_onto_the_node(host: dict[str, Any],  # noqa: F811
+                                                                              pods: list[Pod]) -> None:
+    """Issue 41, 8. A root pod links /srv/data/lnk (its volume, the node's directory too) to a root-only node
+    directory, and /tmp/l (its own tmpfs) to another. Before: the daemon resolved the pod's paths from the node's
+    root, so status named /srv/data/lnk/sub as a directory on the node (the node's root-only one, through the
+    link: say another job's trigger directory) and root's `ondemandctl trigger --job` wrote its trigger file in
+    there; and a done path /tmp/l/file was
+    accepted because the node has that file (the pod learns which node paths exist, and whose). Now the pod's
+    paths are resolved within its root (openat2 RESOLVE_IN_ROOT; a walk following no link otherwise), this host's
+    without following a link: the trigger directory is the pod's alone, nothing is written on the node, the done
+    path is refused as missing in the pod. A /proc/PID/root path given to trigger --dir is refused too."""
+    from ondemand_prof.core.options import make_config_class
+    from ondemand_prof.core.requests import WindowDefaults
+
+    victim = Path(tempfile.mkdtemp(prefix="odp8v", dir="/tmp"))
+    hidden = Path(tempfile.mkdtemp(prefix="odp8h", dir="/tmp"))
+    try:
+        (victim / "sub").mkdir(mode=0o700)  # a node job's trigger directory (its rank's status files in it)
+        (victim / "sub" / "capture.status").mkdir(mode=0o700)
+        (hidden / "file").write_text("the node's")
+        defaults = json.dumps(WindowDefaults.from_config(make_config_class()()).to_wire())
+        pod = _pod(host, pods, "pod-l", [sys.executable, "-c", POD_LINKS,
+                                         f"/srv/data/lnk={victim},/tmp/l={hidden}", "/srv/data/lnk/sub", "/tmp",
+                                         "/tmp/l/file", defaults])
+        wait_for(lambda: _lines(pod.data / "pod.jsonl"), 60, "the pod's registration")
+        (rank,) = ctl_json(host["run"], "status")["jobs"]["podjob8"]
+        assert not rank.get("trigger_dir_on_host"), rank
+        res = ctl(host["run"], "trigger", "--job", "podjob8", "--steps", "1", "--no-wait")
+        assert res.returncode != 0, res.stdout + res.stderr
+        assert [p.name for p in (victim / "sub").iterdir()] == ["capture.status"], list((victim / "sub").iterdir())
+        res = ctl(Path("/nonexistent"), "trigger", "--dir", f"/proc/{pod.pid()}/root/srv/data/lnk/sub", "--steps",
+                  "1", "--no-wait")  # (no daemon to ask: the directory given)
+        assert res.returncode != 0 and "is a link of /proc" in res.stdout + res.stderr, res.stdout + res.stderr
+        assert [p.name for p in (victim / "sub").iterdir()] == ["capture.status"]
+        res = ctl(host["run"], "capture", "--job", "podjob8", "--steps", "1", "--wait", "--json", "--timeout", "60")
+        part = json.loads(res.stdout)["parts"]["0"]
+        assert part["state"] == "failed" and "No such file" in part["error"], part
+    finally:
+        shutil.rmtree(victim, ignore_errors=True)
+        shutil.rmtree(hidden, ignore_errors=True)

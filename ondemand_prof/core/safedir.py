@@ -147,6 +147,11 @@ def open_dir(path: Path | str, *, create: bool = False, mode: int = 0o700, group
                 if last or st.st_uid != 0:
                     raise UnsafeDirectory(f"{where} is a symbolic link; refusing to use it (remove it, or choose "
                                           "another directory)")
+                if _on_procfs(fd):  # /proc/PID/root, /proc/PID/cwd: what readlink says is not where they lead
+                    raise UnsafeDirectory(f"{where} is a link of /proc (a process's root or directory), whose text "
+                                          "is not where it leads: not followed (a container's /proc/PID/root/... "
+                                          "path followed the container's absolute links from this host's root); "
+                                          "reach a container's files from inside it (kubectl exec, nsenter -m)")
                 links += 1
                 if links > MAX_LINKS:
                     raise UnsafeDirectory(f"{shown}: too many symbolic links on the way")
@@ -188,6 +193,14 @@ def open_dir(path: Path | str, *, create: bool = False, mode: int = 0o700, group
         if fd >= 0:
             os.close(fd)
         raise
+
+
+def _on_procfs(fd: int) -> bool:
+    """Whether the directory `fd` is on /proc's filesystem (its links are the kernel's "magic" links)."""
+    try:
+        return os.fstat(fd).st_dev == os.stat("/proc").st_dev
+    except OSError:
+        return False
 
 
 def _chmod_dir(fd: int, mode: int) -> None:

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Iterable
 
+from ..core.files import stat_in_root
+
 
 @dataclass(frozen=True)
 class Mount:
@@ -106,14 +108,17 @@ def host_path(pid: int, path: str, here: Iterable[Mount] | None = None) -> str |
         return None
     candidate = best.point.rstrip("/") + inner[len(best.root.rstrip("/")):]
     try:
-        a, b = os.stat(candidate, follow_symlinks=False), os.stat(root_of(pid) + path, follow_symlinks=False)
+        # the pod's path resolved within its root (its absolute links are the pod's, never this host's: issue 41,
+        # 8), this host's without following any link (one the pod put in a shared volume could lead anywhere)
+        a, b = stat_in_root("/", candidate, links=False), stat_in_root(root_of(pid), path)
     except OSError:
         return None
     return candidate if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino) else None
 
 
 def pod_only_note(pid: int, path: str) -> str:
-    """What a user is told of a path only a container sees."""
+    """What a user is told of a path only a container sees (reached from inside it: a path under /proc/PID/root
+    follows the container's absolute links from this host's root, issue 41, 8)."""
     return (f"{path} is in the rank's own filesystem (pid {pid}'s mount namespace, a container's), not on this "
-            f"host: while it runs, {root_of(pid)}{path} reaches it; mount a host directory (a hostPath volume) "
-            "at the save path to keep traces on the host (docs/containers.md)")
+            f"host: reach it from inside the container (kubectl exec, or nsenter -t {pid} -m); mount a host "
+            "directory (a hostPath volume) at the save path to keep traces on the host (docs/containers.md)")

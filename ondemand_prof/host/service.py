@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 from ..core.version import __version__
 from ..core.bounds import MAX_STEP, bounded_int
-from ..core.files import exit_status_text, iso_time, pid_alive
+from ..core.files import exit_status_text, iso_time, pid_alive, stat_in_root
 from ..core.protocol import FINAL_STATES, HEARTBEAT_S, MAX_BATCHED_EVENTS, RANK_TIMEOUT_S, encode, reply_error, \
     reply_ok
 from ..core.ids import valid_id
@@ -608,10 +608,10 @@ def pod_output_problem(info: RankInfo, path: Any) -> str | None:
         return f"{path} is not under the rank's save root {info.save_root}"
     if info.fs_root is None:  # a rank in a pid namespace this daemon does not see: its files cannot be looked at
         return None
-    try:
-        st = os.stat(f"{info.fs_root}{path}", follow_symlinks=False)
+    try:  # resolved within the container's root: its absolute links are its own, never this host's (issue 41, 8)
+        st = stat_in_root(info.fs_root, path)
     except OSError as exc:
-        return f"{path} (in its container): {exc.strerror}"
+        return f"{path} (in its container): {exc.strerror or exc}"
     if info.uid is not None and st.st_uid != info.uid:
         return f"{path} is owned by uid {st.st_uid}, not by the rank's uid {info.uid}"
     return None

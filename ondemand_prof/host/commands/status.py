@@ -140,8 +140,8 @@ def _on_host(rank: dict[str, Any], key: str) -> str:
         return ""
     if seen:
         return f" (in its container; on this host {seen})"
-    return (f" (in its container only; from this host, while it runs: "
-            f"{rank.get('container_root')}{rank.get(key)})")
+    return (f" (in its container only: reach it from inside the container, kubectl exec or nsenter -t "
+            f"{rank.get('pid')} -m; a /proc/PID/root path follows the container's links from this host's root)")
 
 
 def _owner(ranks: list[dict[str, Any]]) -> str:

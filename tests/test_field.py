@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, base_env, captures, ctl, ctl_json, free_port, live_ranks, recorded_steps, trace_steps, \
-    wait_for
+from conftest import ROOT, base_env, captures, ctl, ctl_json, free_port, kill_tree, live_ranks, recorded_steps, \
+    trace_steps, wait_for
 
 
 def daemon(env: dict[str, Any]) -> subprocess.Popen:
@@ -166,12 +166,17 @@ def test_each_ranks_start_up_line_names_a_trigger_that_captures_it(env: dict[str
 def test_a_rank_hung_before_a_collective_is_stalled_in_status_and_capture_says_so(env: dict[str, Any]) -> None:
     """Rank 1 sleeps before its all_reduce at step 30 (rank 0 waits in it): status keeps the steps they
     reported (no extrapolation), says STALLED with the step and since when, and a capture is refused at once
-    naming the ranks and suggesting stacks."""
+    naming the ranks and suggesting stacks.
+
+    Under load (issue 44: it failed beside two `yes` hogs) what is asserted is what holds however slow the host:
+    the steps, the words, and that the capture is refused (exit 1; a capture that waited instead would end
+    timed out, 5), not how long anything took; the deadlines are generous (two gloo ranks start, rendezvous and
+    step 30 times first)."""
     daemon(env)
     procs = job(env, 2, "--steps", "1000000", "--step-sleep", "0.02", "--stall-rank", "1", "--stall-at-step", "30",
-                "--stall-s", "300", daemon_dir=env["run"])
+                "--stall-s", "600", daemon_dir=env["run"])
     stalled = wait_for(lambda: (lambda d: d if any(s["all"] for s in d["stalled"].values()) else None)(
-        ctl_json(env["run"], "status")), 90, "both ranks to read as stalled", pause=0.5)
+        ctl_json(env["run"], "status")), 400, "both ranks to read as stalled", pause=0.5)
     (job_id, stall), = stalled["stalled"].items()
     assert stall["ranks"] == [0, 1] and stall["stalled_s"] >= 10 and stall["all"]
     rows = {r["rank"]: r for r in stalled["jobs"][job_id]}
@@ -184,14 +189,13 @@ def test_a_rank_hung_before_a_collective_is_stalled_in_status_and_capture_says_s
     assert "at step 30); see where they wait: ondemandctl stacks --job" in text.stdout
     time.sleep(1.5)  # a second later the step has not moved on: nothing is extrapolated
     assert {r["step"] for r in ctl_json(env["run"], "status")["jobs"][job_id]} == {30}
-    t0 = time.monotonic()
-    cap = ctl(env["run"], "capture", "--steps", "2", "--wait")
-    assert cap.returncode == 1 and time.monotonic() - t0 < 60, cap.stdout + cap.stderr  # refused, not waited (300 s)
+    cap = ctl(env["run"], "capture", "--steps", "2", "--wait", "--timeout", "60")
+    assert cap.returncode == 1, cap.stdout + cap.stderr  # refused, not waited for (that would be 5, timed out)
     assert f"job {job_id} is STALLED: rank(s) 0-1" in cap.stderr and "ondemandctl stacks" in cap.stderr
     assert "No window can start until they step again" in cap.stderr
     assert ctl_json(env["run"], "list")["captures"] == []  # nothing was planned
     for p in procs:
-        p.kill()
+        kill_tree(p)
 
 
 def test_a_second_process_claiming_a_rank_is_refused_and_shown(env: dict[str, Any]) -> None:

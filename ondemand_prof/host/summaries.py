@@ -233,7 +233,8 @@ def compare_records(now: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]
             continue
         mine, theirs = (_summary_of(p) for p in (part, other))
         if "summary" not in mine or "summary" not in theirs:
-            problems[str(rank)] = mine.get("error") if "summary" not in mine else f"baseline: {theirs.get('error')}"
+            problems[str(rank)] = _not_compared(part, mine, "capture") if "summary" not in mine else \
+                _not_compared(other, theirs, "baseline")
             continue
         try:
             row = compare_rank(theirs["summary"], mine["summary"])
@@ -245,6 +246,15 @@ def compare_records(now: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]
     return {"capture_id": now["capture_id"], "baseline_id": base["capture_id"], "job": now["job"],
             "baseline_job": base["job"], "ranks": ranks, "problems": problems,
             "unmatched": {"baseline": sorted(r for r in b if r not in n), "now": sorted(r for r in n if r not in b)}}
+
+
+def _not_compared(part: dict[str, Any], got: dict[str, Any], side: str) -> str:
+    """Why a rank's side has no summary: a part that recorded nothing says so and why (issue 41, 12: a partial
+    baseline's rank read as if it were another rank's problem, or missing from the job)."""
+    if part["state"] != "done":
+        why = part.get("error")
+        return f"recorded nothing in the {side} ({part['state']}" + (f": {why})" if why else ")")
+    return got.get("error") if side == "capture" else f"baseline: {got.get('error')}"
 
 
 def _summary_of(part: dict[str, Any]) -> dict[str, Any]:

@@ -192,8 +192,11 @@ class Capture(Command):
             out.write(dumps(record) + "\n" if args.json else
                       f"not waiting; follow it with: ondemandctl show {capture_id}\n")
             return EXIT_OK
-        finished = not wait or follow(fan, found, failed, args.timeout, None if args.json else out, quiet=quiet,
-                                      capture_id=capture_id)
+        if isinstance(fan, OneHost):
+            finished = not wait or follow_here(fan, found, args, None if args.json else out, capture_id)
+        else:
+            finished = not wait or follow(fan, found, failed, args.timeout, None if args.json else out,
+                                          quiet=quiet, capture_id=capture_id)
         if quiet and not isinstance(fan, OneHost):  # (only across hosts: a OneHost that is silent raises)
             give_up(fan, capture_id, quiet, found)
         # one host: its outcome settled by the daemon, on the record (misaligned too); across: the records merged
@@ -249,6 +252,52 @@ def export_hint(record: dict[str, Any], across: bool) -> str:
     cid = record["capture_id"]
     return (f"  one timeline: ondemandctl {'--hosts ... ' if across else ''}export {cid} --perfetto {cid}.json  "
             "(every rank, clocks aligned; Perfetto UI)\n")
+
+
+RECONNECT_S = 0.5  # how often a capture followed on this host asks for its daemon again, while it does not answer
+
+
+def follow_here(fan: OneHost, found: dict[str, dict[str, Any]], args: argparse.Namespace, out: TextIO | None,
+                capture_id: str) -> bool:
+    """follow() on this host's daemon, through a restart of it (issue 41, 12: a waiting capture exited 4 when its
+    daemon restarted, while the ranks went on recording): a daemon that does not answer is asked again, on a new
+    connection, until --timeout; the record it kept on disk is followed from there (its versions are new, so the
+    first answer is the whole record). Returns what follow() returns; CtlError for anything else."""
+    from ...core.protocol import default_runtime_dir
+    from ..client import EXIT_NO_DAEMON, Client
+
+    deadline = time.monotonic() + args.timeout
+    said = False
+    while True:
+        try:
+            return follow(fan, found, {}, max(0.0, deadline - time.monotonic()), out, capture_id=capture_id)
+        except CtlError as exc:
+            if exc.code != EXIT_NO_DAEMON or time.monotonic() >= deadline:
+                raise
+            if out is not None and not said:
+                out.write(f"  the daemon did not answer ({exc}); asking again until --timeout {args.timeout:g} s "
+                          "(a daemon restarted keeps its records)\n")
+                out.flush()
+                said = True
+        while time.monotonic() < deadline:
+            time.sleep(RECONNECT_S)
+            try:
+                client = Client(getattr(args, "runtime_dir", None) or default_runtime_dir(),
+                                getattr(args, "connect_timeout", 5.0))
+            except CtlError:
+                continue
+            try:
+                found[fan.name] = client.request("show", capture_id=capture_id)
+            except CtlError as exc:
+                client.close()
+                if exc.code != EXIT_NO_DAEMON:
+                    raise
+                continue
+            fan.client.close()
+            fan.client = client
+            if out is not None:
+                out.write("  the daemon answers again: following the capture\n")
+            break
 
 
 def waits(args: argparse.Namespace) -> bool:

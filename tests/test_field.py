@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -196,6 +197,30 @@ def test_a_rank_hung_before_a_collective_is_stalled_in_status_and_capture_says_s
     assert ctl_json(env["run"], "list")["captures"] == []  # nothing was planned
     for p in procs:
         kill_tree(p)
+
+
+def test_a_daemon_that_answers_after_the_start_up_line_is_said_when_it_does(env: dict[str, Any]) -> None:
+    """Issue 44, 6: the daemon registered the rank just after the start-up line's 2 s wait (here: it is stopped,
+    SIGSTOP, until the line is out), and the line said "no ondemand-profd answered ... start one". Now it says it
+    is still connecting to the daemon there, and one more line says so when the registration lands, with the
+    command that captures the rank through the daemon."""
+    d = daemon(env)
+    d.send_signal(signal.SIGSTOP)
+    try:
+        job(env, 1, "--steps", "1000000", "--step-sleep", "0.05", "--no-dist", "--profile-job-id", "late",
+            daemon_dir=env["run"])
+        line = start_up_line(env, 0)
+    finally:
+        d.send_signal(signal.SIGCONT)
+    url = f"ipc://{env['run']}/profd.sock"
+    assert f"still connecting to ondemand-profd at {url}" in line, line
+    assert "no ondemand-profd answered" not in line and "start one" not in line, line
+    said = wait_for(lambda: [ln for ln in stderr_of(env, 0).splitlines() if "registered with ondemand-profd" in ln],
+                    120, "the registration's line")
+    assert len(said) == 1 and said[0].endswith(  # (after the logging prefix toy_train configures)
+        f"ondemand_prof: rank 0 of 1, job late: registered with ondemand-profd at {url}: capture with "
+        "`ondemandctl capture --job late --ranks 0`"), said
+    assert [r["job"] for r in live_ranks(env["run"])] == ["late"]
 
 
 def test_a_second_process_claiming_a_rank_is_refused_and_shown(env: dict[str, Any]) -> None:

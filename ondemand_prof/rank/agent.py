@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.window import StepClock, Window
-from .announce import say, startup_line
+from .announce import registered_line, say, startup_line
 from .extension import AgentExtension
 from .file_trigger import FileTrigger
 from .settle import SETTLE_POLL_S, JobAgreement, dist_rank
@@ -69,6 +69,7 @@ class Agent:
         self._settle_at = 0.0
         self._announce_at: float | None = None  # when the start-up line is due; None once said
         self._moved = False  # the job settled after the start-up line: the next line says where it is now
+        self._registration_owed = False  # the start-up line said the daemon had not answered: say when it does
         # wall time the training thread was first seen in init_process_group (or new_group, init_device_mesh)
         # before its first step; None when it is not there (heartbeats: state "rendezvous", since when)
         self.rendezvous_since: float | None = None
@@ -156,6 +157,10 @@ class Agent:
                     self._watch_rendezvous()
                 if self._announce_at is not None and (now >= self._announce_at or self._daemon_answered()):
                     self._announce()
+                elif self._registration_owed and self._daemon_answered():
+                    self._registration_owed = False
+                    link = self.link
+                    say(log, self.config.quiet, registered_line(self.prof.identity(), link.url if link else "?"))
                 self.terminator.poll()
                 for ext in self.extensions:
                     ext.poll(now)
@@ -224,13 +229,16 @@ class Agent:
         self._announce_at = None
         link = self.link
         daemon = link.url if link is not None and link.acknowledged else None
+        # a daemon that answers later (it registered this rank just after the wait, or was started since): said
+        self._registration_owed = link is not None and daemon is None and link.untrusted is None
         say(log, self.config.quiet, startup_line(self.prof.identity(), self.files.trigger_path,
                                                  Path(self.config.save_path), daemon,
                                                  link.url if link is not None else None, moved=self._moved,
                                                  default_ranks=self.config.ondemand_ranks,
                                                  refused=link.refused if link is not None else None,
                                                  untrusted=link.untrusted if link is not None else None,
-                                                 notes=[n for ext in self.extensions if (n := ext.startup_note())]))
+                                                 notes=[n for ext in self.extensions if (n := ext.startup_note())],
+                                                 connecting=link is not None and link.connecting))
 
     def _link_daemon(self) -> None:
         try:

@@ -56,28 +56,42 @@ def refusal_fix(reason: str) -> str:
 
 def startup_line(ident: Identity, trigger_path: Path, save_root: Path, daemon: str | None,
                  daemon_url: str | None, moved: bool = False, default_ranks: Sequence[int] = (ALL,),
-                 refused: str | None = None, untrusted: str | None = None, notes: Sequence[str] = ()) -> str:
+                 refused: str | None = None, untrusted: str | None = None, notes: Sequence[str] = (),
+                 connecting: bool = False) -> str:
     """rank, job, how to trigger (daemon or file: a command that captures this rank), where traces go; one
     line, commands between backquotes. daemon: the daemon's address when it registered this rank; daemon_url:
     where it was looked for (None: the daemon link is off); refused: why the daemon there refused this rank;
-    untrusted: why this rank does not register with the daemon's socket there; notes: what the agent's
+    untrusted: why this rank does not register with the daemon's socket there; connecting: a daemon listens
+    there but has not answered yet (registered_line() follows when it does); notes: what the agent's
     extensions add (automatic captures and their baseline)."""
     who = f"rank {ident.rank} of {ident.world_size}, job {ident.job_id}"
     touch, which = trigger_command(ident.rank, trigger_path, default_ranks)
     if daemon:
-        ctl = f"ondemandctl capture --job {shlex.quote(ident.job_id)} --ranks {ident.rank}"
-        how = f"capture with `{ctl}` (registered with ondemand-profd) or `{touch}` ({which})"
+        how = f"capture with `{daemon_command(ident)}` (registered with ondemand-profd) or `{touch}` ({which})"
     elif refused and daemon_url:
         how = (f"ondemand-profd at {daemon_url} REFUSED this rank: {refused}{refusal_fix(refused)}; until it takes "
                f"the rank (asked again every few seconds), capture with `{touch}` ({which})")
     elif untrusted and daemon_url:
         how = f"not registering with ondemand-profd at {daemon_url}: {untrusted}; capture with `{touch}` ({which})"
+    elif connecting and daemon_url:
+        how = (f"capture with `{touch}` ({which}); still connecting to ondemand-profd at {daemon_url}: a line says "
+               "so when it registers this rank")
     elif daemon_url:
         how = f"capture with `{touch}` ({which}; no ondemand-profd answered at {daemon_url}: start one for ondemandctl)"
     else:
         how = f"capture with `{touch}` ({which})"
     extra = "".join(f"; {note}" for note in notes)
     return f"ondemand_prof: {'now ' if moved else ''}{who}: {how}; traces go to {save_root.absolute()}{extra}"
+
+
+def daemon_command(ident: Identity) -> str:
+    return f"ondemandctl capture --job {shlex.quote(ident.job_id)} --ranks {ident.rank}"
+
+
+def registered_line(ident: Identity, daemon: str) -> str:
+    """The daemon answered after the start-up line said it had not (still connecting, or none there then)."""
+    return (f"ondemand_prof: rank {ident.rank} of {ident.world_size}, job {ident.job_id}: registered with "
+            f"ondemand-profd at {daemon}: capture with `{daemon_command(ident)}`")
 
 
 def written_line(ident: Identity | Any, result: dict[str, Any]) -> str:

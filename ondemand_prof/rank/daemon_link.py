@@ -103,6 +103,7 @@ class DaemonLink(Extension):
         self._distrust: str | None = "not checked yet"
         self._peer: tuple[int, int] | None = None  # (uid, pid) of the daemon whose messages were checked
         self.acknowledged = False  # the daemon answered a registration ("registered")
+        self._answered_before = False  # a daemon ever answered one (a later "registered": it restarted)
         self.refused: str | None = None  # why the daemon refused our latest registration (None: it did not)
         self.untrusted: str | None = None  # why we do not register with the daemon's socket there (None: we do)
         self._last_error = ""
@@ -125,6 +126,12 @@ class DaemonLink(Extension):
     @property
     def socket(self) -> Any:
         return self._sock
+
+    @property
+    def connecting(self) -> bool:
+        """A daemon listens at the socket (checked: ours or root's) and has not answered this rank yet: it has
+        not read the registration, or has it on its way back."""
+        return self._distrust is None and not self.acknowledged and self.refused is None and not self._closed
 
     def poll(self, now: float) -> None:
         """Called by the agent every loop (5 ms): take messages, send queued events, heartbeat once a second."""
@@ -372,10 +379,13 @@ class DaemonLink(Extension):
         kind = msg["type"]
         if kind == "registered":
             if not self.acknowledged or self.refused:
+                # the first registration is the agent's to say (the start-up line, or a line of its own when the
+                # daemon answered after it); one after a daemon's restart is said here
                 ident = self.agent.prof.identity()
-                log.info("ondemand_prof: registered with ondemand-profd at %s (job %s, rank %d)", self.url,
-                         ident.job_id, ident.rank)
-            self.acknowledged = True
+                log.log(logging.INFO if self._answered_before else logging.DEBUG,
+                        "ondemand_prof: registered with ondemand-profd at %s (job %s, rank %d)", self.url,
+                        ident.job_id, ident.rank)
+            self.acknowledged = self._answered_before = True
             self.refused = None
             self._last_error = ""
             batch = msg.get("events_batch")

@@ -257,3 +257,41 @@ def test_log_budget_says_how_many_lines_it_held_back() -> None:
     now[0] = 61.0
     assert budget.due() and budget.held == 7
     assert budget.take() == (True, 7) and not budget.due()  # the next line says how many were held back
+
+
+@pytest.mark.quick
+def test_trigger_wait_prints_each_ranks_final_line_once(tmp_path: Path) -> None:
+    """Issue 44, 6: `ondemandctl trigger --wait` printed `rank 0 done <path>` twice, as progress and again in the
+    result. Progress shows the states a rank passes through; its final line is the result's, once."""
+    import io
+    import socket
+
+    from ondemand_prof.host.commands.trigger import Trigger, result_text
+
+    directory = tmp_path / "trig"
+    (directory / "capture.status").mkdir(parents=True, mode=0o700)
+    directory.chmod(0o700)
+    entry = {"trigger": "v1", "state": "recording", "window": [3, 5]}
+    status = directory / "capture.status" / "rank0.json"
+
+    def write(**change: Any) -> None:
+        entry.update(change)
+        tmp = status.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "triggers": [entry],
+                                   "latest": entry}))
+        tmp.rename(status)
+
+    write()
+    out = io.StringIO()
+    import threading
+
+    later = threading.Timer(0.5, write, kwargs={"state": "done", "trace": "/p/c/rank0.pt.trace.json",
+                                                "steps": [3, 4]})
+    later.start()
+    answers, finished = Trigger().wait(directory, "v1", {0}, 30.0, out)
+    later.join()
+    printed = out.getvalue() + result_text(answers, finished, directory)
+    done = "  rank 0    done  /p/c/rank0.pt.trace.json  steps 3..4"
+    assert printed.count(done) == 1 and printed.count("rank 0 ") == 2, printed
+    assert printed.startswith("  rank 0    recording  steps [3, 5)\n"), printed
+    assert "done: 1 of 1 rank(s) wrote a trace\n" + done in printed, printed

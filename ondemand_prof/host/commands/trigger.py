@@ -213,7 +213,8 @@ class Trigger(Command):
              out: TextIO | None) -> tuple[dict[int, dict[str, Any]], bool]:
         """Read the status files until every rank that watches the file is done with this trigger: the ranks the
         daemon named, those whose status files belong to a live process of this host, and any other that answers
-        within GATHER_S of the first. Each change of a rank's state is printed to `out`."""
+        within GATHER_S of the first. Each change of a rank's state is printed to `out` until its final one, which
+        the result says (result_text: it was printed twice, once here)."""
         expected = set(expected) | live_ranks(directory)
         deadline = time.monotonic() + timeout
         first_at: float | None = None
@@ -226,7 +227,7 @@ class Trigger(Command):
                 first_at = now
             for rank in sorted(answers):
                 state = answers[rank].get("state", "?")
-                if out is not None and shown.get(rank) != state:
+                if out is not None and shown.get(rank) != state and state not in FINAL:
                     shown[rank] = state
                     out.write(f"  rank {rank:<4} {state}{_detail(answers[rank])}\n")
                     out.flush()

@@ -74,6 +74,7 @@ class Service:
         # reading and comparing summaries, off the loop (host/worker.py); None: inline (a service driven directly)
         self.worker: Worker | None = None
         self.capture_rate: Any = None  # captures asked per asker a minute (host/commands/capture.py CaptureRate)
+        self.limits: list[str] | None = None  # what the daemon cannot do where it runs (daemon_info, once)
         self.triage = TriageBook(self)  # stacks, memory, flight-recorder requests waiting for their ranks
         self.rank_captures = RankCaptures(self)  # automatic, trigger-file and signal captures (host/autocapture.py)
         self.rank_handlers: dict[str, Callable[[bytes, dict[str, Any]], bytes | None]] = {
@@ -153,13 +154,17 @@ class Service:
 
     def daemon_info(self) -> dict[str, Any]:
         now = time.monotonic()
+        if self.limits is None:
+            self.limits = [note for note in (ptrace_note(),) if note]
         return {"pid": os.getpid(), "version": __version__, "host": self.host,
                 "started_at": iso_time(self.started_wall), "uptime_s": round(now - self.started, 1),
                 "runtime_dir": str(self.runtime_dir), "state_dir": str(self.state_dir),
                 "captures": len(self.store.records), "running_captures": len(self.store.running()),
                 # records that could not be written (a full state disk): none of them is a baseline yet
                 **({"unsaved_records": len(self.store.unsaved),
-                    "unsaved_error": next(iter(self.store.unsaved.values()))} if self.store.unsaved else {})}
+                    "unsaved_error": next(iter(self.store.unsaved.values()))} if self.store.unsaved else {}),
+                # what this daemon cannot do where it runs (no CAP_SYS_PTRACE: issue 41, 11)
+                **({"limits": self.limits} if self.limits else {})}
 
     def find(self, capture_id: str) -> CaptureRecord:
         try:
@@ -504,6 +509,30 @@ def _proc_uid(pid: int) -> int | None:
         return os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return None
+
+
+CAP_SYS_PTRACE = 19
+
+
+def ptrace_note() -> str:
+    """A line when this daemon runs as root without CAP_SYS_PTRACE (a container's default, or a DaemonSet that
+    dropped it): the processes of other users, ranks in pods that do not run as root among them, cannot be looked
+    into (/proc/PID/ns, /proc/PID/root, mountinfo), so where their files are and which namespaces they are in is
+    not known; said in status rather than left to each capture's failure (issue 41, 11). '' otherwise."""
+    if os.geteuid() != 0:
+        return ""  # (a daemon of an ordinary user serves that user's ranks alone)
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            line = next((x for x in fh if x.startswith("CapEff:")), "")
+        effective = int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        return ""
+    if effective >> CAP_SYS_PTRACE & 1:
+        return ""
+    return ("this daemon runs without CAP_SYS_PTRACE: it cannot look into processes of other users (ranks that do "
+            "not run as root, in pods or not): their mount and pid namespaces are unknown and their files in "
+            "containers (/proc/PID/root) unreachable, so their trigger directories and traces are taken as their "
+            "containers' own and may read as missing; give it SYS_PTRACE (deploy/kubernetes/ondemand-profd.yaml)")
 
 
 def host_root(peer: Any) -> bool:

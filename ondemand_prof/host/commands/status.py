@@ -60,6 +60,8 @@ class Status(Command):
         d = data["daemon"]
         text = (f"ondemand-profd {d['version']} pid {d['pid']} on {d['host']}, up {d['uptime_s']:.0f} s; "
                 f"{d['captures']} capture record(s), {d['running_captures']} running\n")
+        for limit in d.get("limits") or []:  # (issue 41, 11: no CAP_SYS_PTRACE)
+            text += f"WARNING: {limit}\n"
         if d.get("unsaved_records"):  # (issue 41, 9: a full state disk)
             text += (f"WARNING: {d['unsaved_records']} capture record(s) cannot be written to {d['state_dir']}: "
                      f"{d.get('unsaved_error')}; they are lost at a restart, and a baseline among them is not the "

@@ -47,10 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
-from ..core.tracedefs import CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_self_times
+from ..core.tracedefs import ASYNC, CPU_TREE_CATS, DEVICE_CATS, STEP_RE, thread_tree
 from .checks import MAX_DEVICE, bounded_name, one_line
+from . import pipeline
 from .classify import (BACKEND_LIBRARIES, CATEGORY_ALIASES, DEVICE_PROCESSES, LAUNCH_CATS, LAUNCH_FLOWS,
-                       NPU_LISTED_TASKS, collective_kind, comm_library, device_name, is_comm, kernel_group)
+                       NPU_LISTED_TASKS, P2P_KINDS, collective_kind, comm_library, device_name, is_comm, kernel_group)
 from .timeline import DEFAULT_GROUP, encode, group_of_args, in_steps, shifted
 from .tracefile import TraceError, TraceReader
 
@@ -151,6 +152,9 @@ class RankAnalyzer:
         # record_param_comms event's (thread, start) -> group name; group name -> its ranks
         self.group_of: dict[Any, str] = {}
         self.group_ranks: dict[str, list[int]] = {}
+        # each thread's tree and self times (core/tracedefs.thread_tree: an event's parent, or ASYNC), made when a
+        # result is
+        self._trees: dict[tuple[Any, Any], tuple[array, array]] = {}
 
     def _name_id(self, name: str) -> int:
         i = self.names.get(name)
@@ -287,6 +291,7 @@ class RankAnalyzer:
 
     def result(self, top: int = 15) -> dict[str, Any]:
         self._sort_loose()
+        self._trees = {key: thread_tree(t.ts, t.dur) for key, t in self.threads.items()}
         ordered = self._ordered_steps()
         ops, annotations, in_steps, by_step = self._operators(ordered)
         steps, attribution, libraries, member, bounds = self._step_rows(ordered)
@@ -308,6 +313,7 @@ class RankAnalyzer:
             "collectives": self._collectives(ordered, member, transfers),
             "step_ops": self._step_ops(ordered, in_steps, member, by_step),
             "timeline": self._timeline(ordered, bounds, transfers),
+            "pipeline": self._pipeline(ordered, bounds),
             "memory": self._memory_result(),
         }
         out.update(step_summary(steps))
@@ -315,6 +321,7 @@ class RankAnalyzer:
 
     def operator_self_times(self) -> dict[str, float]:
         """name -> total self time (us) of cpu_op events; what the correctness test compares to key_averages()."""
+        self._trees = {key: thread_tree(t.ts, t.dur) for key, t in self.threads.items()}
         ops, _, _, _ = self._operators(self._ordered_steps())
         return {r["name"]: r["self_us"] for r in ops}
 
@@ -354,8 +361,8 @@ class RankAnalyzer:
         in_steps: dict[int, list[float]] = {}
         by_step: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
         step_of = _step_finder(steps)
-        for t in self.threads.values():
-            selfs = thread_self_times(t.ts, t.dur)
+        for key, t in self.threads.items():
+            selfs = self._trees[key][1]
             for i in range(len(t.ts)):
                 row = agg.get((t.name[i], bool(t.is_op[i])))
                 if row is None:
@@ -471,6 +478,7 @@ class RankAnalyzer:
                 ordered[key] = (order, [t.ts[i] for i in order])
             order, starts = ordered[key]
             t = self.threads[key]
+            parents = self._trees[key][0]
             lo, hi = ts, ts + dur
             busy, own_comm = [], []
             for j in range(bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)):
@@ -479,7 +487,8 @@ class RankAnalyzer:
                     continue
                 iv = (t.ts[i], min(hi, t.ts[i] + t.dur[i]))
                 if t.name[i] in comm_ids:
-                    own_comm.append(iv)
+                    if parents[i] != ASYNC:  # (an asynchronous send's range: the thread goes on working inside it)
+                        own_comm.append(iv)
                 elif t.is_op[i]:  # a record_function label is not work: the thread may wait inside one
                     busy.append(iv)
             work = _subtract(_merge(busy), _merge(own_comm))  # inside an operator, not (inside) a collective
@@ -563,6 +572,81 @@ class RankAnalyzer:
         entries = ((t.step, t.kind, t.group, t.arrival, t.end) for t in transfers)
         return encode("cpu" if bounds is None else "device", in_steps(entries, origin), self.group_ranks)
 
+    def _pipeline(self, steps: list[tuple[int, float, float, Any]], bounds: dict[int, tuple[float, float]] | None
+                  ) -> dict[str, Any] | None:
+        """The pipeline schedule (pipeline.py) from torch.distributed.pipelining's labels inside the steps: on the
+        CPU, each label's time on its thread and the thread's work in it (an operator, not communication, as the
+        split counts it); with device kernels, the kernels launched inside each label (by their launch's time, on
+        any thread: CUDA's backward launches from the autograd engine's) and the compute kernels' time."""
+        labels: dict[int, tuple[int | None, str, int]] = {}
+        for nid, name in enumerate(self.name_list):
+            if (act := pipeline.action_of(name)) is not None:
+                labels[nid] = act
+        if not labels or not steps:
+            return None
+        step_of = _step_finder(steps)
+        p2p = {nid: collective_kind(name) for nid, name in enumerate(self.name_list)
+               if comm_library(name) == "c10d" and collective_kind(name) in P2P_KINDS}
+        found: list[tuple[Any, int, float, float, tuple[int | None, str, int]]] = []
+        works: dict[Any, list[tuple[float, float]]] = {}
+        issued: dict[Any, dict[str, list[float]]] = {}
+        for key, t in self.threads.items():
+            mine = [(step_of(t.ts[i]), t.ts[i], t.ts[i] + t.dur[i], labels[t.name[i]]) for i in range(len(t.ts))
+                    if not t.is_op[i] and t.name[i] in labels]
+            mine = [m for m in mine if m[0] >= 0]
+            if not mine:
+                continue
+            found += [(key, *m) for m in mine]
+            parents = self._trees[key][0]
+            busy, own_comm = [], []
+            sent: dict[str, list[float]] = {"send": [], "recv": [], "send/recv": []}
+            for i in range(len(t.ts)):
+                if t.name[i] in p2p:
+                    sent[p2p[t.name[i]]].append(t.ts[i])
+                if is_comm(self.name_list[t.name[i]]):
+                    if parents[i] != ASYNC:  # (gloo's send in flight: the thread works on inside it)
+                        own_comm.append((t.ts[i], t.ts[i] + t.dur[i]))
+                elif t.is_op[i]:
+                    busy.append((t.ts[i], t.ts[i] + t.dur[i]))
+            works[key] = _subtract(_merge(busy), _merge(own_comm))
+            issued[key] = {kind: sorted(v) for kind, v in sent.items()}
+        if not found:
+            return None
+
+        def inside(times: list[float], lo: float, hi: float) -> bool:
+            return bisect.bisect_left(times, lo) < bisect.bisect_right(times, hi)
+
+        def flags(key: Any, lo: float, hi: float) -> tuple[bool, bool]:
+            got = issued[key]
+            both = inside(got["send/recv"], lo, hi)
+            return both or inside(got["send"], lo, hi), both or inside(got["recv"], lo, hi)
+
+        if bounds is None:  # the CPU: the labels of the thread that has most, and that thread's work
+            main = max(works, key=lambda key: sum(1 for f in found if f[0] == key))
+            actions = [pipeline.Action(k, stage, kind, mb, lo, hi, *flags(key, lo, hi))
+                       for key, k, lo, hi, (stage, kind, mb) in found if key == main]
+            work = works[main]
+            origin = [(number, ts, dur) for number, ts, dur, _ in steps]
+            return pipeline.schedule(actions, origin, lambda lo, hi: _length(_clip(work, lo, hi)), "cpu")
+        # the device: each label's compute kernels (launched inside it), on the step's device window
+        launched_at: dict[int, float] = {}
+        la, d = self.launches, self.dev
+        for i in range(len(la.ts)):
+            launched_at.setdefault(la.corr[i], la.ts[i])
+        kernels = sorted((launched_at[d.corr[i]], i) for i in range(len(d.ts))
+                         if d.comm[i] == COMPUTE and d.corr[i] in launched_at)
+        times = [x[0] for x in kernels]
+        compute = _merge((d.ts[i], d.ts[i] + d.dur[i]) for i in range(len(d.ts)) if d.comm[i] == COMPUTE)
+        device_actions = []
+        for key, k, lo, hi, (stage, kind, mb) in found:
+            own = [i for _, i in kernels[bisect.bisect_left(times, lo):bisect.bisect_right(times, hi)]]
+            if own:
+                device_actions.append(pipeline.Action(k, stage, kind, mb, min(d.ts[i] for i in own),
+                                                      max(d.ts[i] + d.dur[i] for i in own), *flags(key, lo, hi)))
+        windows = [(number, *bounds.get(k, (ts, ts))) for k, (number, ts, _, _) in enumerate(steps)]
+        return pipeline.schedule(device_actions, [(number, lo, hi - lo) for number, lo, hi in windows],
+                                 lambda lo, hi: _length(_clip(compute, lo, hi)), "device")
+
     def _device_transfers(self, steps: list[tuple[int, float, float, Any]], member: array) -> Iterable[Transfer]:
         """The communication kernels inside the steps: the kind of the c10d/functional operator around the
         kernel's launch on its thread, else the kernel's own; each arrives when it begins on its stream. torch_npu's
@@ -590,39 +674,53 @@ class RankAnalyzer:
                            self.group_of.get(i, DEFAULT_GROUP), member[i])
 
     def _cpu_transfers(self, steps: list[tuple[int, float, float, Any]]) -> Iterable[Transfer]:
-        """The collectives on the CPU: each backend range (gloo's, on its worker threads; nested ones of a thread
-        once), matched to the c10d operators first in, first out (each range takes the earliest unmatched operator
-        issued before it started); where no backend range is in the trace, the outermost c10d operators themselves.
-        A collective arrives when its c10d operator began (the rank was ready), in the step that holds that."""
+        """The collectives on the CPU: each backend range (gloo's, on its worker threads; one inside another backend
+        range of its thread's tree once; an asynchronous one, such as gloo's send/recv work on the training thread,
+        each), matched to the c10d operators first in, first out (each range takes the earliest unmatched operator
+        issued before it started): a point-to-point range takes an operator of its own direction (a send's range
+        never a recv, nor a collective), a collective's range a collective's operator (its kind may differ: gloo
+        runs FSDP's reduce_scatter as an all_reduce); where no backend range is in the trace, the outermost c10d
+        operators themselves. A collective arrives when its c10d operator began (the rank was ready), in the step
+        that holds that."""
         backend: list[tuple[float, float, int]] = []
         issuing: list[tuple[float, float, int, str]] = []
         for key, t in self.threads.items():
-            outer_end = -math.inf
+            parents = self._trees[key][0]
             groups = _Groups(self.group_of, key)
+            in_backend = array("b", [0]) * len(t.ts)  # inside a backend range of this thread (parents come first)
             for i in sorted(range(len(t.ts)), key=lambda i: (t.ts[i], -t.dur[i])):
                 name = self.name_list[t.name[i]]
                 library = comm_library(name)
+                p = parents[i]
+                inside = p >= 0 and bool(in_backend[p])
                 if library in BACKEND_LIBRARIES:
-                    if t.ts[i] >= outer_end:  # not inside another backend range of this thread
+                    in_backend[i] = 1
+                    if not inside:
                         backend.append((t.ts[i], t.ts[i] + t.dur[i], t.name[i]))
-                        outer_end = t.ts[i] + t.dur[i]
-                elif library == "c10d" and collective_kind(name) not in ("other", "wait"):
-                    issuing.append((t.ts[i], t.ts[i] + t.dur[i], t.name[i], groups.within(t.ts[i], t.ts[i] + t.dur[i])))
+                else:
+                    in_backend[i] = inside
+                    if library == "c10d" and collective_kind(name) not in ("other", "wait"):
+                        issuing.append((t.ts[i], t.ts[i] + t.dur[i], t.name[i],
+                                        groups.within(t.ts[i], t.ts[i] + t.dur[i])))
         if not backend:  # (an older torch, or a backend we do not know): the operators are all there is
             backend, issuing = [(a, b, n) for a, b, n, _ in issuing], [(a, b, n, g) for a, b, n, g in issuing]
         backend.sort()
         issuing.sort()
-        queue: collections.deque[tuple[float, float, int, str]] = collections.deque()
+        queues: dict[str, collections.deque[tuple[float, float, int, str]]] = defaultdict(collections.deque)
         step_of = _step_finder(steps)
         j = 0
         for ts, end, nid in backend:
             while j < len(issuing) and issuing[j][0] <= ts:
-                queue.append(issuing[j])
+                kind = collective_kind(self.name_list[issuing[j][2]])
+                queues[kind if kind in P2P_KINDS else ""].append(issuing[j])
                 j += 1
+            name = self.name_list[nid]
+            own = collective_kind(name)
+            queue = queues[own] if own in P2P_KINDS and queues[own] else queues["send/recv"] if own in P2P_KINDS \
+                else queues[""]
             op = queue.popleft() if queue else None
             issuer = self.name_list[op[2]] if op else None
-            name = self.name_list[nid]
-            kind = collective_kind(issuer) if issuer else collective_kind(name)
+            kind = collective_kind(issuer) if issuer else own
             arrival = op[0] if op else ts
             yield Transfer(ts, end, kind, self._library(nid), issuer, arrival, op[3] if op else DEFAULT_GROUP,
                            step_of(arrival))

@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from ..core.ranks import MAX_RANK
+from .pipeline import KINDS as PIPELINE_KINDS, MAX_ACTIONS, MAX_STEPS as PIPELINE_STEPS
 
 # What a rank's report may hold to be compared (a summary.json is written by the rank's own post-processing, so a
 # rank can write anything there): more, or another type, and the rank is not compared (Unusable says where)
@@ -184,6 +185,43 @@ def _check_summary(s: dict[str, Any], rank: Any, capture_id: Any, job_id: Any) -
     for key in ("kernel_steps", "options"):
         if s.get(key) is not None:
             _plain(entry(s[key], key), key)
+    if s.get("pipeline") is not None:
+        _check_pipeline(entry(s["pipeline"], "pipeline"))
+
+
+def _check_pipeline(p: dict[str, Any]) -> None:
+    """A rank's pipeline schedule (report/pipeline.py), as the reports read it: its words, its counts, each action
+    [stage or null, kind, microbatch, start ms, time ms, computing ms] and each step [step, span ms, computing ms],
+    within the bounds pipeline.py keeps."""
+    for key in ("labels", "basis", "role"):
+        word(p.get(key), f"pipeline.{key}")
+    for key in ("steps", "microbatches", "dropped_actions"):
+        number(p.get(key), f"pipeline.{key}", hi=MAX_TABLE_STEPS)
+    for key in ("span_ms", "busy_ms", "bubble_ms"):
+        number(p.get(key), f"pipeline.{key}")
+    number(p.get("bubble_pct"), "pipeline.bubble_pct", hi=100.001)
+    for i, stage in enumerate(a_list(p.get("stages"), "pipeline.stages", MAX_ROWS)):
+        if type(stage) is not int or not 0 <= stage <= MAX_STEP:
+            raise Unusable(f"pipeline.stages[{i}] is {shown(stage)}, not a stage number")
+    for i, row in enumerate(a_list(p.get("actions"), "pipeline.actions", MAX_ACTIONS)):
+        where = f"pipeline.actions[{i}]"
+        if not isinstance(row, list) or len(row) != 6:
+            raise Unusable(f"{where} is {shown(row)}, not [stage, kind, microbatch, start, time, computing]")
+        stage, kind, microbatch = row[:3]
+        if stage is not None and (type(stage) is not int or not 0 <= stage <= MAX_STEP):
+            raise Unusable(f"{where} stage is {shown(stage)}, not a stage number")
+        if kind not in PIPELINE_KINDS:
+            raise Unusable(f"{where} kind is {shown(kind)}, not one of {', '.join(PIPELINE_KINDS)}")
+        if type(microbatch) is not int or not 0 <= microbatch <= MAX_STEP:
+            raise Unusable(f"{where} microbatch is {shown(microbatch)}, not a microbatch number")
+        for value in row[3:]:
+            number(value, where)
+    for i, row in enumerate(a_list(p.get("by_step"), "pipeline.by_step", PIPELINE_STEPS)):
+        where = f"pipeline.by_step[{i}]"
+        if not isinstance(row, list) or len(row) != 3 or type(row[0]) is not int:
+            raise Unusable(f"{where} is {shown(row)}, not [step, span, computing]")
+        for value in row[1:]:
+            number(value, where)
 
 
 def column_sum(steps: list[dict[str, Any]], key: str, hi: float = MAX_MS) -> float:

@@ -104,13 +104,19 @@ COLLECTIVE_KINDS: tuple[tuple[str, str], ...] = (
     ("all_to_all", r"all_?to_?all|dispatch|combine|(?:^|_)a2a"),  # DeepEP's dispatch/combine are all-to-all
     ("broadcast", r"broadcast|bcast"),
     ("barrier", r"barrier"),
-    ("send/recv", r"send|recv|p2p"),
+    # point-to-point: one direction where the name says one (c10d::send, c10d::recv_, gloo:send, nccl:recv), both
+    # where one call does both (NCCL's SendRecv kernel, a p2p range)
+    ("send/recv", r"send.*recv|recv.*send|p2p"),
+    ("send", r"send"),
+    ("recv", r"recv"),
     ("reduce", r"reduce"),
     ("gather", r"gather"),
     ("scatter", r"scatter"),
     ("wait", r"wait"),
 )
 _KIND_RE = [(kind, re.compile(pattern)) for kind, pattern in COLLECTIVE_KINDS]
+# point-to-point kinds: pairs of ranks, not groups (timeline.py leaves them out of the matching across ranks)
+P2P_KINDS = frozenset({"send", "recv", "send/recv"})
 # libraries that run the transfer (their ranges and kernels are the collective's time); c10d's operators only
 # issue one (an enqueue on the training thread, around which a backend range runs on a worker thread or device)
 BACKEND_LIBRARIES = frozenset({"NCCL/RCCL", "HCCL", "gloo", "DeepEP", "NVSHMEM", "SymmetricMemory", "MSCCL++"})
@@ -118,8 +124,8 @@ BACKEND_LIBRARIES = frozenset({"NCCL/RCCL", "HCCL", "gloo", "DeepEP", "NVSHMEM",
 
 @functools.lru_cache(maxsize=1 << 14)
 def collective_kind(name: str) -> str:
-    """all_reduce, reduce_scatter, all_gather, all_to_all, broadcast, barrier, send/recv, reduce, gather,
-    scatter, wait, or "other", from a communication kernel's, operator's or range's name
+    """all_reduce, reduce_scatter, all_gather, all_to_all, broadcast, barrier, send, recv, send/recv (a call that
+    does both), reduce, gather, scatter, wait, or "other", from a communication kernel's, operator's or range's name
     (`ncclDevKernel_ReduceScatter_Sum_f32_RING_LL` -> reduce_scatter, `c10d::_allgather_base_` -> all_gather,
     `gloo:all_reduce` -> all_reduce, `hcom_allReduce_` -> all_reduce)."""
     text = re.sub(r"^void ", "", name)

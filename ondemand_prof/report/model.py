@@ -55,6 +55,7 @@ class RankResult(TypedDict, total=False):
     collectives: list[dict[str, Any]]  # per collective kind: calls and time per step, via, issued_by (analyze.py)
     step_ops: dict[str, Any]  # the operators and kernels inside the steps, what a comparison matches (compare.py)
     timeline: dict[str, Any] | None  # each step's collectives, arrival and end (timeline.py): waits.py, replay.py
+    pipeline: dict[str, Any] | None  # torch.distributed.pipelining's schedule: actions, span, bubble (pipeline.py)
     cpu_by_step: dict[str, Any] | None  # the training thread's CPU and run-queue wait per step (rank/cpuclock.py)
     memory: dict[str, Any] | None
     # across hosts (host/summaries.merge_summaries): which daemon returned the rank, how late its window began

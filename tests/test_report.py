@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import assert_ok, base_env, captures, ctl, load_trace, run_ranks, trace_steps
+from conftest import assert_ok, base_env, captures, ctl, load_trace, run_ranks, start_ranks, trace_steps, wait_all
 from ondemand_prof.report import build_report
 from ondemand_prof.report.analyze import RankAnalyzer
 from ondemand_prof.report.tracefile import TraceReader
@@ -105,6 +105,40 @@ def test_multi_rank_report_through_the_cli(tmp_path: Path) -> None:
     # the capture folder: each rank once (its trace sits beside its directory, and is read through it)
     folder = json.loads(ctl(tmp_path, "report", str(caps[0]["folder"]), "--json").stdout)
     assert [r["rank"] for g in folder["captures"] for r in g["ranks"]] == [0, 1]
+
+
+def test_a_one_rank_capture_reads_as_one_rank_and_its_html_as_the_text(tmp_path: Path) -> None:
+    """Issue 44, 6: a 1-rank report said "communication: none recognised (NCCL/RCCL, HCCL, ...)", as if names
+    had been missed; the HTML showed call counts as `1.0` (the comparison's means per step) and each trace's path
+    as `<rank dir>/../<file>`. Two 1-rank captures (static windows of two runs, no process group): the report
+    says what is true for one rank, and the HTML of it and of their comparison shows whole calls as whole
+    numbers and each trace's path as the file's."""
+    common = ["--steps", "12", "--no-dist", "--profile", "--profile-step-start", "3", "--profile-step-end", "6",
+              "--profile-min-free-mb", "0"]
+    assert_ok(wait_all([*start_ranks([*common, "--profile-save-path", str(tmp_path / "a")]),
+                        *start_ranks([*common, "--profile-save-path", str(tmp_path / "b")])], timeout=300))
+    (now,), (base,) = captures(tmp_path / "a"), captures(tmp_path / "b")
+    text = ctl(tmp_path, "report", str(now["folder"]))
+    assert text.returncode == 0, text.stderr
+    assert "  communication: none (one rank, world size 1: no collectives in its steps)" in text.stdout, text.stdout
+    assert "none recognised" not in text.stdout
+    page = tmp_path / "one.html"
+    assert ctl(tmp_path, "report", str(now["folder"]), "--html", str(page)).returncode == 0
+    html = page.read_text()
+    assert "communication: none (one rank, world size 1" in html
+    (listed,) = re.findall(r"<li>rank 0: <code>([^<]*)</code></li>", html)
+    assert listed == str(now["folder"] / Path(now["trace_file"]).name) and "/../" not in listed, listed
+    calls = re.findall(r'<td class=name title="[^"]*">[^<]*</td><td class=num>([^<]*)</td>', html)
+    assert calls and all(c.isdigit() for c in calls), calls  # the operator tables' CALLS column
+    page = tmp_path / "compare.html"
+    res = ctl(tmp_path, "report", str(now["folder"]), "--baseline", str(base["folder"]), "--html", str(page))
+    assert res.returncode == 0, res.stdout + res.stderr
+    table = page.read_text().split("<th>Calls baseline</th>", 1)[1].split("</table>", 1)[0]
+    rows = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in table.split("<tr>")[1:]]
+    rows = [cells for cells in rows if len(cells) == 9]  # name, what, ms baseline, now, delta, calls, calls, us, us
+    assert rows, table
+    assert not [cells for cells in rows if re.fullmatch(r"\d+\.0", cells[5]) or re.fullmatch(r"\d+\.0", cells[6])], \
+        rows
 
 
 COLLECTIVE_PREFIXES = ("gloo:", "c10d::", "record_param_comms", "nccl:")

@@ -96,6 +96,11 @@ def _num(x: float | None, d: int = 2) -> str:
     return "-" if x is None else f"{x:.{d}f}"
 
 
+def _count(x: float | None) -> str:
+    """Calls: a whole number as one (a mean per step of 1.0 read `1.0`), else to a tenth."""
+    return "-" if x is None else f"{x:.0f}" if abs(x - round(x)) < 0.05 else f"{x:.1f}"
+
+
 def render_html(report: Report) -> str:
     body = [_sources(report)]
     for p in report["problems"]:
@@ -321,7 +326,8 @@ def _rank_operators(r: RankResult, rid: str) -> str:
                               "device time, ms"))
         out.append('<table class="sortable"><thead><tr><th>Kernel</th><th>Calls</th><th>Total ms</th>'
                    '<th>Avg us</th><th>Kind</th></tr></thead><tbody>' + "".join(
-                       f'<tr><td class=name title="{_e(k["name"])}">{_e(label)}</td><td class=num>{k["calls"]}</td>'
+                       f'<tr><td class=name title="{_e(k["name"])}">{_e(label)}</td>'
+                       f'<td class=num>{_count(k["calls"])}</td>'
                        f'<td class=num>{k["total_us"] / 1000:.3f}</td><td class=num>{k["avg_us"]:.1f}</td>'
                        f'<td>{"communication" if k["comm"] else "compute"}</td></tr>' for k, label in zip(kernels, labels))
                    + "</tbody></table>")
@@ -334,7 +340,7 @@ def _ops_table(ops: list[dict[str, Any]]) -> str:
     labels = short_names([o["name"] for o in ops])
     return ('<table class="sortable"><thead><tr><th>Operator</th><th>Calls</th><th>Self ms</th><th>Total ms</th>'
             '<th>Avg us</th><th>Kind</th></tr></thead><tbody>' + "".join(
-                f'<tr><td class=name title="{_e(o["name"])}">{_e(label)}</td><td class=num>{o["calls"]}'
+                f'<tr><td class=name title="{_e(o["name"])}">{_e(label)}</td><td class=num>{_count(o["calls"])}'
                 f'</td><td class=num>{o["self_us"] / 1000:.3f}'
                 f'</td><td class=num>{o["total_us"] / 1000:.3f}</td><td class=num>{o["avg_us"]:.1f}</td>'
                 f'<td>{"communication" if o["comm"] else "compute"}</td></tr>' for o, label in zip(ops, labels))
@@ -468,7 +474,7 @@ def _timed_steps(steps: list[dict[str, Any]], relative: bool = False) -> list[di
 def _open_traces(group: CaptureGroup) -> str:
     items = []
     for r in group["ranks"]:
-        trace = r.get("trace") or r.get("db") or r["path"]
+        trace = os.path.normpath(r.get("trace") or r.get("db") or r["path"])  # a capture's: <rank dir>/../<file>
         items.append(f"<li>rank {_rank(r)}: <code>{_e(trace)}</code></li>")
     return ("<h3>Open the traces</h3><p>In <a href=\"https://ui.perfetto.dev\">ui.perfetto.dev</a>: "
             "<em>Open trace file</em> and pick the file (it is read in your browser, nothing is uploaded); or "
@@ -527,8 +533,8 @@ def render_comparison_html(c: Mapping[str, Any]) -> str:
                         f'<tr><td class=name title="{_e(x["name"])}">{_e(label)}</td><td>{_e(x["category"])}'
                         f'{"" if x["status"] == "changed" else " (" + _e(x["status"]) + ")"}</td>'
                         f'<td class=num>{_num(x["baseline_ms"], 3)}</td><td class=num>{_num(x["now_ms"], 3)}</td>'
-                        f'<td class=num>{_delta_ms(x)}</td><td class=num>{_num(x["calls_baseline"], 1)}</td>'
-                        f'<td class=num>{_num(x["calls_now"], 1)}</td><td class=num>{_num(x["mean_us_baseline"], 1)}'
+                        f'<td class=num>{_delta_ms(x)}</td><td class=num>{_count(x["calls_baseline"])}</td>'
+                        f'<td class=num>{_count(x["calls_now"])}</td><td class=num>{_num(x["mean_us_baseline"], 1)}'
                         f'</td><td class=num>{_num(x["mean_us_now"], 1)}</td></tr>'
                         for x, label in zip(r["changes"], labels)) + "</tbody></table>")
     body.append(f'<p class="muted">Rule: {_e(c.get("rule", ""))}. Operators by self time, kernels by their time '

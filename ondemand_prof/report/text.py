@@ -269,6 +269,8 @@ def comm_counted(r: RankResult) -> str:
     libraries = r.get("comm_libraries") or []
     if r.get("split_from"):
         return f"communication: as torch_npu's {r['split_from']} counts it (HCCL)"
+    if not libraries and r.get("world_size") == 1:  # no peer to wait for: nothing was missed
+        return "communication: none (one rank, world size 1: no collectives in its steps)"
     if not libraries:
         return ("communication: none recognised (NCCL/RCCL, HCCL, gloo, c10d, DeepEP, NVSHMEM, SymmetricMemory, "
                 "MSCCL++ names; see docs/reports.md)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -276,6 +277,40 @@ def test_the_readmes_ten_lines_run_as_written(env: dict[str, Any]) -> None:
     assert "rank 0 of 1, job " in res.stderr and "capture with `touch " in res.stderr, res.stderr
     (cap,) = captures(env["tmp"] / "profile")
     assert trace_steps(cap) == [3, 4]
+
+
+def test_the_readmes_demo_installs_only_what_the_demo_needs(tmp_path: Path) -> None:
+    """Issue 44, 6: the README's first command (the demo) installed the whole test extra (HTA's jupyterlab and
+    plotly, Lightning, transformers, ...: 10 minutes before anything ran). Its set-up now takes --demo, which
+    installs the project alone; the test command, and CI's .ci/run, still install the test extra. setup.sh is run
+    in a copy of the checkout whose .venv python only writes down what it is asked. (The demo itself ran, rc 0,
+    with every package of the test extra made unimportable in it and its children: checked by hand.)"""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [ln for ln in block.splitlines() if ln.startswith("bash ")]
+    assert commands == ["bash scripts/setup.sh --demo && .venv/bin/python -m ondemand_prof.demo",
+                        "bash scripts/setup.sh && bash scripts/test.sh"], commands
+    assert "bash scripts/setup.sh\nbash scripts/test.sh\n" in (ROOT / ".ci" / "run").read_text()
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    venv_bin = tmp_path / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "activate").write_text('PATH="$PWD/.venv/bin:$PATH"\n')
+    (venv_bin / "python").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path}/asked\n')
+    (venv_bin / "python").chmod(0o755)
+
+    def installed(*args: str) -> list[str]:
+        (tmp_path / "asked").write_text("")
+        res = subprocess.run(["bash", "scripts/setup.sh", *args], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 0, res.stderr
+        return [ln for ln in (tmp_path / "asked").read_text().splitlines() if " -e " in f" {ln} "]
+
+    assert installed("--demo") == ["-m pip install -q -e ."]
+    assert installed() == ["-m pip install -q -e .[test]"]
+    wrong = subprocess.run(["bash", "scripts/setup.sh", "--test"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60)
+    assert wrong.returncode == 2 and "usage: bash scripts/setup.sh [--demo]" in wrong.stderr
 
 
 def test_a_window_a_rank_never_reached_says_why(env: dict[str, Any]) -> None:

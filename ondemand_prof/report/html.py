@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 from .analyze import SHARES
 from .grouping import vs_median_pct
 from .model import CaptureGroup, RankResult, Report
+from .pipeline import KINDS as PIPELINE_KINDS, stage_label
 from .text import comm_counted, shares_text, short_names
 
 PALETTE = {"compute": "#4e79a7", "comm": "#e15759", "overlap": "#b07aa1", "idle": "#bab0ac", "slow": "#e15759",
@@ -176,7 +177,7 @@ def _group(group: CaptureGroup, gid: str) -> str:
     if options:
         meta.append("options " + ", ".join(f"{_e(k)}={_e(v)}" for k, v in options.items()))
     parts = [f'<section class="capture" id="{gid}"><h2>{title}</h2><div class="muted">{" · ".join(meta)}</div>',
-             _ranks_table(group)]
+             _ranks_table(group), _pipeline_html(group["ranks"])]
     for f in group["failed"]:
         parts.append(f'<p class="problem">Rank {_e(f["rank"])} failed: {_e(f["error"])} '
                      f'<span class="muted">({_e(f["path"])})</span></p>')
@@ -224,6 +225,52 @@ def _ranks_table(group: CaptureGroup) -> str:
             '<th>Max ms</th><th>Compute %</th><th>Comm % (exposed)</th><th>Overlap %</th><th>Idle %</th>'
             '<th>vs median</th></tr></thead><tbody>'
             + "".join(rows) + "</tbody></table>" + note + _split_chart(ranks))
+
+
+PIPELINE_COLOURS = {"F": "#4e79a7", "B": "#f28e2b", "I": "#f28e2b", "W": "#59a14f"}
+
+
+def _pipeline_html(ranks: list[RankResult]) -> str:
+    """The pipeline schedule (pipeline.py): per rank its stage, span, computing and bubble, and each rank's
+    microbatches drawn from the step's start (the mean over the steps: forward blue, backward orange, the weights'
+    backward green; the darker part of a box is the computing in it)."""
+    shown = [(r, p) for r in ranks if (p := r.get("pipeline"))]
+    if not shown:
+        return ""
+    rows = "".join(f'<tr><td>{_rank(r)}</td><td>{_e(stage_label(p))}</td><td class=num>{_e(p["microbatches"])}</td>'
+                   f'<td class=num>{p["span_ms"]:.2f}</td><td class=num>{p["busy_ms"]:.2f}</td>'
+                   f'<td class=num>{p["bubble_ms"]:.2f}</td><td class=num>{p["bubble_pct"]:.1f}</td></tr>'
+                   for r, p in shown)
+    width, lane_h, left = 900, 22, 90
+    end = max((a[3] + a[4] for _, p in shown for a in p["actions"]), default=0.0) or 1.0
+    scale = (width - left - 10) / end
+    lanes = []
+    for r, p in shown:
+        for stage in sorted({a[0] for a in p["actions"]}, key=lambda x: -1 if x is None else x):
+            lanes.append((r, p, stage, [a for a in p["actions"] if a[0] == stage]))
+    parts = []
+    for i, (r, p, stage, acts) in enumerate(lanes):
+        y = 18 + i * lane_h
+        label = f"rank {_rank(r)}" + (f" · {stage}" if stage is not None else "")
+        parts.append(f'<text x="4" y="{y + 13}">{label}</text>')
+        for a in acts:
+            x, w = left + a[3] * scale, max(1.0, a[4] * scale)
+            busy = min(w, a[5] * scale)
+            colour = PIPELINE_COLOURS.get(a[1], "#999")
+            parts.append(f'<g><rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{lane_h - 6}" fill="{colour}" '
+                         f'fill-opacity="0.3" stroke="{colour}"><title>rank {_rank(r)} {_e(PIPELINE_KINDS[a[1]])} '
+                         f'microbatch {a[2]}: starts {a[3]:.2f} ms into the step, {a[4]:.2f} ms, computing {a[5]:.2f} '
+                         f'ms</title></rect><rect x="{x:.1f}" y="{y + lane_h - 10}" width="{busy:.1f}" height="4" '
+                         f'fill="{colour}"/>' + (f'<text x="{x + 2:.1f}" y="{y + 11}">{_e(a[1])}{a[2]}</text>'
+                                                 if w > 16 else "") + "</g>")
+    parts.append(f'<text x="{left}" y="11">0 ms</text><text x="{width - 10}" y="11" text-anchor="end">'
+                 f'{end:.1f} ms from the step\'s start</text>')
+    return ('<h3>Pipeline schedule</h3><p class=muted>torch.distributed.pipelining\'s labels; per step, the mean over '
+            'the steps. Bubble: the span (the first microbatch\'s start to the last\'s end) less the time the stage '
+            'computes in it.</p><table class="sortable"><thead><tr><th>Rank</th><th>Stage</th><th>Microbatches</th>'
+            '<th>Span ms</th><th>Computing ms</th><th>Bubble ms</th><th>Bubble %</th></tr></thead><tbody>' + rows
+            + f'</tbody></table><svg class="chart" width="{width}" height="{24 + len(lanes) * lane_h}" role="img">'
+            + "".join(parts) + "</svg>")
 
 
 def _waits_html(w: dict[str, Any] | None) -> str:

@@ -12,6 +12,7 @@ from .figures import SPLIT
 from .waits import clock_text
 from .grouping import vs_median_pct
 from .model import CaptureGroup, RankResult, Report
+from .pipeline import KINDS as PIPELINE_KINDS, stage_label
 
 
 def _table(rows: list[list[str]], header: list[str], indent: str = "  ") -> str:
@@ -176,6 +177,7 @@ def _group_text(group: CaptureGroup, top: int, per_rank: bool, number: int = 1) 
             text += ": stands out\n" if slowest.get("stands_out") else f"; not marked: {slowest.get('why_not')}\n"
         if group.get("collectives"):
             text += waits_text(group["collectives"])
+        text += pipeline_text(ranks)
     for f in group["failed"]:
         text += f"  rank {f['rank'] if f['rank'] is not None else '?'}: FAILED {f['error']}  ({f['path']})\n"
     if per_rank:
@@ -198,6 +200,49 @@ def waits_text(w: dict[str, Any]) -> str:
                         for k in w["kinds"]], ["KIND", "CALLS", "TRANSFER", "WAIT"], "    ")
     text += "".join(f"  {line}\n" for line in clock_lines(w) + replay_lines(w.get("replay")))
     return text
+
+
+def pipeline_text(ranks: list[RankResult], per_table: int = 6) -> str:
+    """The pipeline schedule of the ranks that ran one (pipeline.py): per rank, its stage, the span, the computing
+    and the bubble; then each microbatch's forward and backward (start from the step's start, time in it, computing
+    in it), `per_table` microbatches a table."""
+    shown = [(r, p) for r in ranks if (p := r.get("pipeline"))]
+    if not shown:
+        return ""
+    steps = sorted({p["steps"] for _, p in shown})
+    basis = {p["basis"] for _, p in shown}
+    text = (f"\npipeline schedule (torch.distributed.pipelining's labels {', '.join(sorted({p['labels'] for _, p in shown}))}; "
+            f"ms per step, mean of {'/'.join(str(n) for n in steps)} step(s); "
+            f"{'on the device' if basis == {'device'} else 'on the CPU' if basis == {'cpu'} else 'CPU and device'})\n")
+    rows = [[_rank(r), stage_label(p), str(p["microbatches"]), _f(p["span_ms"]), _f(p["busy_ms"]),
+             _f(p["bubble_ms"]), f"{p['bubble_pct']:.1f}"] for r, p in shown]
+    text += _table(rows, ["RANK", "STAGE", "MICROBATCHES", "SPAN MS", "COMPUTING MS", "BUBBLE MS", "BUBBLE %"])
+    text += ("  bubble: the span (the first microbatch's start to the last's end) less the time the stage computes in "
+             "it (waiting for its neighbours, sending, idle)\n")
+    lanes: dict[tuple[str, str, str], dict[int, list[Any]]] = {}
+    for r, p in shown:
+        for row in p["actions"]:
+            stage = str(row[0]) if row[0] is not None else p.get("role") or "?"
+            lanes.setdefault((_rank(r), stage, row[1]), {})[row[2]] = row
+    microbatches = sorted({mb for lane in lanes.values() for mb in lane})
+    text += "  each microbatch: start (from the step's start) +time in it (computing in it), ms\n"
+    for k in range(0, len(microbatches), per_table):
+        chunk = microbatches[k:k + per_table]
+        table = [[rank, stage, PIPELINE_KINDS[kind],
+                  *[f"{lane[mb][3]:.2f} +{lane[mb][4]:.2f} ({lane[mb][5]:.2f})" if mb in lane else "" for mb in chunk]]
+                 for (rank, stage, kind), lane in sorted(lanes.items(), key=lambda kv: (
+                     int(kv[0][0]) if kv[0][0].isdigit() else -1, _stage_order(kv[0][1]), "FBIW".index(kv[0][2])))]
+        text += _table(table, ["RANK", "STAGE", "ACTION", *[f"MB {mb}" for mb in chunk]], "    ")
+    for r, p in shown:
+        if p.get("dropped_actions"):
+            text += f"  rank {_rank(r)}: {p['dropped_actions']} more action(s) than a summary keeps (the first are shown)\n"
+    return text
+
+
+def _stage_order(stage: str) -> tuple[int, int]:
+    """A stage as the schedule's table orders it: by number, or first, middle, last, only."""
+    return (0, int(stage)) if stage.isdigit() else (1, ["first", "middle", "last", "only"].index(stage)
+                                                    if stage in ("first", "middle", "last", "only") else 4)
 
 
 def clock_lines(w: dict[str, Any]) -> list[str]:

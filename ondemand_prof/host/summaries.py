@@ -254,7 +254,7 @@ def _not_compared(part: dict[str, Any], got: dict[str, Any], side: str) -> str:
     if part["state"] != "done":
         why = part.get("error")
         return f"recorded nothing in the {side} ({part['state']}" + (f": {why})" if why else ")")
-    return got.get("error") if side == "capture" else f"baseline: {got.get('error')}"
+    return str(got.get("error")) if side == "capture" else f"baseline: {got.get('error')}"
 
 
 def _summary_of(part: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterator, cast
 
 CHUNK = 1 << 20
 MAX_EVENT_CHARS = 16 << 20  # no event is this long: a decode error with this much text left is corruption
@@ -62,7 +62,7 @@ def open_binary(path: Path, nofollow: bool = False) -> tuple[IO[bytes], int | No
         os.close(fd)
         raise
     if path.name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw, mode="rb"), GZIP_SLACK + GZIP_RATIO * st.st_size
+        return cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb")), GZIP_SLACK + GZIP_RATIO * st.st_size
     return raw, None
 
 

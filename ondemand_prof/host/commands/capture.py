@@ -153,7 +153,7 @@ class Capture(Command):
                           "written to %s (%s): it is not the job's baseline until it is", capture_id, job,
                           service.store.dir, unsaved)
         else:
-            service.then(lambda: service.store.save(record))  # on disk before the CLI's reply, after the windows
+            service.then(lambda: void(service.store.save(record)))  # on disk before the reply, after the windows
         if request.start_step is None and msg.get("across_hosts") is not True:  # (across hosts: the same steps
             # everywhere or none; an absolute start is what was asked)
             record.replan = Replanner(service, request, defaults, steps, live[0].key)
@@ -252,6 +252,10 @@ def export_hint(record: dict[str, Any], across: bool) -> str:
     cid = record["capture_id"]
     return (f"  one timeline: ondemandctl {'--hosts ... ' if across else ''}export {cid} --perfetto {cid}.json  "
             "(every rank, clocks aligned; Perfetto UI)\n")
+
+
+def void(_: Any) -> None:
+    """(A callable's result dropped: Service.then takes callables of nothing.)"""
 
 
 RECONNECT_S = 0.5  # how often a capture followed on this host asks for its daemon again, while it does not answer

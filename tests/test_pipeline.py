@@ -261,7 +261,8 @@ def test_gpipe_on_gloo_self_times_sends_and_the_schedule(tmp_path: Path) -> None
     thread; the report has no negative self time, each rank's summary is accepted (the summaries stand for the
     traces, as in a comparison and across hosts), send and recv are counted 4 a step each, as many as the trace's
     c10d::send and c10d::recv_; and the schedule: rank 0 the first stage, rank 1 the last, each with forwards 0-3
-    then backwards 0-3, its span, computing and bubble equal to a recount from the trace's JSON."""
+    then backwards 0-3, its span, computing and bubble equal to a recount from the trace's JSON; the text and HTML
+    reports show it."""
     folder, group, caps = _run(tmp_path, "gpipe")
     for r, cap in zip(group["ranks"], caps):
         events = load_trace(cap)["traceEvents"]
@@ -295,6 +296,13 @@ def test_gpipe_on_gloo_self_times_sends_and_the_schedule(tmp_path: Path) -> None
     assert "pipeline schedule (torch.distributed.pipelining's labels Forward i / Backward i (ScheduleGPipe)" in text
     assert "first stage" in text and "last stage" in text and "BUBBLE %" in text
     assert "send" in text and "(4 call(s) via gloo, issued by c10d::send)" in text, text
+    html = tmp_path / "report.html"
+    assert ctl(tmp_path, "report", str(folder), "--html", str(html)).returncode == 0
+    page = html.read_text()
+    assert "<h3>Pipeline schedule</h3>" in page and "<td>first stage</td>" in page and "<td>last stage</td>" in page
+    for r in (0, 1):
+        assert page.count(f"<title>rank {r} forward microbatch ") == 4
+        assert page.count(f"<title>rank {r} backward microbatch ") == 4
 
 
 def test_interleaved_1f1b_two_stages_a_rank(tmp_path: Path) -> None:

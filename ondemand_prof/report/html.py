@@ -241,7 +241,7 @@ def _pipeline_html(ranks: list[RankResult]) -> str:
                    f'<td class=num>{p["span_ms"]:.2f}</td><td class=num>{p["busy_ms"]:.2f}</td>'
                    f'<td class=num>{p["bubble_ms"]:.2f}</td><td class=num>{p["bubble_pct"]:.1f}</td></tr>'
                    for r, p in shown)
-    width, lane_h, left = 900, 22, 90
+    width, lane_h, left = 900, 22, 110
     end = max((a[3] + a[4] for _, p in shown for a in p["actions"]), default=0.0) or 1.0
     scale = (width - left - 10) / end
     lanes = []
@@ -251,7 +251,7 @@ def _pipeline_html(ranks: list[RankResult]) -> str:
     parts = []
     for i, (r, p, stage, acts) in enumerate(lanes):
         y = 18 + i * lane_h
-        label = f"rank {_rank(r)}" + (f" · {stage}" if stage is not None else "")
+        label = f"rank {_rank(r)}" + (f" · stage {stage}" if stage is not None else "")
         parts.append(f'<text x="4" y="{y + 13}">{label}</text>')
         for a in acts:
             x, w = left + a[3] * scale, max(1.0, a[4] * scale)

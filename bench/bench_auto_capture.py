@@ -48,10 +48,14 @@ def main() -> None:
                         pause=2.0)
         base_s = time.monotonic() - t0
         quiet_until = time.monotonic() + args.minutes * 60
-        false = []
+        false: list[str] = []
+        seen: dict[str, float] = {}
         while time.monotonic() < quiet_until:
             false = [c["capture_id"] for c in listed(run) if c["capture_id"].startswith("auto-")]
+            for cid in false:
+                seen.setdefault(cid, time.monotonic() - t0)
             time.sleep(10)
+        causes = {c["capture_id"]: c.get("cause", "") for c in listed(run) if c["capture_id"] in seen}
         steps_quiet = len(status_lines(work / "steps.jsonl")) // 2
         done = [s["step"] for s in status_lines(work / "steps.jsonl") if "step" in s]
         tmp = inject.with_name("inject.new")
@@ -74,6 +78,8 @@ def main() -> None:
     print(f"{f'automatic captures with no slowdown, {args.minutes:g} min ({steps_quiet} steps)':<64} {len(false):>12}")
     print(f"{f'rank 1 {args.slow_ms} ms slower a step: automatic capture after (s)':<64} {caught_s:>12.1f}")
     print(f"its comparison: {settled.get('cause', '')[:300]}")
+    for cid, at in seen.items():
+        print(f"with no slowdown, at {at:.0f} s: {cid}: {causes.get(cid, '')[:200]}")
 
 
 if __name__ == "__main__":

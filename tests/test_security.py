@@ -1192,7 +1192,9 @@ def test_wire_ids_cannot_name_paths_or_replace_or_flood_out_records(
     log = stop(env["proc"])[1]
     # said, and once a minute per kind, not 1,100 times
     assert log.count("bad automatic window: capture id") == 1, log[-3000:]
-    assert log.count("not recorded: the daemon's budget of") == 1, log[-3000:]
+    # (the first well-formed one runs; since 9d42847 the others are covered by it, before the budget: said once a
+    # minute as the budget's refusals are, not a line each, which filled a stderr nobody read and hung the daemon)
+    assert log.count("not recorded: the daemon's budget of") + log.count("that one covers it") == 1, log[-3000:]
 
 
 @pytest.mark.quick

@@ -133,9 +133,10 @@ class RankCaptures:
         wall, now = time.time(), time.monotonic()
         running = None if baseline else self._running_automatic(info)
         if running is not None:  # another rank of the job slowed down at the same time: one capture, not one each
-            log.info("ondemand-profd: rank %d of job %s asked for an automatic capture; %s of the job is running "
-                     "(steps %s): that one covers it", info.rank, info.job, running.capture_id,
-                     running.data.get("window"))
+            # (logged once a minute per uid, then counted: one line per request let a rank's flood of them fill
+            # the daemon's log, and a stderr nobody read blocked the daemon)
+            self.budget.refused(info, "covered", f"asked for an automatic capture; {running.capture_id} of the job "
+                                f"is running (steps {running.data.get('window')}): that one covers it")
             return None
         held = self.budget.take(info, now)
         if held:

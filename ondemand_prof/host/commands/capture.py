@@ -124,7 +124,8 @@ class Capture(Command):
             raise BadRequest(str(exc)) from None
         capture_id = _adopted_id(service, msg) or make_capture_id(wall=wall)
         charge = charged_to(msg)
-        if not host_root(msg.get("_peer")):  # (root can do anything anyway)
+        if isinstance(charge, int) and not host_root(msg.get("_peer")):  # per uid (root can do anything anyway; a
+            # client key over TCP is an operator's, held to its share of the records)
             if service.capture_rate is None:
                 service.capture_rate = CaptureRate()
             held = service.capture_rate.take(charge, time.monotonic())
@@ -412,11 +413,11 @@ def _common_defaults(targets: list[Any]) -> WindowDefaults:
     return dataclasses.replace(known[0], max_steps=common_cap(d.max_steps for d in known))
 
 
-CAPTURES_PER_MINUTE = 60  # captures one asker (a uid, a client key) may ask of a daemon a minute (root: any)
+CAPTURES_PER_MINUTE = 60  # captures one uid may ask of a daemon a minute (root: any; a client key over TCP: any)
 
 
 class CaptureRate:
-    """How many captures each asker asked for in the last minute (issue 41, 4: one member asked for 1,000 in 2 s)."""
+    """How many captures each uid asked for in the last minute (issue 41, 4: one member asked for 1,000 in 2 s)."""
 
     def __init__(self, per_minute: int = CAPTURES_PER_MINUTE) -> None:
         self.per_minute = per_minute

@@ -189,7 +189,8 @@ def compare_groups(base: CaptureGroup, now: CaptureGroup) -> Comparison:
     if len(b) == len(n) == 1 and set(b) != set(n):  # one rank each, of different numbers: those two, said so
         (kb, rb), (kn, rn) = next(iter(b.items())), next(iter(n.items()))
         result = conclude(compared(rb, rn, kn), *names, jobs=jobs)
-        result["notes"][:0] = [f"one rank on each side: rank {kb} of the baseline compared with rank {kn} now"] + notes
+        label = {k: f"rank {k}" if k is not None else "rank ? (no distributedInfo)" for k in (kb, kn)}
+        result["notes"][:0] = [f"one rank on each side: {label[kb]} of the baseline compared with {label[kn]} now"] + notes
         return result
     ranks = [row for k in n if k in b for row in compared(b[k], n[k], k)]
     unmatched = {"baseline": sorted(k for k in b if k not in n and k is not None),

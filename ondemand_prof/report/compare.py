@@ -33,7 +33,8 @@ CHANGES = 10  # operators and kernels listed per rank
 MIN_MS = 0.5  # a change smaller than this per step is not worth naming, whatever its significance
 BASE_SHARE = 0.03  # ... nor, for a step's time and a rank's own work, one below this share of the baseline step
 ROW_MIN_MS = 0.05  # ... nor, for one operator or kernel, one below this
-SAME_MODEL = 0.3  # operator time matching by name below this share: two different models, said so
+SAME_MODEL = 0.3  # operator time matching by name (and calls: MODEL_CALLS) below this share: two models, said so
+MODEL_CALLS = 0.25  # ... calls a step within this share of each other
 COLLECTIVE_HOST_US = 500.0  # ... and one collective call: its Python and its wait() for the peers, outside its
 # operator (CI under load: 20 more barriers a step grew one rank's host time 4.69 ms, ~235 us a call, x2)
 SAME_CALLS = 0.02  # an operator's calls per step within this share: the same calls
@@ -222,7 +223,7 @@ def _changes(b: dict[str, Any], n: dict[str, Any], kernels: bool = True) -> tupl
             n_ms = nv[1] / 1000 if nv else (0.0 if n_full else None)
             total["b"] += b_ms or 0.0
             total["n"] += n_ms or 0.0
-            if bv is not None and nv is not None:
+            if bv is not None and nv is not None and _same_calls(bv[0], nv[0]):
                 shared["b"] += b_ms or 0.0
                 shared["n"] += n_ms or 0.0
             status = "new" if bv is None and b_full else "vanished" if nv is None and n_full else "changed"
@@ -233,6 +234,12 @@ def _changes(b: dict[str, Any], n: dict[str, Any], kernels: bool = True) -> tupl
     top.sort(key=lambda r: -r[0])
     sides = [shared[k] / total[k] for k in ("b", "n") if total[k] > 0]
     return [_change_row(*r[1:]) for r in top], (sum(sides) / len(sides) if sides else 1.0)
+
+
+def _same_calls(a: float, b: float) -> bool:
+    """One model's operator or kernel is called about as often a step on both sides (a generic name such as
+    aten::add_ is in any two models, at other counts): what says two captures are of one model."""
+    return abs(a - b) <= max(1.0, MODEL_CALLS * max(a, b))
 
 
 def _change_row(name: str, category: str, status: str, bv: list[float] | None, nv: list[float] | None,
@@ -380,7 +387,7 @@ def _notes(ranks: list[dict[str, Any]], unmatched: dict[str, list[int]], jobs: t
     matched = [r["matched_share"] for r in ranks]
     if matched and statistics.median(matched) < SAME_MODEL:
         notes.append(f"different models? only {100 * statistics.median(matched):.0f}% of the operator and kernel time "
-                     "matches by name between the two captures")
+                     "matches by name and calls a step between the two captures")
     if jobs[0] and jobs[1] and jobs[0] != jobs[1]:
         notes.append(f"two jobs: baseline of job {jobs[0]}, capture of job {jobs[1]}")
     one = [r["rank"] for r in ranks if min(r["steps"]["baseline"], r["steps"]["now"]) == 1]

@@ -102,7 +102,8 @@ class Daemon:
 
     def open(self) -> None:
         if self.metrics_address:  # before anything is created: a missing package or a bad address is one line
-            from .metrics import MetricsError, preflight, read_token
+            from .metrics import MetricsError
+            from .metrics_http import preflight, read_token
 
             try:
                 preflight(self.metrics_address)
@@ -141,7 +142,8 @@ class Daemon:
             self._open_metrics(self.metrics_address)
 
     def _open_metrics(self, address: str) -> None:
-        from .metrics import METRICS_FILE, MetricsError, MetricsServer
+        from .metrics import METRICS_FILE, MetricsError
+        from .metrics_http import MetricsServer
 
         try:
             self.metrics = MetricsServer(address, self, self.metrics_token_file)

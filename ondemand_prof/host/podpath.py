@@ -114,11 +114,3 @@ def host_path(pid: int, path: str, here: Iterable[Mount] | None = None) -> str |
     except OSError:
         return None
     return candidate if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino) else None
-
-
-def pod_only_note(pid: int, path: str) -> str:
-    """What a user is told of a path only a container sees (reached from inside it: a path under /proc/PID/root
-    follows the container's absolute links from this host's root, issue 41, 8)."""
-    return (f"{path} is in the rank's own filesystem (pid {pid}'s mount namespace, a container's), not on this "
-            f"host: reach it from inside the container (kubectl exec, or nsenter -t {pid} -m); mount a host "
-            "directory (a hostPath volume) at the save path to keep traces on the host (docs/containers.md)")

@@ -808,7 +808,7 @@ def test_an_opened_window_is_checked_before_it_is_recorded(tmp_path: Path) -> No
     from ondemand_prof.core.options import ProfileConfig
     from ondemand_prof.core.protocol import decode, encode
     from ondemand_prof.core.requests import CaptureRequest, WindowDefaults, resolve
-    from ondemand_prof.host import autocapture
+    from ondemand_prof.host import rank_captures
     from ondemand_prof.host.transport import SCHEMA
 
     svc = make_service(tmp_path)
@@ -836,16 +836,16 @@ def test_an_opened_window_is_checked_before_it_is_recorded(tmp_path: Path) -> No
     caps = listed()
     assert sorted(caps) == ["file-00000000000000aa", "signal-10-1700000000000"], sorted(caps)
     record = svc.store.records["file-00000000000000aa"].data
-    assert record["request"] == {"steps": 3, "id": "mine"} and record["source"] == "file", record["request"]
+    assert record["request"] == {"steps": 3, "id": "mine"} and record["kind"] == "file", record["request"]
     signalled = svc.store.records["signal-10-1700000000000"].data
     assert "signal" not in signalled["request"] and "\n" not in signalled["plan"]["note"], signalled
     opened(1, "file-00000000000000aa", start=900)  # other steps: not a part of it
     opened(1, "file-00000000000000aa")
     assert sorted(svc.store.records["file-00000000000000aa"].data["parts"]) == ["0", "1"]
     # a flood of new records: the hourly budget holds it, once a minute said
-    for n in range(autocapture.OPENED_PER_JOB_HOUR + 50):
+    for n in range(rank_captures.OPENED_PER_JOB_HOUR + 50):
         opened(1, f"file-{n:016x}")
-    assert len(listed()) == autocapture.OPENED_PER_JOB_HOUR  # the two above counted
+    assert len(listed()) == rank_captures.OPENED_PER_JOB_HOUR  # the two above counted
 
 
 def test_an_adopted_capture_id_follows_the_one_id_rule(tmp_path: Path) -> None:

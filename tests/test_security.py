@@ -1182,7 +1182,7 @@ def test_wire_ids_cannot_name_paths_or_replace_or_flood_out_records(
     assert not list(victim_dir.iterdir()), "a capture id named a file outside the state directory"
     assert all(m in ids and ids[m]["job"] == "rootjob" for m in mine), ids.keys()  # neither replaced nor evicted
     autos = [c for c in caps if c["job"] == "member"]
-    from ondemand_prof.host.autocapture import AUTO_PER_JOB_HOUR
+    from ondemand_prof.host.rank_captures import AUTO_PER_JOB_HOUR
 
     assert 0 < len(autos) <= AUTO_PER_JOB_HOUR, len(autos)
     assert all(c["capture_id"].endswith(f"-r0-{pid}") for c in autos)

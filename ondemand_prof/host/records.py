@@ -120,10 +120,21 @@ def new_part(target: Mapping[str, Any], wall: float) -> dict[str, Any]:
             "state": "sent", "history": [{"state": "sent", "at": iso_time(wall)}]}
 
 
+# What a capture is, set once when the daemon makes it (Service.open_capture): ondemandctl capture (--baseline or
+# not: the record's `baseline` says), a rank's automatic capture of a slowdown, its job's automatic baseline, a
+# rank's trigger file, a signal
+CAPTURE_KINDS = ("capture", "auto", "auto_baseline", "file", "signal")
+SOURCE_OF_KIND = {"capture": "daemon", "auto": "auto", "auto_baseline": "auto", "file": "file", "signal": "signal"}
+
+
 def record_source(data: Mapping[str, Any]) -> str:
     """What opened a capture, as its ranks name their window's source (their metadata's `source`): `file` or
     `signal` (a rank's trigger file or signal, recorded from its "opened" event), `auto` (--profile-auto: a
-    slowdown, or the job's automatic baseline) or `daemon` (ondemandctl capture, on this host or across hosts)."""
+    slowdown, or the job's automatic baseline) or `daemon` (ondemandctl capture, on this host or across hosts).
+    From the record's kind; a record written before kinds were kept, from what it holds."""
+    kind = data.get("kind")
+    if kind in SOURCE_OF_KIND:
+        return SOURCE_OF_KIND[kind]
     source = data.get("source")
     if source in ("file", "signal"):
         return str(source)
@@ -271,11 +282,12 @@ class CaptureRecord:
     def view(self, since: int | None = None) -> dict[str, Any]:
         """The record as the CLI gets it, with its version; given `since` (a version the caller holds, of this
         daemon's numbering), only the parts changed after it, marked changed_only (the caller merges them)."""
+        shown = {**self.data, "source": record_source(self.data)}  # (what opened it, from its kind)
         if since is None or not self._first_version <= since <= self.version:
-            return {**self.data, "version": self.version}
+            return {**shown, "version": self.version}
         first, changed = self._first_version, self._part_changed
         parts = {k: p for k, p in self.data["parts"].items() if changed.get(k, first) > since}
-        return {**self.data, "parts": parts, "version": self.version, "changed_only": True}
+        return {**shown, "parts": parts, "version": self.version, "changed_only": True}
 
     def fail_rank(self, rank: int, error: str, wall: float) -> bool:
         part = self.part(rank)
@@ -556,6 +568,8 @@ def record_problem(data: Any) -> str | None:
         return "cause is not a text"
     if data.get("comparison") is not None and not isinstance(data["comparison"], dict):
         return "comparison is not an object"
+    if data.get("kind") is not None and data["kind"] not in CAPTURE_KINDS:
+        return "kind is not a capture's kind"
     misaligned = data.get("misaligned")
     if misaligned is not None and not (isinstance(misaligned, dict) and isinstance(misaligned.get("text"), str)):
         return "misaligned is not an object with a text"

@@ -23,11 +23,11 @@ from ..core.protocol import FINAL_STATES, HEARTBEAT_S, MAX_BATCHED_EVENTS, RANK_
 from ..core.ids import valid_id
 from ..core.safejson import holds_lone_surrogate
 from ..core.text import printable
-from .records import KEEP_RECORDS, CaptureRecord, RecordRefused, RecordStore
+from .records import CAPTURE_KINDS, KEEP_RECORDS, CaptureRecord, RecordRefused, RecordStore
 from .podpath import host_path, in_our_namespaces, own_mount_namespace, root_of
 from .planning import DeliveryBook
 from .registry import RankConflict, RankInfo, Registry
-from .autocapture import RankCaptures
+from .rank_captures import RankCaptures
 from .records import Plan
 from .triage import TriageBook
 from .worker import Job, Worker, connection_alive
@@ -76,7 +76,7 @@ class Service:
         self.capture_rate: Any = None  # captures asked per asker a minute (host/commands/capture.py CaptureRate)
         self.limits: list[str] | None = None  # what the daemon cannot do where it runs (daemon_info, once)
         self.triage = TriageBook(self)  # stacks, memory, flight-recorder requests waiting for their ranks
-        self.rank_captures = RankCaptures(self)  # automatic, trigger-file and signal captures (host/autocapture.py)
+        self.rank_captures = RankCaptures(self)  # automatic, trigger-file and signal captures (host/rank_captures.py)
         self.rank_handlers: dict[str, Callable[[bytes, dict[str, Any]], bytes | None]] = {
             "register": self.on_register, "hb": self.on_heartbeat, "event": self.on_event, "events": self.on_events,
             "bye": self.on_bye,
@@ -355,15 +355,19 @@ class Service:
     # Records and watches
 
     def open_capture(self, capture_id: str, job: str, request: dict[str, Any], plan: Plan, options: dict[str, Any],
-                     targets: list[RankInfo], wall: float, *, owner: int | str | None = None, save: bool = True,
-                     **marks: Any) -> CaptureRecord:
+                     targets: list[RankInfo], wall: float, *, kind: str, owner: int | str | None = None,
+                     save: bool = True, **marks: Any) -> CaptureRecord:
         """The one place a capture is made on the daemon (ondemandctl capture, a rank's automatic, trigger-file
         or signal window): its record, a part per target rank, taken into the store (RecordRefused: it cannot
-        be). `marks` go on the record (baseline, compare_with, source); `save`: False when the caller writes
-        it once the windows are sent."""
+        be). `kind` says what it is, set here once (records.CAPTURE_KINDS: capture, auto, auto_baseline, file,
+        signal); `marks` go on the record (baseline, compare_with); `save`: False when the caller writes it once
+        the windows are sent."""
+        if kind not in CAPTURE_KINDS:
+            raise ValueError(f"a capture's kind is one of {', '.join(CAPTURE_KINDS)}, not {kind!r}")
         record = CaptureRecord.new(capture_id, job, request, plan, options,
                                    [{"rank": t.rank, "host": t.host, "pid": t.pid, "uid": t.uid} for t in targets],
                                    wall)
+        record.data["kind"] = kind
         record.data.update(marks)
         self.store.add(record, owner=owner, save=save)
         return record

@@ -325,7 +325,7 @@ class AutoCapture(Extension):
         else:
             extra["auto"] = reason
             if self.baseline_id:
-                extra["baseline"] = self.baseline_id  # report AUTO without a daemon finds it by this
+                extra["compare_with"] = self.baseline_id  # report AUTO without a daemon finds it by this
         # the configured length within the cap, asked for as such (requested: {"steps": N, ...} as before)
         request = CaptureRequest(steps=min(defaults.steps, defaults.max_steps))
         return resolve(request, defaults, start, source="auto", capture_id=cid, extra=extra)

@@ -136,7 +136,7 @@ class Capture(Command):
         plan = planned.noted(first.note)  # the plan whole (the cap's note too) before any window leaves
         # charged to the asker (issue 41, 4): its records count against its share, and push out only its own
         record = service.open_capture(capture_id, live[0].job, request.as_dict(), plan, first.options.as_dict(),
-                                      targets, wall, owner=charge, save=False)
+                                      targets, wall, kind="capture", owner=charge, save=False)
         late = late_refusal(plan) if msg.get("across_hosts") is True else None
         if late:  # shared with other hosts' ranks: on the same steps everywhere or not here (host/alignment.py)
             refuse_parts(record, late, wall)

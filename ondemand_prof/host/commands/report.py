@@ -216,14 +216,15 @@ def automatic_baseline(given: str, args: argparse.Namespace) -> tuple[str | None
 
 def baseline_in_metadata(folder: Path) -> str | None:
     """What the ranks of a capture folder recorded as the baseline to compare with (an automatic capture's
-    window: requested.baseline), when they agree."""
+    window: requested.compare_with, before issue 42 requested.baseline), when they agree."""
     from ...report.sources import read_metadata
 
     found = set()
     for meta in sorted(folder.glob("*/metadata.json"))[:64]:
         try:
             data = read_metadata(meta.parent)
-            value = ((data.get("window") or {}).get("requested") or {}).get("baseline")
+            requested = (data.get("window") or {}).get("requested") or {}
+            value = requested.get("compare_with", requested.get("baseline"))  # (the key before issue 42)
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(value, str) and valid_id(value):

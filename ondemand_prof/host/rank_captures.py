@@ -20,7 +20,7 @@ from ..core.bounds import MAX_STEP, bounded_int, finite_number
 from ..core.protocol import encode
 from ..core.requests import request_fields, window_from_wire
 from ..core.text import printable
-from .records import Plan, RecordRefused
+from .records import Plan, RecordRefused, record_source
 
 if TYPE_CHECKING:
     from .registry import RankInfo
@@ -169,8 +169,8 @@ class RankCaptures:
             marks = {"compare_with": known.capture_id} if known is not None else {}
         try:
             record = self.service.open_capture(window.capture_id, info.job, request, plan, window.options.as_dict(),
-                                               targets, wall, owner=info.uid if info.uid is not None else -1,
-                                               **marks)
+                                               targets, wall, kind="auto_baseline" if baseline else "auto",
+                                               owner=info.uid if info.uid is not None else -1, **marks)
         except RecordRefused as exc:
             self.budget.refused(info, "store", f"automatic capture {window.capture_id} not recorded: {exc}")
             return None
@@ -232,7 +232,7 @@ class RankCaptures:
                     note=f"opened by rank {info.rank}'s {what}" + (f"; {note}" if note else ""))
         try:
             self.service.open_capture(capture_id, info.job, requested, plan, window.options.as_dict(), [info], wall,
-                                      owner=info.uid if info.uid is not None else -1, source=source)
+                                      kind=source, owner=info.uid if info.uid is not None else -1)
         except RecordRefused as exc:
             self.opened_budget.refused(info, "store", f"{what} capture {capture_id} not recorded: {exc}")
             return
@@ -261,7 +261,7 @@ class RankCaptures:
     def _join(self, info: "RankInfo", record: Any, window: Any, source: str, wall: float) -> None:
         """Another rank of the job opened the same capture: its part, if the record is of this kind, job and
         owner, still running, for the same steps, and has no part of this rank yet."""
-        if record.data.get("source") != source or record.data["job"] != info.job or record.owner != info.uid:
+        if record_source(record.data) != source or record.data["job"] != info.job or record.owner != info.uid:
             self.opened_budget.refused(info, "another", f"opened window {record.capture_id} not recorded: that "
                                        "id is another job's or owner's record")
             return

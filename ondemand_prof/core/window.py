@@ -91,21 +91,23 @@ class Phase(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Plan:
+class Begin:
+    """What plan_begin decides for a window at a step boundary (not a capture's plan: host/records.py Plan)."""
+
     phase: Phase
     wake: int  # the next step whose boundary needs attention
     late_by: int = 0  # steps of the window already gone when recording begins
 
 
-def plan_begin(window: Window, step: int, warmup: int) -> Plan:
+def plan_begin(window: Window, step: int, warmup: int) -> Begin:
     """What to do for a window not yet begun, at the boundary before `step`."""
     if window.end is not None and step >= window.end:
-        return Plan(Phase.MISSED, step)
+        return Begin(Phase.MISSED, step)
     if step >= window.start:
-        return Plan(Phase.RECORD, step + 1, late_by=step - window.start)
+        return Begin(Phase.RECORD, step + 1, late_by=step - window.start)
     if step >= window.start - warmup:
-        return Plan(Phase.WARMUP, step + 1)
-    return Plan(Phase.WAIT, window.start - warmup)
+        return Begin(Phase.WARMUP, step + 1)
+    return Begin(Phase.WAIT, window.start - warmup)
 
 
 def recorded_steps(window: Window, first: int, last_exclusive: int) -> list[int]:

@@ -16,6 +16,7 @@ import math
 import re
 from typing import Any
 
+from ..core.bounds import MAX_STEP
 from ..core.ranks import MAX_RANK
 from .pipeline import KINDS as PIPELINE_KINDS, MAX_ACTIONS, MAX_STEPS as PIPELINE_STEPS
 
@@ -110,7 +111,6 @@ def rank_number(value: Any, where: str = "rank") -> int | None:
 # report reads it
 
 SUMMARY_VERSION = 1
-MAX_STEP = 2**53  # a step number (an exact JSON number)
 MAX_US = MAX_MS * 1000  # a time in microseconds, or a count of bytes, calls or events in a table row
 STEP_TIMES = ("dur_ms", "window_ms", "compute_ms", "comm_ms", "overlap_ms", "idle_ms")  # what every step row holds
 MORE_STEP_TIMES = ("comm_total_ms", "kernel_ms")

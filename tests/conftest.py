@@ -165,6 +165,11 @@ def down_port() -> Iterator[int]:
 NO_DAEMON_DIR = tempfile.mkdtemp(prefix="odp-nodaemon-")
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """This process's NO_DAEMON_DIR goes with it (each xdist worker made its own)."""
+    shutil.rmtree(NO_DAEMON_DIR, ignore_errors=True)
+
+
 def base_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONDEMAND_PROF_")}
     env["ONDEMAND_PROF_RUNTIME_DIR"] = NO_DAEMON_DIR

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from conftest import NO_DAEMON_DIR, ROOT, base_env, captures, ctl, daemon, free_port, live_ranks, load_trace, trace_steps, \
-    wait_for
+from conftest import NO_DAEMON_DIR, ROOT, base_env, captures, ctl, daemon, free_port, kill_tree, live_ranks, load_trace, \
+    trace_steps, wait_for
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 EXAMPLES = ROOT / "examples"
@@ -116,7 +116,7 @@ def check_example(env: dict[str, Any], argv: list[str], world: int, static_steps
     try:
         job, ranks = wait_registered(env, world, timeout=120)
     except AssertionError:
-        proc.kill()
+        kill_tree(proc)  # (torchrun starts its workers in sessions of their own: the launcher alone is not enough)
         out, err = proc.communicate()
         raise AssertionError(f"example did not register:\n{out[-3000:]}\n{err[-12000:]}") from None
     static = wait_for(lambda: (lambda cs: cs if len(cs) == world else None)(

@@ -29,8 +29,9 @@ def say(logger: logging.Logger, quiet: bool, text: str, logged: bool = False) ->
         logger.info("%s", text)
     if quiet or (logger.isEnabledFor(logging.INFO) and logger.hasHandlers()):
         return
-    try:
-        print(text, file=sys.stderr, flush=True)
+    try:  # one write: print() writes the newline apart, and two ranks' lines ran together in a shared log
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
     except (OSError, ValueError):  # a closed or broken stderr must not reach the training loop
         pass
 

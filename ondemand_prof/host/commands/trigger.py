@@ -346,6 +346,8 @@ def _host_dir(rank: dict[str, Any]) -> str:
     says how to reach it)."""
     if not rank.get("in_container") or rank.get("trigger_dir_on_host"):
         return str(rank.get("trigger_dir_on_host") or rank["trigger_dir"])
+    pid = rank.get("pid")
     raise CtlError(f"rank {rank.get('rank')}'s trigger directory {rank['trigger_dir']} is in its container's own "
-                   f"filesystem, not on this host: --dir {rank.get('container_root')}{rank['trigger_dir']} (as root, "
-                   "while it runs), or touch it from inside the container (docs/containers.md)", EXIT_USAGE)
+                   f"filesystem, not on this host: write the trigger from inside the container (kubectl exec, or "
+                   f"nsenter -t {pid} -m -p as root), e.g. ondemandctl trigger --dir {rank['trigger_dir']} there "
+                   "(docs/containers.md)", EXIT_USAGE)

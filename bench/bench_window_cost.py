@@ -2,6 +2,7 @@
 and memory.
 
     python bench/bench_window_cost.py [--repeat 3] [--threads 1,2] [--variants torch,ours,ours-inprocess]
+                                      [--models linear512,linear256,large,small,deep]
 
 Each run is one fresh process per variant (so no variant inherits another's threads, children, allocator state or
 kineto warm-up), started in turn: torch, ours, ... then again, `--repeat` times, for each training shape;
@@ -11,6 +12,10 @@ export's), then idle steps (their median is the baseline), a 20-step window with
 
 Training shapes (`--threads`): 1 = one intra-op thread, the other core idle (a GPU node's shape: the training
 thread waits on the device and most cores are free); 2 (= every core of this 2-core VM) = every core busy.
+Models (`--models`, bench/bench_models.py; default linear512, bench_hook's model): what a window costs follows the
+events it records, so the ratio to torch.profiler differs by model: few large operators (large), many small ones
+(small), deep stacks (deep), issue 44's 8 Linear(256) (linear256). Each (model, shape) gets its own table rows and
+ratios; the last line names the worst model.
 
     window-end stall   the step() call that ends the window (collection; torch.profiler also exports in it)
     +10 steps          stall + sum over the 10 steps after it of (step time - idle median): the issue's measure
@@ -67,6 +72,9 @@ IDLE_STEPS = 30
 WINDOW_START = IDLE_STEPS + 5
 AFTER = 10  # the issue's measure: the window-end step and the 10 after it
 DEVICE = "cpu"  # --device
+MODEL = "linear512"  # the child's --models (one)
+Shape = tuple[str, int]  # (model, intra-op threads)
+Runs = dict[Shape, dict[str, list[dict[str, Any]]]]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -104,25 +112,11 @@ def drive(step: Callable[[], None], end: int, tail: int) -> dict[str, Any]:
 
 
 def device_model() -> tuple[Any, Any, Callable[[Any, Any], None]]:
-    """bench_hook's window-end model and step (on --device: a CUDA step ends when its kernels are done)."""
-    from bench_hook import make_model, train_step
+    """The --models model and its step (bench_models.py; linear512 is bench_hook's model and step) on --device (a
+    CUDA step ends when its kernels are done)."""
+    from bench_models import model_and_step
 
-    model, opt = make_model()
-    if DEVICE == "cpu":
-        return model, opt, train_step
-    import torch
-
-    model.to(DEVICE)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def device_step(model: Any, opt: Any) -> None:
-        loss = model(torch.randn(32, 512, device=DEVICE)).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        loss.item()
-
-    return model, opt, device_step
+    return model_and_step(MODEL, DEVICE)
 
 
 class Phases:
@@ -390,11 +384,12 @@ def python_path() -> str:
     return os.pathsep.join([str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
 
 
-def run_variant(variant: str, active: int, tail: int, threads: int) -> dict[str, Any]:
+def run_variant(variant: str, active: int, tail: int, shape: Shape) -> dict[str, Any]:
+    model, threads = shape
     env = dict(os.environ, PYTHONPATH=python_path(), **VARIANT_ENV[variant])
     t0, b0, o0, load = time.monotonic(), busy_cpu_s(), own_cpu_s(), os.getloadavg()[0]
     proc = subprocess.Popen([sys.executable, __file__, "--child", variant, "--active", str(active), "--tail",
-                             str(tail), "--threads", str(threads), "--device", DEVICE], env=env, stdout=subprocess.PIPE,
+                             str(tail), "--threads", str(threads), "--device", DEVICE, "--models", model], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     sampler = MemorySampler(proc.pid)
     out, err = proc.communicate(timeout=600)
@@ -454,7 +449,14 @@ def shape_name(threads: int) -> str:
         (f"{idle} core{'s' if idle > 1 else ''} idle" if idle > 0 else "every core busy")
 
 
-def print_table(runs: dict[int, dict[str, list[dict[str, Any]]]], args: argparse.Namespace) -> None:
+def training_name(shape: Shape) -> str:
+    from bench_models import MODELS
+
+    model, threads = shape
+    return f"{MODELS[model]} ({model}), {shape_name(threads)}"
+
+
+def print_table(runs: Runs, args: argparse.Namespace) -> None:
     print(f"\n{args.active}-step window, with_stack + record_shapes, "
           f"{'CPU only' if DEVICE == 'cpu' else DEVICE + ' model, CPU + CUDA activity'}, {os.cpu_count()} cores; "
           f"median (min-max) of {args.repeat} runs, " + ("every variant's windows in turn in one process per shape"
@@ -463,9 +465,9 @@ def print_table(runs: dict[int, dict[str, list[dict[str, Any]]]], args: argparse
           f"run-queue waits ms | stall + {args.tail} steps ms | published after ms | peak extra RSS MB (process + "
           f"children) | load avg | others' load, cores |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for threads, variants in runs.items():
+    for shape, variants in runs.items():
         for name, rows in variants.items():
-            print(f"| {shape_name(threads)} | {name} | {median_of(rows, 'idle_ms'):.2f} | {span(rows, 'stall_ms')} | "
+            print(f"| {training_name(shape)} | {name} | {median_of(rows, 'idle_ms'):.2f} | {span(rows, 'stall_ms')} | "
                   f"{span(rows, 'after10_ms')} | {span(rows, 'after10_own_ms')} | {span(rows, 'tail_ms')} | {median_of(rows, 'published_ms'):.0f} | "
                   f"{median_of(rows, 'rss_mb'):.0f} ({median_of(rows, 'rss_proc_mb'):.0f} + "
                   f"{median_of(rows, 'rss_kids_mb'):.0f}) | {span(rows, 'load')} | "
@@ -475,33 +477,74 @@ def print_table(runs: dict[int, dict[str, list[dict[str, Any]]]], args: argparse
     print("| training | variant | total | collection (stop_trace) | rest of the stall | other CPU of the training "
           "thread | runnable, core taken | asleep (GIL) | raw save (way), CPU | post-processing, CPU |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for threads, variants in runs.items():
+    for shape, variants in runs.items():
         for name, rows in variants.items():
             ways = sorted({str(r.get("way")) for r in rows})
-            print(f"| {shape_name(threads)} | {name} | {median_of(rows, 'after10_ms'):.0f} | "
+            print(f"| {training_name(shape)} | {name} | {median_of(rows, 'after10_ms'):.0f} | "
                   f"{median_of(rows, 'collect_ms'):.0f} | {median_of(rows, 'rest_of_stall_ms'):.1f} | "
                   f"{median_of(rows, 'thread_cpu_ms'):.0f} | {median_of(rows, 'runqueue_ms'):.0f} | "
                   f"{median_of(rows, 'asleep_ms'):.0f} | {median_of(rows, 'save_ms'):.0f} ({'/'.join(ways)}), "
                   f"{median_of(rows, 'save_cpu_ms'):.0f} | {median_of(rows, 'postprocess_ms'):.0f}, "
                   f"{median_of(rows, 'postprocess_cpu_ms'):.0f} |")
-    for threads, variants in runs.items():
-        if "torch" in variants:
-            print_ratios(threads, variants)
+    ratios = [(shape, name, r) for shape, variants in runs.items() if "torch" in variants
+              for name, r in ratios_of(variants).items()]
+    for shape, name, r in ratios:
+        print_ratios(shape, name, r)
+    if ratios:
+        print_by_model(ratios)
 
 
-def print_ratios(threads: int, runs: dict[str, list[dict[str, Any]]]) -> None:
+def ratios_of(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, list[float]]]:
+    """Per variant but torch: each run's ratio to the torch run of the same round, for the stall, stall + AFTER
+    steps and the same without run-queue waits."""
     t = runs["torch"]
-    goal = 0.8 if threads < (os.cpu_count() or 1) else 1.0
-    for name, rows in runs.items():
-        if name == "torch":
-            continue
-        total = [o["after10_ms"] / th["after10_ms"] for o, th in zip(rows, t)]
-        stall = [o["stall_ms"] / th["stall_ms"] for o, th in zip(rows, t)]
-        own = [o["after10_own_ms"] / th["after10_own_ms"] for o, th in zip(rows, t)]
-        print(f"{shape_name(threads)}: {name} / torch: stall {statistics.median(stall):.2f} (goal <= 0.8 in every "
-              f"run; per run {', '.join(f'{r:.2f}' for r in stall)}), stall + {AFTER} steps "
-              f"{statistics.median(total):.2f} (goal <= {goal}; per run {', '.join(f'{r:.2f}' for r in total)}); "
-              f"without run-queue waits {statistics.median(own):.2f} (per run {', '.join(f'{r:.2f}' for r in own)})")
+    return {name: {"stall": [o["stall_ms"] / th["stall_ms"] for o, th in zip(rows, t)],
+                   "total": [o["after10_ms"] / th["after10_ms"] for o, th in zip(rows, t)],
+                   "own": [o["after10_own_ms"] / th["after10_own_ms"] for o, th in zip(rows, t)],
+                   "load": [max(o["load"], th["load"]) for o, th in zip(rows, t)]}
+            for name, rows in runs.items() if name != "torch"}
+
+
+def goal_of(threads: int) -> float:
+    return 0.8 if threads < (os.cpu_count() or 1) else 1.0
+
+
+def print_ratios(shape: Shape, name: str, r: dict[str, list[float]]) -> None:
+    stall, total, own = r["stall"], r["total"], r["own"]
+    print(f"{training_name(shape)}: {name} / torch: stall {statistics.median(stall):.2f} (goal <= 0.8; per run "
+          f"{', '.join(f'{x:.2f}' for x in stall)}), stall + {AFTER} steps {statistics.median(total):.2f} (goal <= "
+          f"{goal_of(shape[1])}; per run {', '.join(f'{x:.2f}' for x in total)}); without run-queue waits "
+          f"{statistics.median(own):.2f} (per run {', '.join(f'{x:.2f}' for x in own)})")
+
+
+def print_by_model(ratios: list[tuple[Shape, str, dict[str, list[float]]]]) -> None:
+    """One row a model and variant: the medians of the per-run ratios for each training shape, and the worst model
+    (the highest median stall ratio), which is what the README shows."""
+    shapes = sorted({shape[1] for shape, _, _ in ratios})
+    print(f"\nours / torch.profiler by model, medians of the per-run ratios (stall; stall + {AFTER} steps), load "
+          "average during the runs:")
+    print("| model | variant | " + " | ".join(f"{shape_name(t)}: stall (goal 0.8) | stall + {AFTER} (goal "
+                                              f"{goal_of(t)})" for t in shapes) + " | load avg |")
+    print("|---|---|" + "---|---|" * len(shapes) + "---|")
+    from bench_models import MODELS
+
+    rows: dict[tuple[str, str], dict[int, dict[str, list[float]]]] = {}
+    for (model, threads), name, r in ratios:
+        rows.setdefault((model, name), {})[threads] = r
+    for (model, name), by in rows.items():
+        cells = []
+        for t in shapes:
+            got = by.get(t)
+            cells += [f"{statistics.median(got['stall']):.2f}", f"{statistics.median(got['total']):.2f}"] if got \
+                else ["-", "-"]
+        loads = [x for got in by.values() for x in got["load"]]
+        print(f"| {MODELS[model]} ({model}) | {name} | " + " | ".join(cells) +
+              f" | {min(loads):.1f}-{max(loads):.1f} |")
+    for name in sorted({n for _, n, _ in ratios}):
+        mine = [(statistics.median(r["stall"]), shape, r) for shape, n, r in ratios if n == name]
+        worst, shape, r = max(mine, key=lambda x: x[0])
+        print(f"worst model for {name}: {training_name(shape)}: stall {worst:.2f}, stall + {AFTER} steps "
+              f"{statistics.median(r['total']):.2f}")
 
 
 def main() -> None:
@@ -510,6 +553,9 @@ def main() -> None:
     parser.add_argument("--active", type=int, default=20)
     parser.add_argument("--tail", type=int, default=60)
     parser.add_argument("--threads", default="1,2", help="training shapes: intra-op threads (comma list)")
+    parser.add_argument("--models", default="linear512",
+                        help="models (comma list) of bench/bench_models.py: linear512 (bench_hook's), linear256, "
+                             "large, small, deep")
     parser.add_argument("--variants", default="torch,ours,ours-inprocess")
     parser.add_argument("--retries", type=int, default=1, help="repeat a run disturbed by other load")
     parser.add_argument("--max-foreign", type=float, default=0.1, help="cores others may use during a run")
@@ -520,9 +566,16 @@ def main() -> None:
                         help="where the model trains (cuda: torch.profiler records CUDA activity too)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global DEVICE
+    global DEVICE, MODEL
     DEVICE = args.device
+    from bench_models import MODELS
+
+    models = args.models.split(",")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(MODELS)}")
     if args.child:
+        MODEL = models[0]
         child_main(args.child, args.active, args.tail, int(args.threads), args.repeat, args.variants.split(","))
         return
     if any(v.startswith("ours") for v in args.variants.split(",")):
@@ -539,57 +592,69 @@ def main() -> None:
     print(f"{retried} run(s) were repeated because other processes used more than {args.max_foreign} cores")
 
 
+def shapes_of(args: argparse.Namespace) -> list[Shape]:
+    return [(m, int(t)) for m in args.models.split(",") for t in args.threads.split(",")]
+
+
+def shape_label(shape: Shape) -> str:
+    """The progress lines' 'threads N' (bench/gpu_check.py reads them) and, beside bench_hook's model, which one."""
+    model, threads = shape
+    return f"threads {threads}" + ("" if model == "linear512" else f" model {model}")
+
+
 class NoSampler:
     def peak_extra_mb(self, marks: dict[str, float]) -> tuple[float, float, float]:
         return float("nan"), float("nan"), float("nan")
 
 
-def run_same_process(args: argparse.Namespace) -> tuple[dict[int, dict[str, list[dict[str, Any]]]], int]:
+def run_same_process(args: argparse.Namespace) -> tuple[Runs, int]:
     """One process per shape runs every variant's window in turn (same_process()); rows per variant, in rounds."""
-    runs: dict[int, dict[str, list[dict[str, Any]]]] = {}
-    for threads in (int(t) for t in args.threads.split(",")):
+    runs: Runs = {}
+    for shape in shapes_of(args):
+        model, threads = shape
         wait_for_quiet(args.quiet_wait)
         env = dict(os.environ, PYTHONPATH=python_path())
         t0, b0, o0 = time.monotonic(), busy_cpu_s(), own_cpu_s()
         proc = subprocess.run([sys.executable, __file__, "--child", "same-process", "--active", str(args.active),
                                "--tail", str(args.tail), "--threads", str(threads), "--repeat", str(args.repeat),
-                               "--variants", args.variants, "--device", DEVICE], env=env, capture_output=True, text=True, timeout=3600)
+                               "--variants", args.variants, "--device", DEVICE, "--models", model], env=env,
+                              capture_output=True, text=True, timeout=3600)
         foreign = (busy_cpu_s() - b0 - (own_cpu_s() - o0)) / (time.monotonic() - t0)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             raise RuntimeError(f"same-process run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-        runs[threads] = {v: [] for v in args.variants.split(",")}
+        runs[shape] = {v: [] for v in args.variants.split(",")}
         for res in json.loads(lines[0][len("RESULT "):]):
             r = dict(summarize(res, NoSampler(), args.active), foreign_cores=foreign, load=res["load"])
-            runs[threads][res["variant"]].append(r)
-            print(f"round {res['round'] + 1} threads {threads} {res['variant']} (load {r['load']:.1f}): stall "
+            runs[shape][res["variant"]].append(r)
+            print(f"round {res['round'] + 1} {shape_label(shape)} {res['variant']} (load {r['load']:.1f}): stall "
                   f"{r['stall_ms']:.1f} ms, +{AFTER} {r['after10_ms']:.1f} ms, own {r['after10_own_ms']:.1f} ms "
                   f"(collect {r['collect_ms']:.0f}, cpu {r['thread_cpu_ms']:.0f}, runqueue {r['runqueue_ms']:.0f}, "
                   f"asleep {r['asleep_ms']:.0f}; save {r['save_ms']:.0f} {r['way']}, post {r['postprocess_ms']:.0f})",
                   flush=True)
-        print(f"threads {threads}: others used {foreign:.2f} cores on average", flush=True)
+        print(f"{shape_label(shape)}: others used {foreign:.2f} cores on average", flush=True)
     return runs, 0
 
 
-def run_all(args: argparse.Namespace) -> tuple[dict[int, dict[str, list[dict[str, Any]]]], int]:
-    """Every variant `repeat` times for each shape, interleaved so that a slow spell of the machine hits every
-    variant; a run during which other processes used more than --max-foreign cores is repeated (up to --retries
-    times; the table gives the load average and others' load beside the numbers)."""
-    shapes = [int(t) for t in args.threads.split(",")]
-    runs: dict[int, dict[str, list[dict[str, Any]]]] = {t: {v: [] for v in args.variants.split(",")} for t in shapes}
+def run_all(args: argparse.Namespace) -> tuple[Runs, int]:
+    """Every variant `repeat` times for each shape (model and threads), interleaved so that a slow spell of the
+    machine hits every variant; a run during which other processes used more than --max-foreign cores is repeated
+    (up to --retries times; the table gives the load average and others' load beside the numbers)."""
+    shapes = shapes_of(args)
+    runs: Runs = {s: {v: [] for v in args.variants.split(",")} for s in shapes}
     retried = 0
     for i in range(args.repeat):
-        for threads in shapes:
-            for v in runs[threads]:
+        for shape in shapes:
+            for v in runs[shape]:
                 for attempt in range(args.retries + 1):
                     wait_for_quiet(args.quiet_wait)
-                    r = run_variant(v, args.active, args.tail, threads)
+                    r = run_variant(v, args.active, args.tail, shape)
                     if r["foreign_cores"] <= args.max_foreign or attempt == args.retries:
                         break
                     retried += 1
                     print(f"run {i + 1} {v}: other processes used {r['foreign_cores']:.2f} cores; again", flush=True)
-                runs[threads][v].append(r)
-                print(f"run {i + 1} threads {threads} {v} (load {r['load']:.1f}, others {r['foreign_cores']:.2f} "
+                runs[shape][v].append(r)
+                print(f"run {i + 1} {shape_label(shape)} {v} (load {r['load']:.1f}, others {r['foreign_cores']:.2f} "
                       f"cores): stall {r['stall_ms']:.1f} ms, +{AFTER} {r['after10_ms']:.1f} ms (collect "
                       f"{r['collect_ms']:.0f}, cpu {r['thread_cpu_ms']:.0f}, runqueue {r['runqueue_ms']:.0f}, asleep "
                       f"{r['asleep_ms']:.0f}; save {r['save_ms']:.0f} {r['way']}, post {r['postprocess_ms']:.0f}), "

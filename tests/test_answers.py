@@ -328,3 +328,18 @@ def test_what_the_answers_add_to_a_summary_is_bounded() -> None:
     for gpu in (False, True):
         full, without, _ = sizes(synthetic_trace(20, 200, gpu))
         assert full - without <= 64 * 1024, (gpu, full - without)
+
+
+def test_the_comparison_as_text_and_html_says_the_tests_and_the_waits() -> None:
+    """What the engineer reads: the step time's interval, the starred significant changes, who made whom wait on
+    both sides, the replay; in the terminal and in the HTML page."""
+    from ondemand_prof.report.html import render_comparison_html
+    from ondemand_prof.report.text import render_comparison
+
+    c = compared("straggler")
+    text = render_comparison(c)
+    assert "95 % CI" in text.splitlines()[1] and "(significant)" in text.splitlines()[1]
+    assert "who made whom wait, inside each capture" in text and "what-if replay (error" in text
+    assert "*" in text  # the significant changes are starred
+    page = render_comparison_html(c)
+    assert "Who made whom wait, inside each capture" in page and "95 % CI" in page and "Share of the growth" in page

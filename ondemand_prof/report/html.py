@@ -544,8 +544,12 @@ def render_comparison_html(c: Mapping[str, Any]) -> str:
             + (f' (job <code>{_e(jobs["baseline"])}</code>)' if jobs.get("baseline") else "") + "</p>"]
     if s.get("baseline") is not None and s.get("now") is not None:
         pct = f", {s['pct']:+.1f}%" if s.get("pct") is not None else ""
+        t = s.get("test") or {}
+        tested = "" if t.get("delta") is None else " — one step on a side: no noise estimate" \
+            if t.get("lo") is None else (f" — {t['delta']:+.2f} ms/step, 95 % CI {t['lo']:+.2f} to {t['hi']:+.2f} "
+                                         f"({'significant' if t['verdict'] in ('grew', 'shrank') else 'not significant'})")
         head.append(f"<p>Step time {s['baseline']:.2f} → {s['now']:.2f} ms ({s['delta']:+.2f} ms{pct}), mean of "
-                    "the ranks</p>")
+                    f"the ranks{_e(tested)}</p>")
     head.append(f'<p class="note" id="cause"><strong>Cause:</strong> {_e(c["cause"])}</p>')
     head += [f'<p class="note">{_e(n)}</p>' for n in c.get("notes") or []]
     ranks = c["ranks"]
@@ -570,6 +574,7 @@ def render_comparison_html(c: Mapping[str, Any]) -> str:
                         f'<td class=num>{k["calls_now"]:g}</td><td class=num>{k["baseline_ms"]:.2f}</td>'
                         f'<td class=num>{k["now_ms"]:.2f}</td><td class=num>{k["now_ms"] - k["baseline_ms"]:+.2f}</td>'
                         "</tr>" for k in kinds) + "</tbody></table>")
+    body.append(_compared_waits_html(c))
     for r in ranks:
         if not r["changes"]:
             continue
@@ -591,6 +596,31 @@ def render_comparison_html(c: Mapping[str, Any]) -> str:
             f"<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\"><style>{CSS}</style></head>"
             f"<body><header><h1>{title}</h1><div class=\"muted\" style=\"color:#cfd8dc\">{_e(c['capture'])} against "
             f"{_e(c['baseline'])}</div></header><main>{''.join(body)}</main><script>{JS}</script></body></html>")
+
+
+def _compared_waits_html(c: Mapping[str, Any]) -> str:
+    """Who made whom wait on each side, inside each capture, and each rank's share of the growth (the replay)."""
+    w = c.get("collectives") or {}
+    b, n = w.get("baseline") or {}, w.get("now")
+    if not n:
+        return ""
+    before = {r["rank"]: r for r in b.get("ranks", [])}
+    share = {x["rank"]: x["ms"] for x in (c.get("shares") or {}).get("shares") or []}
+    rows = []
+    for r in n["ranks"]:
+        o = before.get(r["rank"])
+        cell = (lambda key, fmt: f"{fmt(o[key])} → {fmt(r[key])}" if o else fmt(r[key]))
+        rows.append(f'<tr><td>{_said(r["rank"])}</td>'
+                    f'<td class=num>{cell("last_share", lambda v: f"{100 * v:.0f}%")}</td>'
+                    f'<td class=num>{cell("caused_ms", lambda v: f"{v:.2f}")}</td>'
+                    f'<td class=num>{cell("wait_ms", lambda v: f"{v:.2f}")}</td>'
+                    f'<td class=num>{_num(share.get(r["rank"]))}</td></tr>')
+    return ('<h3>Who made whom wait, inside each capture (ms per step, baseline → now)</h3>'
+            f'<p class="muted">Collectives matched across the ranks; arrival: {_e(n["arrival"])}. The last column: how '
+            'much shorter the step now would be with that rank\'s work as in the baseline (the what-if replay).</p>'
+            '<table class="sortable"><thead><tr><th>Rank</th><th>Arrived last</th><th>Others waited for it</th>'
+            '<th>Its wait</th><th>Share of the growth, ms</th></tr></thead><tbody>' + "".join(rows) +
+            "</tbody></table>")
 
 
 def _pair_text(p: dict[str, Any]) -> str:

@@ -276,6 +276,22 @@ def wait_for(pred: Callable[[], Any], timeout: float = 60, what: str = "conditio
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def summaries_written(rank_dirs: Any, timeout: float = 300) -> None:
+    """Until every published rank directory's summaries are written (issue 44: a rank says "done" once its trace is
+    published, and writes its CSV or profile.db and summary.json after, at idle priority): its metadata.json's
+    summary no longer pending (written or failed)."""
+    dirs = [Path(d) for d in rank_dirs]
+
+    def written(d: Path) -> bool:
+        try:
+            meta = json.loads((d / "metadata.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return (meta.get("summary") or {}).get("status") != "pending"
+
+    wait_for(lambda: all(written(d) for d in dirs), timeout, f"the summaries of {len(dirs)} rank(s)", pause=0.05)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The daemon and the CLI, as real processes (bin/ scripts, as a user runs them from a checkout)
 

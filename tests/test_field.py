@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from conftest import ROOT, base_env, captures, ctl, ctl_json, free_port, kill_tree, live_ranks, recorded_steps, \
-    trace_steps, wait_for
+    summaries_written, trace_steps, wait_for
 
 
 def daemon(env: dict[str, Any]) -> subprocess.Popen:
@@ -82,6 +82,7 @@ def test_the_default_relative_save_path_captures_through_the_daemon(env: dict[st
     assert "done: 2 of 2 rank(s) wrote a trace" in res.stdout, res.stdout
     caps = captures(save)
     assert sorted(c["rank"] for c in caps) == [0, 1]
+    summaries_written(c["dir"] for c in caps)  # written after "done", at idle priority (issue 44)
     (folder,) = {c["folder"] for c in caps}
     assert f"  capture folder: {folder}" in res.stdout
     # and how to open it in HTA with both steps (HTA leaves out the last one by default)

@@ -24,7 +24,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import ROOT, base_env, captures, free_port, short_dir, trace_steps, wait_for
+from conftest import ROOT, base_env, captures, free_port, short_dir, summaries_written, trace_steps, \
+    wait_for
 from ondemand_prof.host import ctl as ctl_main
 from ondemand_prof.host import fanout
 from ondemand_prof.host.alignment import late_refusal, mark_misaligned, misalignment
@@ -397,6 +398,7 @@ def test_one_aligned_capture_across_hosts_with_one_id_and_summaries_merged(clust
     for part in record["parts"].values():
         assert part["state"] == "done" and part["daemon"] == f"127.0.0.1:{cluster.daemons[part['rank']]['port']}"
     capture_id = record["capture_id"]
+    summaries_written(p["path"] for p in record["parts"].values())  # written after "done", at idle priority
     # every rank recorded the same ProfilerStep# set, the window asked for
     for part in record["parts"].values():
         meta = json.loads((Path(part["path"]) / "metadata.json").read_text())
@@ -438,6 +440,7 @@ def test_a_capture_compared_with_a_baseline_across_hosts_from_summaries_alone(cl
         assert res.returncode == 0, res.stdout + res.stderr
         record = json.loads(res.stdout)
         ids.append(record["capture_id"])
+        summaries_written(p["path"] for p in record["parts"].values())  # written after "done", at idle priority
         for part in record["parts"].values():
             for f in Path(part["path"]).iterdir():
                 if f.name not in ("metadata.json", "summary.json"):

@@ -13,7 +13,8 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable, cast
 
 from ..core import safejson
-from ..core.files import open_beneath_root, same_process
+from ..core.files import open_beneath_root, read_beneath_root, same_process
+from ..core.text import printable
 from ..core.summaryfile import MAX_SUMMARY_BYTES, read_summary
 from ..core.tracedefs import SUMMARY_FILE
 
@@ -27,6 +28,8 @@ __all__ = ["MAX_SUMMARY_BYTES", "read_summary", "part_summaries", "checked", "me
 
 # what the daemon parsed, by the file's identity (issue 41, 3): the same captures compared again (each host of a
 # report across hosts, `show` and `report AUTO` after an automatic capture settled) are not read again
+METADATA_FILE = "metadata.json"  # beside summary.json in a rank's directory (rank/layout.py)
+MAX_METADATA_BYTES = 1 << 20
 CACHE_BYTES = 24 << 20  # the summaries' sizes on disk, together (parsed, a 512 KB one of steps is ~2 MB)
 CACHE_ENTRIES = 512
 _cache: collections.OrderedDict[tuple[int, ...], tuple[dict[str, Any], int]] = collections.OrderedDict()
@@ -272,8 +275,33 @@ def _summary_of(part: dict[str, Any]) -> dict[str, Any]:
         root, process = part["_root"]
     try:
         return {"summary": cached_summary(part["path"], _owner(part), root, process)}
+    except FileNotFoundError as exc:
+        return {"error": _not_written(part["path"], _owner(part), root) or f"no summary: {exc}"}
     except (OSError, ValueError) as exc:
         return {"error": f"no summary: {exc}"}
+
+
+NOT_WRITTEN_YET = ("summary not written yet: the rank writes it after its trace is published, at idle priority "
+                   "(its trace is complete; a report on its host reads the trace)")
+
+
+def _not_written(rank_dir: str, owner: int | None, root: str) -> str | None:
+    """Why a published part has no summary.json, from its metadata.json (issue 44: a rank publishes its trace and
+    says "done" first, then writes the summary): not written yet, or not written and why; None when its metadata
+    does not say (a rank of before, or a directory gone)."""
+    try:
+        raw = read_beneath_root(os.path.join(rank_dir, METADATA_FILE), owner, MAX_METADATA_BYTES + 1, root=root)
+        meta = safejson.loads(raw, MAX_METADATA_BYTES)
+    except (OSError, ValueError):
+        return None
+    state = meta.get("summary") if isinstance(meta, dict) else None
+    if not isinstance(state, dict):
+        return None
+    if state.get("status") == "pending":
+        return NOT_WRITTEN_YET
+    if state.get("status") == "failed":
+        return f"no summary: the rank could not write it ({printable(str(state.get('error'))[:300])})"
+    return None
 
 
 def conclude_replies(replies: Iterable[tuple[str, dict[str, Any]]]) -> "Comparison":

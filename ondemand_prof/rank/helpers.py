@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 from ..core.files import proc_stat_fields
 
@@ -35,15 +36,25 @@ RAISE_AFTER_S = 10.0
 # on busy cores it waited seconds: a 47 KB trace of tiny steps took 5-10 s to appear (issue 32)
 SMALL_TRACE_BYTES = 4 << 20
 SMALL_RAISE_AFTER_S = 1.0
+# A rank's summaries (CSV or SQLite, summary.json) are written after its trace is published and "done" said
+# (issue 44): nobody waits on them, so their child stays at SCHED_IDLE for SUMMARY_RAISE_AFTER_S and is then
+# raised only to SUMMARY_NICE (about 1.5 % of a core beside one normal task), and its CPU time is capped
+# (postprocess.summary_cpu_limit).
+SUMMARY_RAISE_AFTER_S = 60.0
+SUMMARY_NICE = 19
 CHILD_CWD = "/"  # where every child starts: root's, never writable by a job's neighbours
 
 
-def python_child(module: str, *args: str, site: bool = True) -> tuple[list[str], dict[str, str]]:
+def python_child(module: str, *args: str, site: bool = True, bare: tuple[str, ...] = ()
+                 ) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that run `python -m module args` as a helper of this rank: nothing is
     imported from the working directory or an empty PYTHONPATH entry (-P and PYTHONSAFEPATH on Python 3.11+; the
     child's cwd is CHILD_CWD on every version, pass cwd=CHILD_CWD), and this package is found where it was loaded
     from. `site=False` (-S): a child that needs only the standard library and this package skips site-packages and
-    its .pth files (the post-processing child: 15% of its CPU, which it spends at idle priority)."""
+    its .pth files (the post-processing child: 15% of its CPU, which it spends at idle priority). `bare`: packages
+    of ours made importable without running their __init__ (the package root's imports the whole rank side, the
+    hook and the options table; report's the reading pool: 0.15 s of a post-processing child's 0.2 s of CPU on a
+    small trace, issue 44): the module then runs through runpy, as -m runs it, from `python -c`."""
     env = dict(os.environ)
     package_parent = str(Path(__file__).resolve().parents[2])  # the directory holding ondemand_prof/
     # an empty entry in PYTHONPATH means the working directory: dropped
@@ -51,7 +62,14 @@ def python_child(module: str, *args: str, site: bool = True) -> tuple[list[str],
     env["PYTHONPATH"] = os.pathsep.join([package_parent, *rest])
     env["PYTHONSAFEPATH"] = "1"
     flags = (["-P"] if sys.version_info >= (3, 11) else []) + ([] if site else ["-S"])
-    return [sys.executable, *flags, "-m", module, *args], env
+    if not bare:
+        return [sys.executable, *flags, "-m", module, *args], env
+    packages = {name: os.path.join(package_parent, *name.split(".")) for name in bare}
+    code = (f"import sys, types, runpy\n"
+            f"for name, path in {packages!r}.items():\n"
+            f"    m = types.ModuleType(name); m.__path__ = [path]; m.__package__ = name; sys.modules[name] = m\n"
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
+    return [sys.executable, *flags, "-c", code, *args], env
 
 
 def idle_priority_enabled() -> bool:
@@ -98,9 +116,10 @@ def lower_priority(pid: int) -> None:
         pass
 
 
-def raise_priority(pid: int, after_s: float | None = None) -> None:
+def raise_priority(pid: int, after_s: float | None = None, nice: int = FALLBACK_NICE, why: str | None = None) -> None:
     """A helper process left at SCHED_IDLE too long (RAISE_AFTER_S): each of its threads to the normal policy,
-    FALLBACK_NICE levels down. Best effort; nothing to do when it was lowered by nice levels only."""
+    `nice` levels down (FALLBACK_NICE; a summary, which nobody waits on, SUMMARY_NICE). Best effort; nothing to
+    do when it was lowered by nice levels only. `why`: what the log line says instead (another reason)."""
     if not idle_priority_enabled():
         return
     try:
@@ -110,19 +129,25 @@ def raise_priority(pid: int, after_s: float | None = None) -> None:
     for tid in tids:
         try:
             os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-            os.setpriority(os.PRIO_PROCESS, tid, FALLBACK_NICE)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
         except (OSError, AttributeError):
             pass
+    if why is not None:
+        log.debug("ondemand_prof: a trace helper (pid %d) raised to nice %d: %s", pid, nice, why)
+        return
     log.info("ondemand_prof: a trace helper (pid %d) still running after %.0f s at idle priority (every core is "
-             "busy): raised to nice %d", pid, RAISE_AFTER_S if after_s is None else after_s, FALLBACK_NICE)
+             "busy): raised to nice %d", pid, RAISE_AFTER_S if after_s is None else after_s, nice)
 
 
 def spawn_background(cmd: list[str], env: dict[str, str], timeout_s: float,
-                     raise_after_s: float | None = None) -> subprocess.CompletedProcess:
+                     raise_after_s: float | None = None, *, nice: int = FALLBACK_NICE,
+                     started: Callable[[int], None] | None = None) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True) with the child at background priority, off the training
-    thread's core (helper_cpus). The priority and CPUs are set from here right after exec (not with preexec_fn, which runs Python between fork and exec in a
-    process with other threads), so the child's interpreter start-up is the only part that runs at normal
-    priority. Still at SCHED_IDLE after `raise_after_s` (default RAISE_AFTER_S), it is raised (raise_priority)."""
+    thread's core (helper_cpus). The priority and CPUs are set from here right after exec (not with preexec_fn,
+    which runs Python between fork and exec in a process with other threads), so the child's interpreter start-up
+    is the only part that runs at normal priority. Still at SCHED_IDLE after `raise_after_s` (default
+    RAISE_AFTER_S), it is raised to `nice` (raise_priority). `started(pid)`: told the child's pid once it runs (a
+    caller that may raise it sooner: raise_priority)."""
     raise_after_s = RAISE_AFTER_S if raise_after_s is None else raise_after_s
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           cwd=CHILD_CWD) as proc:
@@ -133,13 +158,15 @@ def spawn_background(cmd: list[str], env: dict[str, str], timeout_s: float,
                 os.sched_setaffinity(proc.pid, cpus)
             except OSError:
                 pass
+        if started is not None:
+            started(proc.pid)
         try:
             try:
                 out, err = proc.communicate(timeout=min(raise_after_s, timeout_s))
             except subprocess.TimeoutExpired:
                 if timeout_s <= raise_after_s:
                     raise
-                raise_priority(proc.pid, raise_after_s)
+                raise_priority(proc.pid, raise_after_s, nice)
                 out, err = proc.communicate(timeout=timeout_s - raise_after_s)
         except subprocess.TimeoutExpired:
             proc.kill()

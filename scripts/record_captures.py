@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import (base_env, ctl, end_test_env, free_port, short_dir, start_daemon,  # noqa: E402
-                      status_lines, wait_for)
+                      status_lines, summaries_written, wait_for)
 
 STEP_SLEEP = "0.02"
 
@@ -82,6 +82,7 @@ class Job:
 
     def keep(self, capture_id: str, dest: Path) -> None:
         shown = json.loads(ctl(self.run, "show", capture_id, "--json").stdout)
+        summaries_written(Path(p["path"]) for p in shown["parts"].values())  # (written after "done", at idle priority)
         for part in shown["parts"].values():
             src = Path(part["path"])
             out = dest / src.name
@@ -238,6 +239,7 @@ def network(out: Path) -> Any:
 
         def keep(capture_id: str, dest: Path) -> None:
             shown = json.loads(net.ctl("show", capture_id, "--json", hosts=hosts).stdout)
+            summaries_written(Path(p["path"]) for p in shown["parts"].values())
             for part in shown["parts"].values():
                 src = Path(part["path"])
                 (dest / src.name).mkdir(parents=True, exist_ok=True)

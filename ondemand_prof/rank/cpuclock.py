@@ -7,9 +7,15 @@ threads waiting side by side many times), from /proc/self/task/TID/schedstat.
 A comparison reads these per step (report/compare.py): a rank whose step grew while its threads waited longer for
 a CPU, with the same operator calls, was starved (other work on its cores, a CPU quota), not given more work; a
 training thread that sleeps most of its step hardly waits, while its collectives' worker threads do.
-Cost, at each boundary of a recorded window only (nothing while idle): one pread of a file kept open per thread of
-the process (at most MAX_THREADS), the thread list read again every RESCAN boundaries: about 10 us with a few
-threads.
+
+Cost. A boundary of a recorded window is inside the profiler, and with with_stack torch's Python tracer records
+every Python call and every call of a built-in from Python code, each an event that the window's end collects
+(stop_trace, on the training thread) and the save writes. So a boundary only reads: one pread of each thread's
+file, kept open (at most MAX_THREADS; the thread list read again every RESCAN boundaries), made by map() inside a
+tuple() (calls made from C are not traced), the bytes kept as read; they are parsed after the window (per_step).
+That is one traced call a boundary (sample), two at a rescan, where the parse at each boundary was 20-40 calls
+with 4 threads and more with each thread (issue 44 item 7: 5-9 % of the window-end stall on a small model).
+Nothing is read while idle.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from itertools import repeat
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -24,15 +31,12 @@ log = logging.getLogger(__name__)
 MAX_SAMPLES = 100_000  # boundaries a window keeps (a window is capped far below this; a bound all the same)
 MAX_THREADS = 256  # threads of the process read at a boundary
 RESCAN = 8  # boundaries between two reads of the process's thread list (a thread started meanwhile counts from then)
+_READ = 128  # bytes of a schedstat file read (three numbers)
 
 
-def _read(path: str) -> tuple[int, int] | None:
-    try:
-        with open(path, "rb") as fh:
-            fields = fh.read(128).split()
-        return int(fields[0]), int(fields[1])
-    except (OSError, ValueError, IndexError):
-        return None  # a thread that ended meanwhile
+def _fields(raw: bytes) -> tuple[int, int]:
+    fields = raw.split()
+    return int(fields[0]), int(fields[1])
 
 
 class ThreadClock:
@@ -42,76 +46,115 @@ class ThreadClock:
     def __init__(self) -> None:
         self._fd: int | None = None
         self._tasks = f"/proc/{os.getpid()}/task"
-        self.samples: list[tuple[int, int, int, int, int]] = []  # (step, cpu, wait, process cpu, helper wait)
+        # per boundary, as read: (step, thread ids, their schedstat bytes); the training thread first in both
+        self._raw: list[tuple[int, tuple[str, ...], tuple[bytes, ...]]] = []
         self._me = str(threading.get_native_id())
-        self._threads: dict[str, tuple[int, int]] = {}  # tid -> (cpu, wait) at the last boundary
-        self._fds: dict[str, int] = {}  # tid -> its schedstat, open
+        self._fds: dict[str, int] = {}  # tid -> its schedstat, open (the training thread's too)
+        self._tids: tuple[str, ...] = ()  # the order read, the training thread first
+        self._order: tuple[int, ...] = ()  # their descriptors, in that order
+        self._countdown = 0  # boundaries until the thread list is read again
+        self._left = MAX_SAMPLES  # (counted down: len() would be one more traced call a boundary)
         try:
-            self._fd = os.open(f"{self._tasks}/{threading.get_native_id()}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+            self._fd = os.open(f"{self._tasks}/{self._me}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:  # not Linux, or /proc not mounted: the comparison says it has no CPU figures
             log.debug("no schedstat for the training thread: %s", exc)
+            return
+        self._fds[self._me] = self._fd
+        self._tids, self._order = (self._me,), (self._fd,)
+        self._rescan()  # the threads' files opened now, before the profiler records (the first boundary looks again)
+        self._countdown = 0
+
+    @property
+    def samples(self) -> list[tuple[int, int, int, int, int]]:
+        """(step, cpu, wait, process cpu, helper wait) at each boundary, accumulated (ns): parsed from the reads."""
+        return self._parse()
 
     def sample(self, step: int) -> None:
-        """At the boundary before `step` (the training thread). Never raises."""
-        if self._fd is None or len(self.samples) >= MAX_SAMPLES:
+        """At the boundary before `step` (the training thread). Never raises. Traced calls: this one, and at a
+        rescan _rescan (module docstring)."""
+        if self._fd is None or self._left <= 0:
             return
-        try:
-            fields = os.pread(self._fd, 128, 0).split()
-            cpu, wait = int(fields[0]), int(fields[1])
-            pcpu, pwait = self._process()
-            self.samples.append((step, cpu, wait, pcpu, pwait))
-        except (OSError, ValueError, IndexError):
-            self.close()
-
-    def _process(self) -> tuple[int, int]:
-        """The CPU all threads added since the last boundary (a thread's own delta: one that ended took its counts
-        with it, one that began counts from zero), accumulated; and the longest wait any other thread added, also
-        accumulated (so that per_step's differences give it per step). The threads' files stay open between
-        boundaries (a pread each); the thread list is read again every RESCAN boundaries."""
-        if not self._fds or len(self.samples) % RESCAN == 0:
+        self._left -= 1
+        if self._countdown <= 0:
             self._rescan()
-        now: dict[str, tuple[int, int]] = {}
-        for tid, fd in list(self._fds.items()):
+        self._countdown -= 1
+        try:
+            self._raw += ((step, self._tids, tuple(map(os.pread, self._order, repeat(_READ), repeat(0)))),)
+        except OSError:  # a thread ended: read one by one, without it
+            self._sample_slowly(step)
+
+    def _sample_slowly(self, step: int) -> None:
+        raws = []
+        for tid in self._tids:
             try:
-                fields = os.pread(fd, 128, 0).split()
-                now[tid] = (int(fields[0]), int(fields[1]))
-            except (OSError, ValueError, IndexError):  # the thread ended
+                raws.append(os.pread(self._fds[tid], _READ, 0))
+            except OSError:
+                if tid == self._me:  # the training thread's own file: no more samples
+                    self.close()
+                    return
                 os.close(self._fds.pop(tid))
-        prev = self._threads
-        dcpu = sum(c - prev.get(t, (0, 0))[0] for t, (c, _) in now.items())
-        dwait = max((w - prev.get(t, (0, 0))[1] for t, (_, w) in now.items() if t != self._me and t in prev),
-                    default=0)
-        self._threads = now
-        last = self.samples[-1] if self.samples else (0, 0, 0, 0, 0)
-        return last[3] + dcpu, last[4] + dwait
+        self._set_order()
+        self._raw.append((step, self._tids, tuple(raws)))
 
     def _rescan(self) -> None:
-        with os.scandir(self._tasks) as it:
-            tids = [entry.name for _, entry in zip(range(MAX_THREADS), it)]
-        for tid in tids:
-            if tid not in self._fds:
-                try:
-                    self._fds[tid] = os.open(f"{self._tasks}/{tid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
-                except OSError:
-                    continue
+        self._countdown = RESCAN
+        try:
+            tids = os.listdir(self._tasks)[:MAX_THREADS]
+        except OSError:
+            return
+        new = [tid for tid in tids if tid not in self._fds]
+        if not new:
+            return
+        for tid in new:
+            try:
+                self._fds[tid] = os.open(f"{self._tasks}/{tid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+        self._set_order()
+
+    def _set_order(self) -> None:
+        others = tuple(filter(self._me.__ne__, self._fds))  # (map and filter: no traced call a thread)
+        self._tids = (self._me, *others) if self._me in self._fds else others
+        self._order = tuple(map(self._fds.__getitem__, self._tids))
+
+    def _parse(self) -> list[tuple[int, int, int, int, int]]:
+        """The reads as (step, cpu, wait, process cpu, helper wait): the process's CPU is what all threads added
+        since the previous boundary (a thread's own delta: one that ended took its counts with it, one that began
+        counts from zero), accumulated; the helper wait is the longest wait any other thread added, also
+        accumulated (so that per_step's differences give both per step). A read that does not parse ends the
+        samples there."""
+        out: list[tuple[int, int, int, int, int]] = []
+        prev: dict[str, tuple[int, int]] = {}
+        pcpu = pwait = 0
+        for step, tids, raws in self._raw:
+            try:
+                now = {tid: _fields(raw) for tid, raw in zip(tids, raws)}
+                cpu, wait = now[self._me]
+            except (ValueError, IndexError, KeyError):
+                break
+            pcpu += sum(c - prev.get(t, (0, 0))[0] for t, (c, _) in now.items())
+            pwait += max((w - prev[t][1] for t, (_, w) in now.items() if t != self._me and t in prev), default=0)
+            prev = now
+            out.append((step, cpu, wait, pcpu, pwait))
+        return out
 
     def close(self) -> None:
-        for fd in [self._fd, *self._fds.values()]:
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self._fd, self._fds = None, {}
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fd, self._fds, self._tids, self._order = None, {}, (), ()
 
     def per_step(self, recorded: list[int]) -> dict[str, Any] | None:
         """{"steps", "cpu_ms", "wait_ms", "proc_cpu_ms", "proc_wait_ms"} for each recorded step whose start and end
         were sampled (the sample after it labels the next step, or the window's end); None without samples.
         proc_wait_ms is the longest run-queue wait of one other thread of the process in the step."""
         self.close()
+        samples = self._parse()
         at = {}
-        for i, cur in enumerate(self.samples[:-1]):
-            nxt = self.samples[i + 1]
+        for i, cur in enumerate(samples[:-1]):
+            nxt = samples[i + 1]
             at[cur[0]] = tuple((nxt[j] - cur[j]) / 1e6 for j in range(1, 5))
         steps = [s for s in recorded if s in at]
         if not steps:

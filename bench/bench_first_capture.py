@@ -7,7 +7,8 @@ A toy rank (--no-dist, about 1 ms steps) runs from a copy of the package: `--cop
 fresh clone (an editable install compiles every module at its first import), `warm` is the copy after one run.
 `--native fresh` gives the rank an empty cache (XDG_CACHE_HOME), so the first capture starts the native save's
 build in the background, as on a new machine; `cached` uses the user's cache. Captures come from the trigger file,
-one after another; each one's metadata timings are printed (export = write + post-processing). Then the
+one after another; each one's metadata timings are printed (export = write + post-processing), and where its
+summaries are written after it is published (issue 44), the time from the touch until its metadata says so. Then the
 post-processing child alone, on the first capture's trace: cold (no __pycache__) and warm, at normal priority.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
+SUMMARY_WAIT_S = 120.0  # a summary written after its capture is published (issue 44): waited for this long
 SOURCE = ROOT  # --package: another checkout's (git archive OLD | tar -x -C DIR), to compare
 
 
@@ -78,8 +80,19 @@ def run_rank(pkg: Path, cache: Path | None, captures: int, tmp: Path) -> list[di
             while len(metadata(save)) <= i:
                 time.sleep(0.01)
             meta = metadata(save)[i]
+            published = time.monotonic()
+            summary_s = None
+            if (meta.get("summary") or {}).get("status") == "pending":  # issue 44: written after, at idle priority
+                folder = next(save.glob(f"*/{Path(meta['trace_file']).name}")).parent
+                rank_dir = next(d for d in folder.iterdir() if d.is_dir() and (d / "metadata.json").exists())
+                while time.monotonic() - published < SUMMARY_WAIT_S:
+                    state = json.loads((rank_dir / "metadata.json").read_text()).get("summary") or {}
+                    if state.get("status") != "pending":
+                        summary_s = time.monotonic() - t0
+                        break
+                    time.sleep(0.05)
             t = meta["timings"]
-            rows.append({"capture": i + 1, "touch_to_published_s": time.monotonic() - t0,
+            rows.append({"capture": i + 1, "touch_to_published_s": published - t0, "touch_to_summary_s": summary_s,
                          "child_cpu_s": children_cpu(proc.pid) - children0,
                          "export_s": t["export_s"], "write_s": t["write_s"], "postprocess_s": t.get("postprocess_s"),
                          "save": meta["backend"].get("trace_save", "?"), "kb": sum(
@@ -123,7 +136,7 @@ def main() -> None:
     print(f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; native cache {args.native}, package copy "
           f"{args.copy}, from {args.package}")
     print(f"{'run':>3} {'cap':>3} {'touch->published':>16} {'export':>8} {'write':>7} {'postproc':>9} "
-          f"{'child CPU':>9} {'save':>10} {'KB':>6}")
+          f"{'child CPU':>9} {'save':>10} {'KB':>6} {'touch->summary':>14}")
     firsts, laters = [], []
     trace = None
     for run in range(args.repeat):
@@ -138,7 +151,8 @@ def main() -> None:
             for r in rows:
                 print(f"{run + 1:>3} {r['capture']:>3} {r['touch_to_published_s']:>15.2f}s {r['export_s']:>7.2f}s "
                       f"{r['write_s']:>6.2f}s {r['postprocess_s'] or 0:>8.2f}s {r['child_cpu_s']:>8.2f}s "
-                      f"{r['save']:>10} {r['kb']:>6.0f}")
+                      f"{r['save']:>10} {r['kb']:>6.0f} "
+                      + (f"{r['touch_to_summary_s']:>13.2f}s" if r["touch_to_summary_s"] is not None else f"{'-':>14}"))
             firsts.append(rows[0]["export_s"])
             laters += [r["export_s"] for r in rows[1:]]
             if run == 0 and rows[0]["trace"] is not None:

@@ -25,7 +25,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import ctl, end_test_env, short_dir, start_daemon, start_ranks, status_lines, wait_for
+from conftest import ctl, end_test_env, short_dir, start_daemon, start_ranks, status_lines, summaries_written, \
+    wait_for
 
 from ondemand_prof.report.perfetto import Merger, align, metadata
 from ondemand_prof.report.timeline import decode, encode
@@ -433,6 +434,8 @@ def test_three_hosts_one_timeline_their_collectives_end_together(net3: Any) -> N
     assert res.returncode == 0, res.stdout + res.stderr
     cid = res.stdout.split()[1].rstrip(":")
     assert f"one timeline: ondemandctl --hosts ... export {cid} --perfetto {cid}.json" in res.stdout, res.stdout
+    # the clocks are aligned on the timelines of the ranks' summaries, written after "done" at idle priority (issue 44)
+    summaries_written(m["dir"] for rank in range(3) for m in net3_captures(net3, rank) if m["capture_id"] == cid)
     out = net3.root / "merged.json"
     res = net3.ctl("export", cid, "--perfetto", str(out))  # on h1: the other hosts' traces by their recorded paths
     assert res.returncode == 0, res.stdout + res.stderr

@@ -205,3 +205,10 @@ def test_the_post_processing_child_imports_neither_the_package_root_nor_the_read
     assert sorted(p.name for p in out.iterdir()) == ["operator_summary.csv", "step_summary.csv", "summary.json"]
     assert oct((out / "summary.json").stat().st_mode & 0o777) == oct(0o640)
     assert json.loads((out / "summary.json").read_text())["steps"][0]["step"] == 5
+    # profile.db (sqlite makes its own file at the exclusive name): the mode asked for too, nothing left beside it
+    spec.write_text(json.dumps({**json.loads(spec.read_text()), "export_type": "db", "file_mode": 0o600}))
+    proc = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["files"] == ["profile.db", "summary.json"], proc.stderr
+    assert oct((out / "profile.db").stat().st_mode & 0o777) == oct(0o600)
+    assert sorted(p.name for p in out.iterdir()) == ["operator_summary.csv", "profile.db", "step_summary.csv",
+                                                     "summary.json"]

@@ -315,7 +315,8 @@ def write_rank_summary(out_dir: Path, trace: dict[str, Any], spec: dict[str, Any
 def write_file_atomic(out_dir: Path, name: str, write: Callable[[str], None], mode: int | None = None) -> None:
     """`write(path)` fills a new file of `out_dir` that is then renamed to `name`: a reader sees the whole file or
     none (a summary is written into a rank directory already published). The temporary name is created exclusively
-    and without following a link (O_EXCL, O_NOFOLLOW), with `mode` (default: 0644 less the umask)."""
+    and without following a link (O_EXCL, O_NOFOLLOW), 0600 until written, then given `mode` (default: 0644 less
+    the umask)."""
     tmp = str(out_dir / f".{name}.{os.getpid()}.tmp")
     for _ in range(2):
         try:
@@ -326,9 +327,13 @@ def write_file_atomic(out_dir: Path, name: str, write: Callable[[str], None], mo
     else:
         raise FileExistsError(tmp)
     try:
-        os.fchmod(fd, mode if mode is not None else 0o644 & ~_umask())
         os.close(fd)
         write(tmp)
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # the file written (sqlite makes its own)
+        try:
+            os.fchmod(fd, mode if mode is not None else 0o644 & ~_umask())
+        finally:
+            os.close(fd)
         os.replace(tmp, out_dir / name)
     except BaseException:
         try:

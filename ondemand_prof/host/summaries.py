@@ -281,8 +281,7 @@ def _summary_of(part: dict[str, Any]) -> dict[str, Any]:
         return {"error": f"no summary: {exc}"}
 
 
-NOT_WRITTEN_YET = ("summary not written yet: the rank writes it after its trace is published, at idle priority "
-                   "(its trace is complete; a report on its host reads the trace)")
+NOT_WRITTEN_YET = "summary not written yet (its rank writes it after publishing the trace, at idle priority)"
 
 
 def _not_written(rank_dir: str, owner: int | None, root: str) -> str | None:

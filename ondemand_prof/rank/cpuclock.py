@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 from itertools import repeat
+from operator import sub
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -32,11 +33,6 @@ MAX_SAMPLES = 100_000  # boundaries a window keeps (a window is capped far below
 MAX_THREADS = 256  # threads of the process read at a boundary
 RESCAN = 8  # boundaries between two reads of the process's thread list (a thread started meanwhile counts from then)
 _READ = 128  # bytes of a schedstat file read (three numbers)
-
-
-def _fields(raw: bytes) -> tuple[int, int]:
-    fields = raw.split()
-    return int(fields[0]), int(fields[1])
 
 
 class ThreadClock:
@@ -122,20 +118,30 @@ class ThreadClock:
         since the previous boundary (a thread's own delta: one that ended took its counts with it, one that began
         counts from zero), accumulated; the helper wait is the longest wait any other thread added, also
         accumulated (so that per_step's differences give both per step). A read that does not parse ends the
-        samples there."""
+        samples there. Parsed by C loops (join, split, map) where the threads are those of the boundary before:
+        this runs in the window-end step, after collection, and a node's process can have a hundred threads."""
         out: list[tuple[int, int, int, int, int]] = []
-        prev: dict[str, tuple[int, int]] = {}
+        prev: tuple[str, ...] = ()
+        prev_cpu: list[int] = []
+        prev_wait: list[int] = []
         pcpu = pwait = 0
         for step, tids, raws in self._raw:
-            try:
-                now = {tid: _fields(raw) for tid, raw in zip(tids, raws)}
-                cpu, wait = now[self._me]
-            except (ValueError, IndexError, KeyError):
+            fields = b" ".join(raws).split()
+            if not tids or tids[0] != self._me or len(fields) != 3 * len(tids):  # schedstat: three numbers
                 break
-            pcpu += sum(c - prev.get(t, (0, 0))[0] for t, (c, _) in now.items())
-            pwait += max((w - prev[t][1] for t, (_, w) in now.items() if t != self._me and t in prev), default=0)
-            prev = now
-            out.append((step, cpu, wait, pcpu, pwait))
+            try:
+                cpus, waits = list(map(int, fields[0::3])), list(map(int, fields[1::3]))
+            except ValueError:
+                break
+            if tids == prev:  # the same threads as at the boundary before (the common case)
+                pcpu += sum(map(sub, cpus, prev_cpu))
+                pwait += max(map(sub, waits[1:], prev_wait[1:]), default=0)
+            else:
+                before = dict(zip(prev, zip(prev_cpu, prev_wait)))
+                pcpu += sum(c - before.get(t, (0, 0))[0] for t, c in zip(tids, cpus))
+                pwait += max((w - before[t][1] for t, w in zip(tids[1:], waits[1:]) if t in before), default=0)
+            prev, prev_cpu, prev_wait = tids, cpus, waits
+            out.append((step, cpus[0], waits[0], pcpu, pwait))
         return out
 
     def close(self) -> None:

@@ -36,7 +36,8 @@ SCHED_IDLE); ours-inprocess = ONDEMAND_PROF_TRACE_SAVE=in-process (kineto's save
 the GIL: the default before issue 20); ours-fork = ONDEMAND_PROF_TRACE_SAVE=fork; ours-nice =
 ONDEMAND_PROF_EXPORT_SCHED=nice (helpers 10 nice levels down instead of SCHED_IDLE); ours-anycpu =
 ONDEMAND_PROF_HELPER_CPUS=all (helpers not kept off the training thread's core); ours-accessors and ours-keep =
-the native save freeing less of the result (bench/native_variants.py: the rest is freed under the GIL).
+the native save freeing less of the result (bench/native_variants.py: the rest is freed under the GIL); ours-agent =
+ours with on-demand listening on (the agent's and the trigger-file watcher's threads; no daemon).
 Numbers are CPU only (torch's CPU activity) unless `--device cuda`: then the model trains on the GPU (each step
 ends with its loss read back, so its kernels are done) and torch.profiler records CUDA activity too, as ours does.
 """
@@ -67,6 +68,8 @@ VARIANT_ENV = {
     # bench/native_variants.py: how the native save frees the result (issue 31)
     "ours-accessors": {"ODP_BENCH_NATIVE_VARIANT": "accessors"},
     "ours-keep": {"ODP_BENCH_NATIVE_VARIANT": "keep"},
+    # a rank as the zero-config hook runs: its agent and trigger-file watcher threads (no daemon asked)
+    "ours-agent": {"ODP_BENCH_AGENT": "1"},
 }
 IDLE_STEPS = 30
 WINDOW_START = IDLE_STEPS + 5
@@ -175,7 +178,10 @@ def run_ours(active: int, tail: int, phases: Phases | None = None) -> dict[str, 
     from ondemand_prof.core.options import WindowOptions
 
     def profiler(start: int, steps: int, on_event: Callable[[str, dict[str, Any]], None]) -> OnDemandProfiler:
-        prof = OnDemandProfiler(ProfileConfig(ondemand=False, save_path=tempfile.mkdtemp(), min_free_mb=0))
+        agent = os.environ.get("ODP_BENCH_AGENT") == "1"
+        save = tempfile.mkdtemp()
+        prof = OnDemandProfiler(ProfileConfig(ondemand=agent, daemon=False, trigger_dir=save + "/trigger" if agent
+                                              else "", quiet=True, save_path=save, min_free_mb=0))
         prof.submit(Window(start, start + steps, WindowOptions(with_stack=True, record_shapes=True),
                            source="bench", capture_id="bench"), listener=on_event)
         return prof
@@ -196,7 +202,8 @@ def run_ours(active: int, tail: int, phases: Phases | None = None) -> dict[str, 
     out = drive(lambda: prof.step(), WINDOW_START + active, tail)  # not the bound method: see README
     prof.close()
     done = [r for r in results if r["event"] in ("done", "failed")]
-    out["capture"] = {"status": done[0].get("status"), "steps": done[0].get("steps")} if done else None
+    out["capture"] = {"status": done[0].get("status"), "steps": done[0].get("steps")} if done else \
+        {"status": None, "events": [r["event"] for r in results]}  # never done: what the listener heard
     out["published_s"] = done[0]["t"] - out["marks"]["window_end"] if done else None
     out["phases"] = dict(phases.data)  # phases.data is refilled by the next window
     if done and done[0].get("path"):
@@ -268,6 +275,7 @@ def same_process(active: int, tail: int, repeat: int, variants: list[str]) -> li
             os.environ.pop("ONDEMAND_PROF_EXPORT_SCHED", None)
             os.environ.pop("ONDEMAND_PROF_HELPER_CPUS", None)
             os.environ.pop("ODP_BENCH_NATIVE_VARIANT", None)
+            os.environ.pop("ODP_BENCH_AGENT", None)
             os.environ.update(VARIANT_ENV[variant])
             gc.collect()
             load = os.getloadavg()[0]
@@ -431,6 +439,10 @@ def summarize(res: dict[str, Any], sampler: MemorySampler, active: int) -> dict[
 
 
 # ----------------------------------------------------------------------------------------------------------
+
+
+def fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def median_of(rows: list[dict[str, Any]], key: str) -> float:
@@ -658,7 +670,7 @@ def run_all(args: argparse.Namespace) -> tuple[Runs, int]:
                       f"cores): stall {r['stall_ms']:.1f} ms, +{AFTER} {r['after10_ms']:.1f} ms (collect "
                       f"{r['collect_ms']:.0f}, cpu {r['thread_cpu_ms']:.0f}, runqueue {r['runqueue_ms']:.0f}, asleep "
                       f"{r['asleep_ms']:.0f}; save {r['save_ms']:.0f} {r['way']}, post {r['postprocess_ms']:.0f}), "
-                      f"own {r['after10_own_ms']:.1f} ms, +{args.tail} {r['tail_ms']:.1f} ms, published after {r['published_ms']:.0f} ms, rss "
+                      f"own {r['after10_own_ms']:.1f} ms, +{args.tail} {r['tail_ms']:.1f} ms, published after {fmt_ms(r['published_ms'])} ms, rss "
                       f"+{r['rss_mb']:.0f} MB, capture {r.get('capture')}", flush=True)
     return runs, retried
 

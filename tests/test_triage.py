@@ -274,7 +274,8 @@ def test_a_slowdown_opens_one_automatic_window_then_the_cooldown_holds(tmp_path:
     assert meta["trigger"]["source"] == "auto"
     auto = meta["trigger"]["request"]["auto"]
     assert auto["ratio"] == 3 and auto["detected_at_step"] >= 60, auto
-    assert len(auto["slow_steps_s"]) == 5 and all(s > 3 * auto["median_step_s"] for s in auto["slow_steps_s"])
+    # the steps that raised the CUSUM past its threshold (at least --profile-auto-steps), each 6x the reference
+    assert len(auto["slow_steps_s"]) >= 5 and all(s > 3 * auto["median_step_s"] for s in auto["slow_steps_s"])
     assert meta["window"]["recorded_steps"][0] > auto["detected_at_step"]
     assert "no automatic capture: cooldown" in err, err[-3000:]  # the slowdown went on; the cooldown held
 

@@ -4,7 +4,11 @@ stacks are, not on the FLOPs, so one model is not enough.
 
     linear512   8 x (Linear(512) + ReLU), batch 32: bench_hook's model, the one the README's numbers used before
     linear256   8 x (Linear(256) + ReLU), batch 32: issue 44's (the same layers, a quarter of the arithmetic)
-    large       4 x Linear(2048), batch 16: few large operators (a step of mostly GEMM time, few events)
+    large       4 x Linear(2048), batch 16: few large operators (a step of mostly GEMM time, few events); its
+                gradients are zeroed, not set to None: four 16 MB gradients allocated afresh each step were mmapped
+                by glibc (16,000 page faults a step) until the memory a window freed raised glibc's mmap threshold
+                above them, after which they were not, so the steps after a window ran 10-20 ms faster, or slower,
+                than the idle steps before it, for torch.profiler and for us alike, more than the window cost
     small       100 x (Linear(8) + ReLU), batch 4: many small operators (200 modules a forward; events dominate)
     deep        30 nested modules, each a Linear(64) + ReLU and the next one, batch 16: deep Python stacks
                 (about 90 frames at the innermost call; with_stack records every level)
@@ -70,10 +74,11 @@ def model_and_step(name: str, device: str = "cpu") -> tuple[Any, Any, Callable[[
     model.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     on_gpu = device != "cpu"
+    set_to_none = name != "large"  # (the module docstring: large's gradients are kept)
 
     def train_step(model: Any, opt: Any) -> None:
         loss = model(torch.randn(*shape, device=device)).sum()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         loss.backward()
         opt.step()
         if on_gpu:

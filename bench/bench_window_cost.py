@@ -90,15 +90,20 @@ def runqueue_ns() -> int:
         return int(fh.read().split()[1])
 
 
+def minor_faults() -> int:
+    """Page faults this thread took without I/O (fresh memory: a page first touched, zeroed by the kernel)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
 def drive(step: Callable[[], None], end: int, tail: int) -> dict[str, Any]:
     """Train steps 0 .. end+tail-1, calling step() after each; times every step (wall, this thread's CPU, run
-    queue wait) and the call ending the window."""
+    queue wait, minor page faults) and the call ending the window."""
     model, opt, train_step = device_model()
-    durations, cpu, rq, stall, stall_cpu, stall_rq, marks = [], [], [], 0.0, 0.0, 0.0, {}
+    durations, cpu, rq, faults, stall, stall_cpu, stall_rq, marks = [], [], [], [], 0.0, 0.0, 0.0, {}
     for i in range(end + tail):
         if i == WINDOW_START - 1:
             marks["window_begin"] = time.monotonic()
-        t0, c0, r0 = time.perf_counter(), time.thread_time(), runqueue_ns()
+        t0, c0, r0, f0 = time.perf_counter(), time.thread_time(), runqueue_ns(), minor_faults()
         train_step(model, opt)
         t1, c1, r1 = time.perf_counter(), time.thread_time(), runqueue_ns()
         step()
@@ -106,12 +111,13 @@ def drive(step: Callable[[], None], end: int, tail: int) -> dict[str, Any]:
         durations.append(t2 - t0)
         cpu.append(time.thread_time() - c0)
         rq.append((runqueue_ns() - r0) / 1e9)
+        faults.append(minor_faults() - f0)
         if i == end - 1:
             stall, stall_cpu, stall_rq = t2 - t1, time.thread_time() - c1, (runqueue_ns() - r1) / 1e9
             marks["window_end"] = time.monotonic()
     marks["tail_end"] = time.monotonic()
-    return {"durations": durations, "cpu": cpu, "rq": rq, "stall": stall, "stall_cpu": stall_cpu, "stall_rq": stall_rq,
-            "marks": marks}
+    return {"durations": durations, "cpu": cpu, "rq": rq, "faults": faults, "stall": stall, "stall_cpu": stall_cpu,
+            "stall_rq": stall_rq, "marks": marks}
 
 
 def device_model() -> tuple[Any, Any, Callable[[Any, Any], None]]:
@@ -435,7 +441,12 @@ def summarize(res: dict[str, Any], sampler: MemorySampler, active: int) -> dict[
                                - (rq - (res["rq"][end - 1] - base["rq"]))) * 1e3,
             "save_ms": ph.get("save_s", 0.0) * 1e3, "save_cpu_ms": ph.get("save_thread_cpu_s", 0.0) * 1e3,
             "postprocess_ms": ph.get("postprocess_s", 0.0) * 1e3,
-            "postprocess_cpu_ms": ph.get("postprocess_cpu_s", 0.0) * 1e3, "way": ph.get("way")}
+            "postprocess_cpu_ms": ph.get("postprocess_cpu_s", 0.0) * 1e3, "way": ph.get("way"),
+            # page faults of the training thread over the same span, against the idle median: a model that frees
+            # and allocates large tensors each step (grads set to None) faults more or less as the heap's layout
+            # changes, which moves its step time both ways (bench/bench_models.py large)
+            "faults": sum(x - statistics.median(res["faults"][5:WINDOW_START - 2]) for x in res["faults"][span_])
+            if "faults" in res else float("nan")}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -487,8 +498,9 @@ def print_table(runs: Runs, args: argparse.Namespace) -> None:
     print(f"\nWhere the time goes (ms, medians; training thread over the window-end step + {AFTER} steps, each "
           "against the idle median):")
     print("| training | variant | total | collection (stop_trace) | rest of the stall | other CPU of the training "
-          "thread | runnable, core taken | asleep (GIL) | raw save (way), CPU | post-processing, CPU |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "thread | runnable, core taken | asleep (GIL) | raw save (way), CPU | post-processing, CPU | page faults of the "
+          "training thread |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for shape, variants in runs.items():
         for name, rows in variants.items():
             ways = sorted({str(r.get("way")) for r in rows})
@@ -497,7 +509,7 @@ def print_table(runs: Runs, args: argparse.Namespace) -> None:
                   f"{median_of(rows, 'thread_cpu_ms'):.0f} | {median_of(rows, 'runqueue_ms'):.0f} | "
                   f"{median_of(rows, 'asleep_ms'):.0f} | {median_of(rows, 'save_ms'):.0f} ({'/'.join(ways)}), "
                   f"{median_of(rows, 'save_cpu_ms'):.0f} | {median_of(rows, 'postprocess_ms'):.0f}, "
-                  f"{median_of(rows, 'postprocess_cpu_ms'):.0f} |")
+                  f"{median_of(rows, 'postprocess_cpu_ms'):.0f} | {median_of(rows, 'faults'):+.0f} |")
     ratios = [(shape, name, r) for shape, variants in runs.items() if "torch" in variants
               for name, r in ratios_of(variants).items()]
     for shape, name, r in ratios:
@@ -670,7 +682,7 @@ def run_all(args: argparse.Namespace) -> tuple[Runs, int]:
                       f"cores): stall {r['stall_ms']:.1f} ms, +{AFTER} {r['after10_ms']:.1f} ms (collect "
                       f"{r['collect_ms']:.0f}, cpu {r['thread_cpu_ms']:.0f}, runqueue {r['runqueue_ms']:.0f}, asleep "
                       f"{r['asleep_ms']:.0f}; save {r['save_ms']:.0f} {r['way']}, post {r['postprocess_ms']:.0f}), "
-                      f"own {r['after10_own_ms']:.1f} ms, +{args.tail} {r['tail_ms']:.1f} ms, published after {fmt_ms(r['published_ms'])} ms, rss "
+                      f"own {r['after10_own_ms']:.1f} ms, faults {r['faults']:+.0f}, +{args.tail} {r['tail_ms']:.1f} ms, published after {fmt_ms(r['published_ms'])} ms, rss "
                       f"+{r['rss_mb']:.0f} MB, capture {r.get('capture')}", flush=True)
     return runs, retried
 

@@ -259,10 +259,14 @@ def test_a_capture_refused_for_a_window_the_daemon_did_not_know_is_planned_again
         svc.handle(b"r%d" % r, {"type": "event", "capture_id": cid, "event": state,
                                 "info": {"window": window, **info}})
 
-    busy = f"busy: window [{start - 1}, {start + 149}) (file, file-1) holds the profiler"
+    def busy(a: int, b: int, source: str, holder: str) -> dict[str, Any]:
+        """A rank's busy refusal as rank/agent.py sends it: the text, and the window in the way as a field."""
+        return {"error": f"busy: window [{a}, {b}) ({source}, {holder}) holds the profiler",
+                "busy": {"capture_id": holder, "start": a, "end": b, "source": source, "state": "busy"}}
+
     for r in (0, 1):
         event(r, "received", [start, end])
-    event(0, "rejected", [start, end], error=busy)
+    event(0, "rejected", [start, end], **busy(start - 1, start + 149, "file", "file-1"))
     held = svc.store.records[cid]
     assert held.part(0)["state"] == "received" and held.status == "running" and not svc.outbox  # rank 1 to answer
     event(1, "scheduled", [start, end])
@@ -275,18 +279,18 @@ def test_a_capture_refused_for_a_window_the_daemon_did_not_know_is_planned_again
     assert {r: (w.start, w.end, w.capture_id) for r, w in again.items()} == {
         b"r0": (start + 149, start + 151, cid), b"r1": (start + 149, start + 151, cid)}
     assert again[b"r0"].note.startswith("replanned after window")
-    event(1, "rejected", [start, end], error=busy)  # about the old window: dropped
+    event(1, "rejected", [start, end], **busy(start - 1, start + 149, "file", "file-1"))  # the old window: dropped
     assert held.part(1)["state"] == "scheduled"
     new = replanned["window"]
     event(0, "scheduled", new)
-    event(1, "rejected", new, error=f"busy: window [{new[0]}, {new[0] + 50}) (signal, s-1) holds the profiler")
+    event(1, "rejected", new, **busy(new[0], new[0] + 50, "signal", "s-1"))
     assert held.part(1)["state"] == "rejected" and held.part(0)["state"] == "scheduled"  # once only
 
     absolute = json.loads(svc.handle(b"cli", {"type": "capture", "id": 2, "request": {"steps": 2, "ranks": [0],
                                                                                      "start_step": 1000}}))["data"]
     cid = absolute["capture_id"]
     event(0, "received", [1000, 1002])
-    event(0, "rejected", [1000, 1002], error="busy: window [990, 1100) (file, file-2) holds the profiler")
+    event(0, "rejected", [1000, 1002], **busy(990, 1100, "file", "file-2"))
     assert svc.store.records[cid].status == "failed"
 
 

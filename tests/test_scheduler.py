@@ -101,23 +101,27 @@ def test_overlapping_request_is_busy_and_names_the_blocker() -> None:
 
 def test_the_daemon_planning_a_capture_again_replaces_its_queued_window() -> None:
     """A daemon window with the capture id of one queued replaces it (the daemon planned the capture again after
-    a window it had not heard of); one with the id of the window recording is refused. The busy text is the one
-    the daemon reads back (core/window.py busy_window)."""
-    from ondemand_prof.core.window import busy_window
+    a window it had not heard of); one with the id of the window recording is refused. A busy refusal names the
+    window in the way as a field (core/window.py busy_fields), which the daemon checks before use (busy_window)."""
+    from ondemand_prof.core.window import busy_fields, busy_window
 
     sched = Scheduler(FakeDriver())
     assert sched.submit(window(10, 160, "file-1", source="file"))[0]
-    ok, reason = sched.submit(window(12, 14, "c"))
-    assert not ok and busy_window(reason) == {"capture_id": "file-1", "start": 10, "end": 160, "source": "file",
+    ok, reason, busy = sched.place(window(12, 14, "c"))
+    assert not ok and reason == "busy: window [10, 160) (file, file-1) holds the profiler"
+    assert busy_window(busy_fields(busy)) == {"capture_id": "file-1", "start": 10, "end": 160, "source": "file",
                                               "state": "busy"}
     assert sched.submit(window(170, 172, "d"))[0] and sched.submit(window(180, 182, "d"))[0]
     assert [(w["capture_id"], w["start"]) for w in sched.windows()] == [("file-1", 10), ("d", 180)]
     run(sched, 0, 11)  # file-1 records
-    ok, reason = sched.submit(window(300, 302, "file-1", source="daemon"))
-    assert not ok and reason == "capture file-1 is already recording here"
-    assert busy_window("busy: window [5, close) (file, x) holds the profiler")["end"] is None
-    assert busy_window("rank 0 not selected") is None and busy_window("busy: window [9, 3) (a, b) holds the profiler") \
-        is None
+    assert sched.place(window(300, 302, "file-1", source="daemon")) == (
+        False, "capture file-1 is already recording here", None)  # not busy: nothing to plan after
+    until_close = {"capture_id": "x", "start": 5, "end": None, "source": "file", "state": "busy"}
+    assert busy_window(until_close) == until_close
+    for bad in ("busy: window [5, 8) (file, x) holds the profiler", None, {**until_close, "end": 3},
+                {**until_close, "state": "recording"}, {**until_close, "start": -1}, {**until_close, "source": 5},
+                {**until_close, "capture_id": "x" * 129}, {**until_close, "start": True}):
+        assert busy_window(bad) is None, bad
 
 
 def test_late_on_demand_window_is_moved_and_says_so() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import enum
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, TypeGuard
 
@@ -59,24 +58,29 @@ class Window:
 
 
 def busy_reason(blocking: Window) -> str:
-    """Why a rank refuses a window: `blocking` holds the profiler then. The one text of it, which the daemon reads
-    back (busy_window) to plan the capture again after a window it had not heard of."""
+    """Why a rank refuses a window: `blocking` holds the profiler then (the text people read; the daemon reads the
+    window itself from busy_fields, sent beside it)."""
     return f"busy: window {blocking.describe()} ({blocking.source}, {blocking.capture_id}) holds the profiler"
 
 
-_BUSY = re.compile(r"busy: window \[(\d+), (\d+|close)\) \(([^,()]{0,32}), ([^,()]{0,128})\) holds the profiler")
+def busy_fields(blocking: Window) -> dict[str, Any]:
+    """The window a busy refusal names, as heartbeats list windows (end None: until close): the `busy` field of a
+    rank's 'rejected' event, which the daemon reads (busy_window) to plan the capture again after it."""
+    return {"capture_id": blocking.capture_id, "start": blocking.start, "end": blocking.end,
+            "source": blocking.source, "state": "busy"}
 
 
-def busy_window(reason: Any) -> dict[str, Any] | None:
-    """The window a busy refusal (busy_reason) names, as heartbeats list windows ({capture_id, start, end, source};
-    end None: until close), or None when `reason` is no such refusal."""
-    m = _BUSY.fullmatch(reason) if isinstance(reason, str) else None
-    if m is None:
+def busy_window(value: Any) -> dict[str, Any] | None:
+    """A rank's `busy` field (busy_fields) checked, as heartbeats list windows, or None when it is no such window
+    (absent, or not what busy_fields writes: a rank's report is bounded before use)."""
+    if not isinstance(value, dict) or value.get("state") != "busy":
         return None
-    start, end = int(m.group(1)), None if m.group(2) == "close" else int(m.group(2))
+    start, end, source, cid = (value.get(k) for k in ("start", "end", "source", "capture_id"))
     if not _step(start) or (end is not None and (not _step(end) or end <= start)):
         return None
-    return {"capture_id": m.group(4), "start": start, "end": end, "source": m.group(3), "state": "busy"}
+    if not (isinstance(source, str) and len(source) <= 32 and isinstance(cid, str) and len(cid) <= 128):
+        return None
+    return {"capture_id": cid, "start": start, "end": end, "source": source, "state": "busy"}
 
 
 def _step(value: Any) -> TypeGuard[int]:

@@ -224,7 +224,7 @@ class CaptureRecord:
         if isinstance(info, dict) and info.get("window") in self._superseded:
             return False  # about a window this capture was planned again from
         if state == "rejected" and self.replan is not None and isinstance(info, dict) and \
-                busy_window(info.get("error")) is not None:
+                busy_window(info.get("busy")) is not None:
             self._busy[rank] = dict(info)
             return self._answered(wall)
         moved = self._move(rank, part, state, info, wall)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..core.window import StepClock, Window
+from ..core.window import StepClock, Window, busy_fields
 from .announce import registered_line, say, startup_line
 from .extension import AgentExtension
 from .file_trigger import FileTrigger
@@ -265,11 +265,11 @@ class Agent:
                    step: int) -> tuple[bool, str]:
         """On the training thread (at `step`): the window to the scheduler, and the listener told 'scheduled' or
         'rejected' (why); what every entry's window goes through (schedule; a signal's, already on that thread)."""
-        ok, reason = self.prof.submit(window, listener)
+        ok, reason, busy = self.prof.place(window, listener)
         if listener is not None:
             info = {"capture_id": window.capture_id, "window": [window.start, window.end], "current_step": step}
             if ok:
                 listener("scheduled", info)
             else:
-                listener("rejected", {**info, "error": reason})
+                listener("rejected", {**info, "error": reason, **({"busy": busy_fields(busy)} if busy else {})})
         return ok, reason

@@ -211,10 +211,15 @@ class OnDemandProfiler:
 
     def submit(self, window: Window, listener: Listener | None = None) -> tuple[bool, str]:
         """Queue a window (on the training thread, usually through call_at_next_step)."""
-        ok, reason = self.scheduler.submit(window, listener, self._step)
+        ok, reason, _ = self.place(window, listener)
+        return ok, reason
+
+    def place(self, window: Window, listener: Listener | None = None) -> tuple[bool, str, Window | None]:
+        """submit(), and the window that holds the profiler where it is refused as busy (rank/scheduler.py)."""
+        ok, reason, busy = self.scheduler.place(window, listener, self._step)
         if ok:
             self._wake_up()
-        return ok, reason
+        return ok, reason, busy
 
     def cancel(self, capture_id: str, step: int) -> bool:
         """Stop a queued or running window (training thread): what was recorded is written, marked cancelled."""

@@ -73,23 +73,29 @@ class Scheduler:
     # Requests (training thread)
 
     def submit(self, window: Window, listener: Listener | None = None, step: int | None = None) -> tuple[bool, str]:
-        """Queue a window (`step`: the step now beginning, when known). Refused as busy when it overlaps the
-        running window or an on-demand one already queued, as they were planned; a static window it overlaps is
-        skipped when its time comes."""
+        """Queue a window (`step`: the step now beginning, when known): place() without the busy window."""
+        ok, reason, _ = self.place(window, listener, step)
+        return ok, reason
+
+    def place(self, window: Window, listener: Listener | None = None,
+              step: int | None = None) -> tuple[bool, str, Window | None]:
+        """Queue a window, or say why not and, when refused as busy, which window holds the profiler then (the
+        daemon plans the capture again after it). Busy: it overlaps the running window or an on-demand one already
+        queued, as they were planned; a static window it overlaps is skipped when its time comes."""
         if self.disabled or self.closed:
-            return False, "profiler disabled" if self.disabled else "profiler closed"
+            return False, "profiler disabled" if self.disabled else "profiler closed", None
         if window.source == "daemon" and window.capture_id:
             if self.active is not None and self.active.window.capture_id == window.capture_id:
-                return False, f"capture {window.capture_id} is already recording here"
+                return False, f"capture {window.capture_id} is already recording here", None
             # the daemon planned this capture again (after a window it had not heard of): the new plan replaces
             # the one queued
             self.queue = [q for q in self.queue if q.window.capture_id != window.capture_id]
         blocking = self.blocking(window)
         if blocking is not None:
-            return False, busy_reason(blocking)
+            return False, busy_reason(blocking), blocking
         self.queue.append(Queued(window, listener, arrived_at=step))
         self.queue.sort(key=lambda q: q.window.start)
-        return True, "scheduled"
+        return True, "scheduled", None
 
     def blocking(self, window: Window) -> Window | None:
         active = self.active

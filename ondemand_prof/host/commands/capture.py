@@ -366,7 +366,7 @@ class Replanner:
         targets = [live.get((p["rank"], p["pid"])) for p in parts.values()]
         if any(t is None for t in targets):
             return False
-        blocking = {rank: busy_window(info.get("error")) for rank, info in busy.items()}
+        blocking = {rank: busy_window(info.get("busy")) for rank, info in busy.items()}
         cid = record.capture_id
         known = [dataclasses.replace(t, windows=[w for w in t.windows or [] if w["capture_id"] != cid] + [
             w for w in [blocking.get(t.rank)] if w is not None and w["capture_id"] not in

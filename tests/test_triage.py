@@ -422,7 +422,44 @@ def test_cooldown_and_hourly_budget_bound_automatic_captures() -> None:
             taken.append(minute)
     assert taken == [0, 5, 10, 60, 65, 70]  # 3 in any hour; the next only once the first is an hour old
     assert "hourly budget of 3" in auto.allowed(1000.0 + 115 * 60)
-    assert "cooldown (59 s left)" in auto.allowed(1000.0 + 70 * 60 + 1)
+    assert "cooldown (59 s left," in auto.allowed(1000.0 + 70 * 60 + 1)
+
+
+@pytest.mark.quick
+def test_the_cooldown_ends_once_the_steps_are_back_to_the_baselines() -> None:
+    """A slowdown that goes on is captured once per cooldown; one that ends (a burst of another job's load) ends the
+    cooldown once HISTORY steps taken after the capture began have a median under the threshold, so the real
+    regression that follows is captured at once, not after 600 s (issue 43: the cooldown blocked the real one). A
+    history that still holds steps from before the capture proves nothing."""
+    from types import SimpleNamespace
+
+    from ondemand_prof.core.options import ProfileConfig
+    from ondemand_prof.rank.autocapture import HISTORY, AutoCapture
+
+    prof = SimpleNamespace(config=ProfileConfig(auto_ratio=1.5, auto_cooldown_s=600.0, auto_per_hour=4,
+                                                auto_baseline_at=-1), current_step=0)
+    auto = AutoCapture(prof, clock=lambda: 0.0)
+    mon = auto.monitor
+    now = [0.0]
+    mon.clock = lambda: now[0]
+    step = mon.step_fn(iter(range(10**6)))
+
+    def run(seconds: float, count: int) -> None:
+        for _ in range(count):
+            now[0] += seconds
+            step()
+
+    run(0.020, 80)  # the reference: a 20 ms step (taken from the history, as without a baseline window)
+    assert mon.reference is not None and mon.threshold == pytest.approx(0.020 * 1.5 ** 0.5)
+    auto.started.append(100.0)
+    auto.capture_n, auto.recovered = mon.n, False  # what _decide does as a capture begins
+    assert auto.allowed(101.0).startswith("cooldown (599 s left, or until the steps are back")
+    run(0.035, 16)  # slow steps, but the history's median is of steps from before the capture: proves nothing
+    assert not auto.recovered and auto.allowed(102.0)
+    run(0.035, HISTORY)  # the slowdown goes on: the cooldown holds
+    assert not auto.recovered and auto.allowed(400.0)
+    run(0.020, HISTORY // 2 + 16)
+    assert auto.recovered and auto.allowed(401.0) == ""  # back to the baseline's: another slowdown is captured
 
 
 def test_stacks_fold_our_own_threads_unless_asked(env: dict[str, Any]) -> None:

@@ -54,7 +54,9 @@ class ProfileConfig(ConfigMethods):
     # With --profile-auto: the number of steps of an unchanged job per false alarm at most: the CUSUM's threshold is
     # ln of it.
     auto_false_alarm_steps: int = 1000000
-    auto_cooldown_s: float = 600.0  # Seconds after an automatic capture during which no other starts.
+    # Seconds after an automatic capture during which no other starts, unless the steps are back to the baseline's
+    # meanwhile.
+    auto_cooldown_s: float = 600.0
     auto_per_hour: int = 4  # Automatic captures per hour at most.
     # With --profile-auto: the step of the one baseline window automatic captures are compared with (0: once step
     # times are steady after warm-up; -1: none).

@@ -5,7 +5,10 @@ between false alarms of an unchanged job (--profile-auto-false-alarm, 1,000,000 
 start-up line). Nothing fires before the baseline: warm-up, compilation and a host settling are not slowdowns.
 With a daemon, the rank asks it, and the daemon opens the capture on every rank of the job on its host (one
 capture when several ranks slow down at once: a second request while one runs is covered by it); without one, the
-rank captures itself. A cooldown and an hourly budget bound how many captures a slow phase can start.
+rank captures itself. A cooldown and an hourly budget bound how many captures a slow phase can start; the
+cooldown ends early once the steps are back to the baseline's (a median of HISTORY steps, all taken after the
+capture began, under the CUSUM's threshold): a new slowdown after a short one is another episode, captured, while
+one that goes on is captured once per cooldown.
 
 The baseline first (--profile-baseline-at): one window of the healthy job, what the automatic captures are compared
 with (the daemon compares each once it settles and keeps the comparison on its record: ondemandctl show/report AUTO
@@ -175,11 +178,15 @@ class AutoCapture(Extension):
         self._fired_q: collections.deque[tuple[list[float], float, int]] = collections.deque(maxlen=16)
         self.started: list[float] = []  # when automatic captures started (the budget's hour)
         self.held = 0  # slowdowns not captured because of the cooldown or the budget
+        # the monitor's step count when the last automatic capture began, and whether the steps have been back to
+        # the baseline's since (which ends its cooldown): set on the agent thread, read and set on the training one
+        self.capture_n: int | None = None
+        self.recovered = False
         self.baseline_at = int(getattr(config, "auto_baseline_at", 0))
         self.baseline_id: str | None = None  # the baseline this rank took or asked for
         self._baseline_due: tuple[int, float] | None = None  # (step, median) once it is time (training thread)
         self.not_steady = ""  # why the baseline was taken though the steps were not steady (said with it)
-        self.monitor.on_median = self._baseline_check
+        self.monitor.on_median = self._on_median
         # True while a window of ours is still being written: its helpers share the cores, and steps they slow
         # are not the job slowing down (a baseline's own export opened an automatic capture of itself)
         exporter = getattr(prof, "_exporter", None)  # the hook's
@@ -209,7 +216,16 @@ class AutoCapture(Extension):
                 f"{STEADY_SPREAD:g}x the fastest, no drift; at most {BASELINE_PATIENCE} steps later, steady or not; "
                 "--profile-baseline-at STEP to choose)")
 
-    def _baseline_check(self, n: int, ordered: list[float]) -> None:  # training thread, every EVERY steps
+    def _on_median(self, n: int, ordered: list[float]) -> None:  # training thread, every EVERY steps
+        self._baseline_check(n, ordered)
+        since = self.capture_n
+        if since is not None and not self.recovered and n - since >= HISTORY and \
+                ordered[len(ordered) // 2] < self.monitor.threshold:
+            self.recovered = True  # every step in the history came after the capture began, most of them normal
+            log.info("ondemand_prof: steps are back to the baseline's (median %.1f ms): the automatic captures' "
+                     "cooldown is over", ordered[len(ordered) // 2] * 1000)
+
+    def _baseline_check(self, n: int, ordered: list[float]) -> None:
         """Is it time for the baseline (and the monitor's reference: its steps)? Without a baseline
         (--profile-baseline-at -1), the reference is taken alone, as the baseline would be."""
         if self._baseline_due is not None or self.baseline_id is not None or self.monitor.reference is not None:
@@ -250,8 +266,9 @@ class AutoCapture(Extension):
     def allowed(self, now: float) -> str:
         """'' when a capture may start now, else why not."""
         self.started = [t for t in self.started if now - t < 3600]
-        if self.started and now - self.started[-1] < self.cooldown_s:
-            return f"cooldown ({self.cooldown_s - (now - self.started[-1]):.0f} s left)"
+        if self.started and now - self.started[-1] < self.cooldown_s and not self.recovered:
+            return (f"cooldown ({self.cooldown_s - (now - self.started[-1]):.0f} s left, or until the steps are "
+                    "back to the baseline's)")
         if len(self.started) >= self.per_hour:
             return f"hourly budget of {self.per_hour} capture(s) spent"
         return ""
@@ -272,6 +289,7 @@ class AutoCapture(Extension):
         agent = self.agent
         assert agent is not None  # poll() runs on the agent thread, so attach() came first
         self.started.append(now)
+        self.capture_n, self.recovered = self.monitor.n, False
         window = self._window(reason, agent.lead_steps() + 1)
         link = agent.link
         with_daemon = link is not None and link.registered

@@ -1,5 +1,5 @@
-"""Small file and process helpers every process uses: one timestamp form, the one atomic writer, reads that follow
-no link on another user's behalf, pid checks and process identities (a pid the kernel may have reused)."""
+"""Small file helpers every process uses: one timestamp form, the one atomic writer, reads that follow no link on
+another user's behalf. Processes (pid checks, identities, namespaces) are core/processes.py's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import os
 import stat
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -98,53 +97,6 @@ def read_nofollow(path: Path, limit: int) -> bytes | None:
         return None
     finally:
         os.close(fd)
-
-
-def proc_stat_fields(path: str) -> list[bytes]:
-    """The fields of a /proc/<pid>[/task/<tid>]/stat file after the command name (which may hold spaces and
-    parentheses), so [0] is the state (field 3 of proc(5)), [19] the start time (22), [36] the CPU it last ran on
-    (39). OSError when it cannot be read; [] when it has no command name."""
-    with open(path, "rb") as fh:
-        _, paren, rest = fh.read().rpartition(b")")
-    return rest.split() if paren else []
-
-
-def pid_alive(pid: int, thorough: bool = False) -> bool:
-    """Whether a process runs; `thorough` also rules out a zombie (a killed rank its launcher has not reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    if thorough:
-        try:
-            return proc_stat_fields(f"/proc/{pid}/stat")[0] not in (b"Z", b"X")
-        except (OSError, IndexError):
-            return True  # no /proc here: trust kill()
-    return True
-
-
-def exit_status_text(pid: int) -> str:
-    """How a process that is gone ended, as far as anyone but its parent can tell: while it is a zombie (its
-    launcher has not reaped it yet) /proc/<pid>/stat's exit_code (field 52, waitpid's status) says "killed by
-    SIGKILL" or "with status 1"; '' once it was reaped (or /proc cannot say)."""
-    import signal
-
-    try:
-        fields = proc_stat_fields(f"/proc/{pid}/stat")
-        if fields[0] != b"Z" or len(fields) < 50:
-            return ""
-        status = int(fields[49])
-    except (OSError, ValueError, IndexError):
-        return ""
-    if status & 0x7F:
-        try:
-            name = signal.Signals(status & 0x7F).name
-        except ValueError:
-            name = f"signal {status & 0x7F}"
-        return f"killed by {name}" + (" (core dumped)" if status & 0x80 else "")
-    return f"with status {(status >> 8) & 0xFF}"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -297,63 +249,6 @@ def size_beneath_root(path: str, owner: int | None, root: str = "/") -> int:
         return os.fstat(fd).st_size
     finally:
         os.close(fd)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Processes: a pid is a number the kernel reuses; (pid, start time, uid) names one process
-
-
-@dataclass(frozen=True)
-class ProcessIdentity:
-    pid: int
-    start: int  # clock ticks after boot (/proc/PID/stat field 22): differs for every process that had this pid
-    uid: int
-
-
-def process_identity(pid: int) -> ProcessIdentity | None:
-    """Who holds `pid` now; None when nobody does (or /proc cannot say)."""
-    try:
-        fields = proc_stat_fields(f"/proc/{pid}/stat")
-        uid = os.stat(f"/proc/{pid}").st_uid
-        return ProcessIdentity(pid, int(fields[19]), uid)
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def same_process(ident: ProcessIdentity | None) -> bool:
-    """Whether the process `ident` named is still the one holding its pid (not exited, not a zombie)."""
-    if ident is None:
-        return False
-    return process_identity(ident.pid) == ident and pid_alive(ident.pid, thorough=True)
-
-
-def signal_process(ident: ProcessIdentity, signum: int) -> str | None:
-    """Send `signum` to the process `ident` names, and to no other: a pidfd is taken first, then the holder of
-    the pid is checked against `ident` (start time and uid); a process that exits after that leaves the pidfd
-    pointing at it, so a reused pid is never signalled. None when sent, else why not."""
-    import signal as _signal
-
-    try:
-        pidfd = os.pidfd_open(ident.pid)
-    except ProcessLookupError:
-        return f"process {ident.pid} is gone"
-    except (AttributeError, OSError):
-        pidfd = None  # no pidfd (kernel before 5.3): the check below and kill() leave a window of microseconds
-    try:
-        if process_identity(ident.pid) != ident:
-            return f"pid {ident.pid} is no longer the process that registered (it exited; the pid was reused)"
-        if pidfd is not None:
-            _signal.pidfd_send_signal(pidfd, signum)
-        else:
-            os.kill(ident.pid, signum)
-        return None
-    except ProcessLookupError:
-        return f"process {ident.pid} is gone"
-    except OSError as exc:
-        return f"cannot signal process {ident.pid}: {exc.strerror}"
-    finally:
-        if pidfd is not None:
-            os.close(pidfd)
 
 
 def presence_note(path: str) -> str:

@@ -22,12 +22,12 @@ import contextlib
 import logging
 import os
 import secrets
-import socket
 import stat
-import struct
 import tempfile
 from pathlib import Path
 from typing import Iterator
+
+from .processes import listener_of, pid_namespace_problem
 
 log = logging.getLogger("ondemand_prof")
 
@@ -338,63 +338,6 @@ def daemon_socket_problem(sock: Path) -> str | None:
 NOBODY_LISTENS = "nobody accepts connections there now"
 
 
-def listener_of(sock: Path, timeout: float = 0.0) -> tuple[int, int] | None:
-    """(uid, pid) of the process listening on the unix socket `sock`, as the kernel recorded it at listen(): a
-    connection is opened, its SO_PEERCRED read, and it is closed at once (nothing is sent). None when nothing
-    accepts it within `timeout` seconds (0: not at all now): no daemon, or its backlog full."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        if timeout > 0:  # a unix connect waits in a full backlog for up to the send timeout (Python's own
-            # timeout makes the socket non-blocking, and a unix connect then fails at once with EAGAIN)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                         struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
-        else:
-            s.setblocking(False)
-        s.connect(str(sock))
-        pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                          struct.calcsize("3i")))
-        return uid, pid
-    except OSError:  # (refused, missing, EAGAIN, timed out, a path too long for a socket)
-        return None
-    finally:
-        s.close()
-
-
-def peer_address_ids(text: object) -> tuple[int, int] | None:
-    """(uid, pid) from libzmq's "Peer-Address" of a message over ipc:// ("host:uid:gid:pid", SO_PEERCRED of
-    its connection); None when it is not of that form."""
-    parts = str(text or "").rsplit(":", 3)
-    try:
-        return (int(parts[1]), int(parts[3])) if len(parts) == 4 else None
-    except ValueError:
-        return None
-
-
-def _nspid_depth(pid: int | str) -> int | None:
-    """How many pid namespaces, from /proc's down, number process `pid` (its NSpid line: everyone may read it)."""
-    try:  # (bytes: no codec to look up, in a process that may no longer reach the standard library's)
-        with open(f"/proc/{pid}/status", "rb") as fh:
-            line = next((x for x in fh if x.startswith(b"NSpid:")), b"")
-    except OSError:
-        return None
-    return len(line.split()) - 1 or None
-
-
-def _pid_namespace_problem(pid: int) -> str | None:
-    """Why process `pid` (seen in our pid namespace) is not in our pid namespace itself but below it, in a
-    container's; None when it is ours, or /proc cannot say (not mounted, hidepid: the socket's owner and
-    directory were checked, as before)."""
-    try:
-        theirs, ours = os.stat(f"/proc/{pid}/ns/pid"), os.stat("/proc/self/ns/pid")
-        same = (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
-    except PermissionError:  # another user's process (root's daemon): its NSpid line is everyone's to read
-        depth, own = _nspid_depth(pid), _nspid_depth("self")
-        same = depth is None or own is None or depth == own
-    except OSError:
-        return None
-    return None if same else "runs in a pid namespace below ours (a container's)"
-
-
 def daemon_process_problem(uid: int, pid: int, sock: Path) -> str | None:
     """Why the process listening on the daemon's socket `sock` (the kernel's word: uid, and pid in our pid
     namespace) is not a daemon we trust: another user's, or in a container's pid namespace (a root pod that took
@@ -404,7 +347,7 @@ def daemon_process_problem(uid: int, pid: int, sock: Path) -> str | None:
     if uid not in (me, 0):
         return (f"the process behind {sock} (pid {pid}) runs as {_owner_name(uid)}, not as us (uid {me}) or root: "
                 "refusing to trust it (another user may have started a fake daemon there)")
-    where = _pid_namespace_problem(pid) if pid > 0 else None
+    where = pid_namespace_problem(pid) if pid > 0 else None
     if where:
         return (f"the process behind {sock} (pid {pid}, {_owner_name(uid)}) {where}, not this host's "
                 "ondemand-profd: refusing to trust it (a container that can write the runtime directory may have "

@@ -12,8 +12,8 @@ from typing import Any
 
 import zmq
 
-from ..core.safedir import NOBODY_LISTENS, daemon_peer_problem, daemon_process_problem, daemon_socket_problem, \
-    peer_address_ids
+from ..core.processes import peer_address_ids
+from ..core.safedir import NOBODY_LISTENS, daemon_peer_problem, daemon_process_problem, daemon_socket_problem
 from ..core.protocol import MAX_REPLY_BYTES, ProtocolError, decode, encode, endpoint, socket_path
 
 REPLIES: dict[str, dict[str, tuple[type, ...]]] = {"ok": {}, "error": {"error": (str,)}}

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..core.files import stat_in_root
+from ..core.processes import root_of
 
 
 @dataclass(frozen=True)
@@ -56,34 +57,6 @@ def mounts(path: str) -> list[Mount]:
 def _under(path: str, top: str) -> bool:
     top = top.rstrip("/")
     return path == top or path.startswith(top + "/") or top == ""
-
-
-def same_namespace(pid: int, kind: str) -> bool:
-    """Whether process `pid` is in this process's namespace of `kind` ("pid", "mnt"); False where /proc cannot
-    say (a process we may not look at is taken to be elsewhere: nothing is granted on a guess)."""
-    try:
-        theirs, ours = os.stat(f"/proc/{pid}/ns/{kind}"), os.stat(f"/proc/self/ns/{kind}")
-    except OSError:
-        return False
-    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
-
-
-def own_mount_namespace(pid: int) -> bool:
-    """Whether process `pid` sees the files this daemon sees (the same mount namespace). False where /proc
-    cannot say: its files are then read through its root (/proc/PID/root), which is right either way, rather
-    than on this host's `/` (a pod naming a node file as its own)."""
-    return same_namespace(pid, "mnt")
-
-
-def in_our_namespaces(pid: int) -> bool:
-    """Whether process `pid` shares this daemon's pid and mount namespaces: the only processes whose uid 0 is
-    this host's root for the daemon's ownership rules (a root pod is root of its pod, not of the node)."""
-    return same_namespace(pid, "pid") and same_namespace(pid, "mnt")
-
-
-def root_of(pid: int) -> str:
-    """Where a path of process `pid` starts, for a reader here: its root through its own mounts."""
-    return f"/proc/{pid}/root"
 
 
 def host_path(pid: int, path: str, here: Iterable[Mount] | None = None) -> str | None:

@@ -69,7 +69,7 @@ class RankInfo:
     windows: list[dict[str, Any]] | None = None  # running and queued windows, from the last heartbeat
     uid: int | None = None  # the connecting process's uid, from the kernel (SO_PEERCRED); None: not known
     native_dump: dict[str, Any] | None = None  # {"file"}: faulthandler's stack dump, checked by host/triage.py
-    process: Any = None  # core.files.ProcessIdentity at registration (host/triage.py): pid reuse is told apart
+    process: Any = None  # core.processes.ProcessIdentity at registration (host/triage.py): pid reuse is told apart
     heard_at: float | None = None  # wall time of the rank's last heartbeat (or registration), when known
     sent_at: float | None = None  # the rank's wall time when it sent that heartbeat (same host: same clock)
     exited_seen: float | None = None  # when a sweep first found its process gone (expire: judged at the next)

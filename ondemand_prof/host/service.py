@@ -17,14 +17,15 @@ from typing import Any, Callable, Mapping
 
 from ..core.version import __version__
 from ..core.bounds import MAX_STEP, bounded_int
-from ..core.files import exit_status_text, iso_time, pid_alive, stat_in_root
+from ..core.files import iso_time, stat_in_root
+from ..core.processes import exit_status_text, in_our_namespaces, own_mount_namespace, pid_alive, root_of
 from ..core.protocol import FINAL_STATES, HEARTBEAT_S, MAX_BATCHED_EVENTS, RANK_TIMEOUT_S, encode, reply_error, \
     reply_ok
 from ..core.ids import valid_id
 from ..core.safejson import holds_lone_surrogate
 from ..core.text import printable
 from .records import CAPTURE_KINDS, KEEP_RECORDS, CaptureRecord, RecordRefused, RecordStore
-from .podpath import host_path, in_our_namespaces, own_mount_namespace, root_of
+from .podpath import host_path
 from .planning import DeliveryBook
 from .registry import RankConflict, RankInfo, Registry
 from .rank_captures import RankCaptures

@@ -21,8 +21,8 @@ from ..core.version import __version__
 from ..core.bounds import bounded_int
 from ..core.protocol import HEARTBEAT_S, MAX_BATCHED_EVENTS, MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, ProtocolError, \
     decode, default_runtime_dir, encode, endpoint, socket_path
-from ..core.safedir import NOBODY_LISTENS, daemon_peer_problem, daemon_process_problem, daemon_socket_problem, \
-    peer_address_ids
+from ..core.processes import peer_address_ids
+from ..core.safedir import NOBODY_LISTENS, daemon_peer_problem, daemon_process_problem, daemon_socket_problem
 from ..core.requests import WindowDefaults, window_from_wire
 from .announce import refusal_fix
 from .extension import AgentLike, Extension

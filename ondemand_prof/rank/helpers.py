@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ..core.files import proc_stat_fields
+from ..core.processes import proc_stat_fields
 
 log = logging.getLogger(__name__)
 

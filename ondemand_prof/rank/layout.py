@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.files import pid_alive
+from ..core.processes import pid_alive
 
 STAGING_SUFFIX = ".partial"
 METADATA_FILE = "metadata.json"

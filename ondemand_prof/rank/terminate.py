@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..core import safejson
-from ..core.files import pid_alive, read_nofollow, write_json_atomic
+from ..core.files import read_nofollow, write_json_atomic
+from ..core.processes import pid_alive
 
 log = logging.getLogger(__name__)
 

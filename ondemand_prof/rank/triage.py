@@ -120,7 +120,7 @@ class NativeDump:
 
     def _remove_stale(self) -> None:
         """Dump files of processes that are gone (this directory is per job and owner-only)."""
-        from ..core.files import pid_alive
+        from ..core.processes import pid_alive
 
         for old in self.path.parent.glob("native-stacks-*.txt"):
             pid = old.stem.rsplit("-", 1)[-1]

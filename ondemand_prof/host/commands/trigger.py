@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ...core import safejson
-from ...core.files import pid_alive
+from ...core.processes import pid_alive
 from ...core.options import add_window_flags, window_overrides
 from ...core.protocol import RUNTIME_ENV, default_runtime_dir
 from ...core.ranks import RankSpecError, parse_ranks, spans

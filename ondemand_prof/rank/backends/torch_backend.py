@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ...core.files import proc_stat_fields
+from ...core.processes import proc_stat_fields
 from ...core.options import OPTIONS, Option, window_options
 from ...core.window import Window
 from ..helpers import note_training_cpu

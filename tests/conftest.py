@@ -416,3 +416,31 @@ def inprocess_daemon(tmp_path: Path, ranks: int = 1, **daemon_kw: Any) -> tuple[
                                        local_rank=r, save_root=str(tmp_path), defaults=defaults, step=0,
                                        began=time.time(), state="idle", step_time=0.01))
     return d, sent
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The toy rank as one process (--no-dist), and stopping a process (test_security and the modules after it)
+
+
+def stop(proc: subprocess.Popen) -> tuple[str, str]:
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        return proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
+
+
+def train(tmp: Path, job: str, *extra: str, env: dict[str, str] | None = None, steps: int = 400,
+          log: Path | None = None) -> subprocess.Popen:
+    """The toy rank; its output piped, or into `log` for a long run (a full pipe nobody reads blocks its logging)."""
+    out = log.open("w") if log is not None else subprocess.PIPE
+    return subprocess.Popen([sys.executable, "-m", "ondemand_prof.demo.toy_train", "--no-dist", "--steps", str(steps),
+                             "--step-sleep", "0.02", "--profile-min-free-mb", "0", "--profile-job-id", job,
+                             "--profile-save-path", str(tmp / "profile"), *extra],
+                            env=base_env(**(env or {})), stdout=out, stderr=out, text=True)
+
+
+def published(save: Path) -> list[Path]:
+    return [d for d in save.glob("*/*") if d.is_dir() and not d.name.startswith(".")] if save.is_dir() else []

@@ -21,19 +21,10 @@ from typing import Any, Iterator
 import pytest
 import zmq
 
-from conftest import ROOT, base_env, ctl, ctl_json, register_msg, short_dir, start_daemon, status_lines, wait_for
+from conftest import ROOT, base_env, ctl, ctl_json, published, register_msg, short_dir, start_daemon, status_lines, \
+    stop, train, wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="unix sockets, SO_PEERCRED and /proc: Linux only")
-
-
-def stop(proc: subprocess.Popen) -> tuple[str, str]:
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        return proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.communicate()
 
 
 def request(run_dir: Path, msg: dict[str, Any] | bytes, timeout_ms: int = 10_000) -> dict[str, Any] | None:
@@ -245,20 +236,6 @@ def as_user(user: dict[str, Any], code: str, *args: str) -> subprocess.Popen:
                f"os.setuid({user['uid']})\n")
     return subprocess.Popen([sys.executable, "-c", prelude + code, *args], cwd="/tmp", env=base_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def train(tmp: Path, job: str, *extra: str, env: dict[str, str] | None = None, steps: int = 400,
-          log: Path | None = None) -> subprocess.Popen:
-    """The toy rank; its output piped, or into `log` for a long run (a full pipe nobody reads blocks its logging)."""
-    out = log.open("w") if log is not None else subprocess.PIPE
-    return subprocess.Popen([sys.executable, "-m", "ondemand_prof.demo.toy_train", "--no-dist", "--steps", str(steps),
-                             "--step-sleep", "0.02", "--profile-min-free-mb", "0", "--profile-job-id", job,
-                             "--profile-save-path", str(tmp / "profile"), *extra],
-                            env=base_env(**(env or {})), stdout=out, stderr=out, text=True)
-
-
-def published(save: Path) -> list[Path]:
-    return [d for d in save.glob("*/*") if d.is_dir() and not d.name.startswith(".")] if save.is_dir() else []
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -6,13 +6,16 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import assert_ok, captures, start_ranks, status_lines, trace_steps, wait_all, wait_for
+from conftest import assert_ok, captures, published, start_ranks, status_lines, stop, trace_steps, train, wait_all, \
+    wait_for
 
 
 def last_step(status_file: Path) -> int:
@@ -295,3 +298,138 @@ def test_trigger_wait_prints_each_ranks_final_line_once(tmp_path: Path) -> None:
     assert printed.count(done) == 1 and printed.count("rank 0 ") == 2, printed
     assert printed.startswith("  rank 0    recording  steps [3, 5)\n"), printed
     assert "done: 1 of 1 rank(s) wrote a trace\n" + done in printed, printed
+
+
+# ----------------------------------------------------------------------------------------------------------
+# From test_security.py: a window's final status when its rank is ended; exactly the requested windows (issue 9)
+
+
+def _rank_with_open_window(tmp_path: Path, job: str) -> tuple[subprocess.Popen, Path]:
+    trig = tmp_path / "trig"
+    steps = tmp_path / "steps.jsonl"
+    proc = train(tmp_path, job, "--profile-trigger-dir", str(trig), "--status-file", str(steps), steps=5000)
+    wait_for(lambda: status_lines(steps) or proc.poll() is not None, 300, "training to start")
+    (trig / "capture").write_text('{"steps": 2000}')
+    status = trig / "capture.status" / "rank0.json"
+    wait_for(lambda: status.exists() and json.loads(status.read_text())["latest"]["state"] == "recording", 300,
+             "the window to record")
+    return proc, status
+
+
+def test_sigterm_mid_window_leaves_a_final_status(tmp_path: Path) -> None:
+    proc, status = _rank_with_open_window(tmp_path, "termed")
+    proc.send_signal(15)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -15  # it still dies of SIGTERM, as before
+    latest = json.loads(status.read_text())["latest"]
+    assert latest["state"] == "failed" and "SIGTERM" in latest["error"], latest
+
+
+def test_kill_9_mid_window_reads_as_failed_and_is_settled_by_the_next_rank(tmp_path: Path) -> None:
+    from ondemand_prof.rank.terminate import read_status
+
+    proc, status = _rank_with_open_window(tmp_path, "killed")
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert json.loads(status.read_text())["latest"]["state"] == "recording"  # nobody could write it
+    seen = read_status(status)
+    assert seen is not None and seen["latest"]["state"] == "failed" and "is gone" in seen["latest"]["error"]
+    again = train(tmp_path, "killed", "--profile-trigger-dir", str(tmp_path / "trig"), steps=20)
+    again.communicate(timeout=120)
+    assert json.loads(status.read_text())["latest"]["state"] == "failed"
+
+
+WRITER = r"""
+import json, os, random, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+random.seed(9)
+for i in range(n):
+    with open(path, "w") as fh:  # truncates, then (after a stall) writes: the trigger is empty in between
+        # every 40th stall is longer than any settle time a reader could wait for (file_trigger.EMPTY_SETTLE_S is 0.25)
+        time.sleep(0.4 if i % 40 == 39 else random.choice((0, 0, 0.001, 0.005, 0.02)))
+        fh.write(json.dumps({"steps": 1, "start_step": 10**9, "id": f"req{i}"}))
+    time.sleep(random.choice((0, 0.001, 0.003)))
+"""
+
+
+def _stepping_rank(tmp_path: Path, job: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+    trig, steps = tmp_path / "trig", tmp_path / "steps.log"
+    # a rejected trigger is logged (a line each): 1000 of them would fill a pipe, so the log goes to a file
+    proc = train(tmp_path, job, "--profile-trigger-dir", str(trig), "--status-file", str(steps), *extra,
+                 steps=100_000, log=tmp_path / "rank.log")
+    wait_for(lambda: (steps.exists() and len(steps.read_text().splitlines()) >= 3) or proc.poll() is not None,
+             180, "the rank to step")
+    return proc, trig
+
+
+def _handled(status: Path, request_id: str) -> Any:
+    entries = json.loads(status.read_text())["triggers"] if status.exists() else []
+    return next((e for e in entries if (e.get("request") or {}).get("id") == request_id), None)
+
+
+def test_metadata_only_changes_of_a_handled_trigger_open_nothing(tmp_path: Path) -> None:
+    proc, trig = _stepping_rank(tmp_path, "meta")
+    status = trig / "capture.status" / "rank0.json"
+    try:
+        (trig / "capture").write_text(json.dumps({"steps": 1, "start_step": 10**9, "id": "only"}))
+        wait_for(lambda: _handled(status, "only"), 180, "the request to be handled")
+        before = json.loads(status.read_text())["triggers"]
+        os.chmod(trig / "capture", 0o600)  # chmod
+        st = os.stat(trig / "capture")
+        os.utime(trig / "capture", ns=(time.time_ns(), st.st_mtime_ns))  # touch -a
+        os.link(trig / "capture", tmp_path / "hardlink")  # a hard link
+        time.sleep(2.0)
+        after = json.loads(status.read_text())["triggers"]
+    finally:
+        stop(proc)
+    assert [e["trigger"] for e in after] == [e["trigger"] for e in before], after
+
+
+def test_the_kernel_says_whether_a_writer_holds_the_trigger(tmp_path: Path) -> None:
+    """An empty trigger is a touch only when nobody holds it open for writing (a read lease is refused then)."""
+    from ondemand_prof.rank.triggers import writer_holds
+
+    path = tmp_path / "capture"
+    path.touch()
+    assert writer_holds(path) is False
+    holder = subprocess.Popen([sys.executable, "-c", f"f = open({str(path)!r}, 'w'); print(1, flush=True); "
+                               "import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "1"
+        assert writer_holds(path) is True  # truncated, not yet written: not a touch, however long it stalls
+    finally:
+        holder.kill()
+        holder.wait()
+    assert writer_holds(path) is False
+    os.symlink(path, tmp_path / "link")
+    assert writer_holds(tmp_path / "link") is None  # never follows a link
+
+
+@pytest.mark.parametrize("watch", [[], ["--profile-trigger-poll", "0.1"]], ids=["inotify", "polling"])
+def test_rewrites_with_stalls_open_no_unrequested_window(tmp_path: Path, watch: list[str]) -> None:
+    """Every request here is for step 10**9 (never reached): any window that records is one nobody asked for
+    (an empty, half-written trigger taken for a "touch"), and so is any handled trigger without our id. Polling
+    sees no writers at all: there only the kernel's answer (a read lease) tells a 0.4 s stall from a touch."""
+    proc, trig = _stepping_rank(tmp_path, "exact", *watch)
+    status = trig / "capture.status" / "rank0.json"
+    try:
+        # the issue's 1000 rewrites with inotify; 400 (10 stalls of 0.4 s) show the polling case, keeping time down
+        count = "400" if watch else "1000"
+        began = time.monotonic()
+        writer = subprocess.run([sys.executable, "-c", WRITER, str(trig / "capture"), count], timeout=600)
+        assert writer.returncode == 0
+        last = json.loads((trig / "capture").read_text())["id"]
+        wait_for(lambda: _handled(status, last), 180, "the last request to be handled")
+        latest = json.loads(status.read_text())
+    finally:
+        stop(proc)
+    took = time.monotonic() - began
+    unrequested = [t for t in latest["triggers"] if "id" not in (t.get("request") or {})]
+    assert unrequested == [], unrequested
+    assert published(tmp_path / "profile") == [], "a window nobody asked for was recorded"
+    # every request after the first is rejected (busy): the rank's log gets a few lines a minute, not one each
+    log_lines = (tmp_path / "rank.log").read_text().splitlines()
+    rejected = [line for line in log_lines if " rejected on rank 0: busy" in line]
+    held = [line for line in log_lines if "more trigger(s) rejected or failed, not logged" in line or
+            "more rejected or failed since, not logged" in line]
+    assert 1 <= len(rejected) <= 5 * (1 + int(took // 60)) and held, log_lines[-20:]

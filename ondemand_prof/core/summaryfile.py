@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from . import safejson
-from .files import read_beneath_root
+from .rootpath import read_beneath_root
 from .tracedefs import SUMMARY_FILE
 
 MAX_SUMMARY_BYTES = 512 * 1024

@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..core.files import stat_in_root
 from ..core.processes import root_of
+from ..core.rootpath import stat_in_root
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from typing import Any, Callable, Mapping
 
 from ..core.version import __version__
 from ..core.bounds import MAX_STEP, bounded_int
-from ..core.files import iso_time, stat_in_root
+from ..core.files import iso_time
 from ..core.processes import exit_status_text, in_our_namespaces, own_mount_namespace, pid_alive, root_of
+from ..core.rootpath import stat_in_root
 from ..core.protocol import FINAL_STATES, HEARTBEAT_S, MAX_BATCHED_EVENTS, RANK_TIMEOUT_S, encode, reply_error, \
     reply_ok
 from ..core.ids import valid_id

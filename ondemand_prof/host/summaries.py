@@ -13,8 +13,8 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable, cast
 
 from ..core import safejson
-from ..core.files import open_beneath_root, read_beneath_root
 from ..core.processes import same_process
+from ..core.rootpath import open_beneath_root, read_beneath_root
 from ..core.text import printable
 from ..core.summaryfile import MAX_SUMMARY_BYTES, read_summary
 from ..core.tracedefs import SUMMARY_FILE

@@ -20,8 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..core.files import read_beneath_root, size_beneath_root
 from ..core.processes import ProcessIdentity, process_identity, same_process, signal_process
+from ..core.rootpath import read_beneath_root, size_beneath_root
 from ..core.protocol import native_dump_signal, reply_ok
 from ..core.ranks import spans
 from ..core.bounds import MAX_STEP, bounded_int, finite_number

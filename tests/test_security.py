@@ -469,59 +469,6 @@ def test_a_stale_daemon_never_removes_its_successors_socket(dirs: dict[str, Path
     assert not (dirs["run"] / "profd.sock").exists() and not (dirs["run"] / "profd.pid").exists()
 
 
-PARENT = r"""
-import os, sys
-from pathlib import Path
-from types import SimpleNamespace
-from ondemand_prof.core.options import ProfileConfig, WindowOptions
-from ondemand_prof.core.window import Window
-from ondemand_prof.rank.backends.base import Identity
-from ondemand_prof.rank.output import run_postprocess
-
-# the rank's own call: the raw trace is a named pipe nobody writes, so the real post-processing child it starts
-# blocks reading it, as a child busy with a large trace would be, until the rank dies
-raw, out = Path(sys.argv[1]), Path(sys.argv[2])
-window = Window(3, 5, WindowOptions.from_config(ProfileConfig()), capture_id="c1")
-job = SimpleNamespace(identity=Identity(0, 1, 0, "h", os.getpid(), "job"), out=SimpleNamespace(trace_name="t.json"),
-                      recorded_steps=[3, 4], window=window, gzip=False, metadata={})
-run_postprocess(job, raw, out)
-"""
-
-
-def test_post_processing_child_dies_with_its_rank(tmp_path: Path) -> None:
-    import psutil
-
-    raw = tmp_path / "raw.json"
-    os.mkfifo(raw)
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(raw), str(tmp_path)], env=base_env())
-    children: list[Any] = []
-    try:
-        def child_started() -> bool:
-            children[:] = [c for c in psutil.Process(parent.pid).children()
-                           if "ondemand_prof.rank.postprocess" in " ".join(c.cmdline())]
-            return bool(children) and (tmp_path / ".postprocess.json").exists()
-
-        wait_for(child_started, 300, "the rank to start its post-processing child")
-        parent.kill()
-        parent.communicate()
-        child = children[0]
-
-        def gone() -> bool:
-            try:
-                return child.status() == psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return True
-
-        wait_for(gone, 30, "the post-processing child to die with its rank")
-    finally:
-        parent.kill()
-        for c in children:
-            try:
-                c.kill()
-            except psutil.NoSuchProcess:
-                pass
-
-
 PLANTED = """
 import os
 with open(os.environ["ODP_PLANTED_MARKER"], "a") as fh:

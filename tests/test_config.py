@@ -222,3 +222,21 @@ def test_training_script_prints_one_clear_line(tmp_path):
     assert err.count("error:") == 1
     assert err.strip().splitlines()[-1].endswith(
         "error: argument --profile-level: invalid value 'level9': expected one of level_none, level0, level1, level2")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# From test_security.py: the environment's known variables
+
+
+@pytest.mark.quick
+def test_export_sched_is_a_known_variable(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ondemand_prof.core import options
+    from ondemand_prof.core.options import config_from_env
+
+    # each unknown name is warned once per process: another test may have warned this typo already
+    monkeypatch.setattr(options, "_warned_env", set())
+    monkeypatch.setenv("ONDEMAND_PROF_EXPORT_SCHED", "nice")  # read by rank/trace_save.py, was warned as unknown
+    monkeypatch.setenv("ONDEMAND_PROF_LEVLE", "level1")
+    with caplog.at_level("WARNING"):
+        config_from_env()
+    assert "ONDEMAND_PROF_LEVLE" in caplog.text and "EXPORT_SCHED" not in caplog.text, caplog.text

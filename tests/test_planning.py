@@ -269,3 +269,25 @@ def test_a_host_that_stops_knowing_the_capture_fails_its_unfinished_ranks() -> N
     assert data["status"] == "failed"
     assert [(p["state"], p.get("error")) for p in data["parts"].values()] == [
         ("done", None), ("failed", "host b: no capture 'c1'")]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# From test_security.py: a capture far ahead
+
+
+@pytest.mark.quick
+def test_a_capture_far_ahead_does_not_make_later_captures_wait_for_it() -> None:
+    """One capture with --start 100000 made every later relative capture plan after it (busy for days)."""
+    from ondemand_prof.host.planning import plan_window
+    from ondemand_prof.host.registry import RankInfo
+
+    far = {"capture_id": "far", "start": 100_010, "end": 100_012, "source": "daemon", "state": "queued"}
+    near = {"capture_id": "near", "start": 12, "end": 20, "source": "file", "state": "queued"}
+    rank = RankInfo(route=b"r", job="j", rank=0, world_size=1, host="h", pid=1, step=10, windows=[far])
+    plan = plan_window([rank], 0.0, start=None, start_step=None, steps=2)
+    assert (plan.start_step, plan.end_step) == (12, 14) and plan.after is None
+    rank.windows = [near, far]
+    plan = plan_window([rank], 0.0, start=None, start_step=None, steps=2)
+    assert plan.start_step == 20 and plan.after is not None and plan.after["capture_ids"] == ["near"]
+    plan = plan_window([rank], 0.0, start=100_000, start_step=None, steps=2)  # [100010, 100012): after the far one
+    assert plan.start_step == 100_012

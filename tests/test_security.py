@@ -1287,35 +1287,3 @@ def test_a_trace_a_member_cannot_read_is_not_called_missing(tmp_path: Path, othe
         assert "MISSING on disk" in missing, out
     finally:
         shutil.rmtree(hidden, ignore_errors=True)
-
-
-@pytest.mark.quick
-def test_a_capture_far_ahead_does_not_make_later_captures_wait_for_it() -> None:
-    """One capture with --start 100000 made every later relative capture plan after it (busy for days)."""
-    from ondemand_prof.host.planning import plan_window
-    from ondemand_prof.host.registry import RankInfo
-
-    far = {"capture_id": "far", "start": 100_010, "end": 100_012, "source": "daemon", "state": "queued"}
-    near = {"capture_id": "near", "start": 12, "end": 20, "source": "file", "state": "queued"}
-    rank = RankInfo(route=b"r", job="j", rank=0, world_size=1, host="h", pid=1, step=10, windows=[far])
-    plan = plan_window([rank], 0.0, start=None, start_step=None, steps=2)
-    assert (plan.start_step, plan.end_step) == (12, 14) and plan.after is None
-    rank.windows = [near, far]
-    plan = plan_window([rank], 0.0, start=None, start_step=None, steps=2)
-    assert plan.start_step == 20 and plan.after is not None and plan.after["capture_ids"] == ["near"]
-    plan = plan_window([rank], 0.0, start=100_000, start_step=None, steps=2)  # [100010, 100012): after the far one
-    assert plan.start_step == 100_012
-
-
-@pytest.mark.quick
-def test_export_sched_is_a_known_variable(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ondemand_prof.core import options
-    from ondemand_prof.core.options import config_from_env
-
-    # each unknown name is warned once per process: another test may have warned this typo already
-    monkeypatch.setattr(options, "_warned_env", set())
-    monkeypatch.setenv("ONDEMAND_PROF_EXPORT_SCHED", "nice")  # read by rank/trace_save.py, was warned as unknown
-    monkeypatch.setenv("ONDEMAND_PROF_LEVLE", "level1")
-    with caplog.at_level("WARNING"):
-        config_from_env()
-    assert "ONDEMAND_PROF_LEVLE" in caplog.text and "EXPORT_SCHED" not in caplog.text, caplog.text

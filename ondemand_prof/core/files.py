@@ -8,10 +8,11 @@ import datetime as _dt
 import json
 import math
 import os
+import secrets
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 _iso_second: tuple[Any, str, str] = (None, "", "")  # (epoch second, its local text, its UTC offset): the last one asked
@@ -56,7 +57,29 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o600, *, replace: b
     published file's stat (its device and inode name this very file later)."""
     raw = data.encode("utf-8") if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    keep_tmp = False  # the temporary name goes in the end, unless it became the published file
+    return _fill_and_publish(fd, raw, mode, replace, lambda: os.replace(tmp, path), lambda: os.link(tmp, path),
+                             lambda: os.unlink(tmp))
+
+
+def write_atomic_at(dir_fd: int, name: str, data: bytes | str, mode: int = 0o600, *,
+                    replace: bool = True) -> os.stat_result:
+    """write_atomic relative to a checked directory's descriptor (core/safedir.py checked_dir): a temporary file
+    with an unpredictable name created exclusively (O_EXCL | O_NOFOLLOW) there, `mode` before any byte, renamed
+    over `name` (replace) or linked to it only if nothing holds the name (replace=False: FileExistsError)."""
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    return _fill_and_publish(fd, raw, mode, replace,
+                             lambda: os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd),
+                             lambda: os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False),
+                             lambda: os.unlink(tmp, dir_fd=dir_fd))
+
+
+def _fill_and_publish(fd: int, raw: bytes, mode: int, replace: bool, rename: Callable[[], None],
+                      link: Callable[[], None], unlink: Callable[[], None]) -> os.stat_result:
+    """The two writers' common part: `raw` into the new temporary file `fd` (given `mode` first), then published
+    by `rename` (replace) or `link`; the temporary name is removed unless it became the published file."""
+    published = False
     try:
         with os.fdopen(fd, "wb") as fh:
             if mode != 0o600:
@@ -65,14 +88,14 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o600, *, replace: b
             fh.flush()
             st = os.fstat(fh.fileno())
         if replace:
-            os.replace(tmp, path)
-            keep_tmp = True
+            rename()
+            published = True
         else:
-            os.link(tmp, path)
+            link()
     finally:
-        if not keep_tmp:
+        if not published:
             try:
-                os.unlink(tmp)
+                unlink()
             except OSError:
                 pass
     return st

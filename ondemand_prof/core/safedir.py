@@ -13,7 +13,8 @@ aside; a root-owned directory that others (or its group) may write and that is n
 is in it, and is refused like any other (issue 34, F5). Only root's own symbolic links on the way are followed
 (/var/run -> /run), read with readlink and walked the same way. checked_dir() hands the caller the descriptor of
 the checked directory, so that what it reads or writes there (trigger and status files, the native-save module)
-is opened relative to that descriptor, never by a path someone could swap after the check (read_at, write_atomic_at).
+is opened relative to that descriptor, never by a path someone could swap after the check (read_at here,
+core/files.py write_atomic_at).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import stat
 import tempfile
 from pathlib import Path
@@ -241,36 +241,6 @@ def read_at(dir_fd: int, name: str, limit: int) -> bytes | None:
         return None
     finally:
         os.close(fd)
-
-
-def write_atomic_at(dir_fd: int, name: str, data: bytes | str, mode: int = 0o600, *,
-                    replace: bool = True) -> os.stat_result:
-    """core.files.write_atomic relative to a checked directory's descriptor: a temporary file with an
-    unpredictable name created exclusively (O_EXCL | O_NOFOLLOW) there, `mode` before any byte, renamed over
-    `name` (replace) or linked to it only if nothing holds the name (replace=False: FileExistsError)."""
-    raw = data.encode("utf-8") if isinstance(data, str) else data
-    tmp = f".{name}.{secrets.token_hex(6)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-    published = False
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            if mode != 0o600:
-                os.fchmod(fh.fileno(), mode)
-            fh.write(raw)
-            fh.flush()
-            st = os.fstat(fh.fileno())
-        if replace:
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            published = True
-        else:
-            os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-    finally:
-        if not published:
-            try:
-                os.unlink(tmp, dir_fd=dir_fd)
-            except OSError:
-                pass
-    return st
 
 
 def ensure_private_dir(path: Path, *, group_writable: bool = False) -> Path:

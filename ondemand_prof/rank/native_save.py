@@ -48,7 +48,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..core.safedir import UnsafeDirectory, open_dir, read_at, write_atomic_at
+from ..core.files import write_atomic_at
+from ..core.safedir import UnsafeDirectory, open_dir, read_at
 from .helpers import CHILD_CWD, lower_priority, python_child
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..core.files import iso_time
-from ..core.safedir import checked_dir, write_atomic_at
+from ..core.files import iso_time, write_atomic_at
+from ..core.safedir import checked_dir
 from .terminate import FINAL
 
 log = logging.getLogger("ondemand_prof.rank.agent")

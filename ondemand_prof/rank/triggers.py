@@ -34,8 +34,8 @@ except ImportError:  # not POSIX: no leases, the settle time decides
 
 from ..core import safejson
 from ..core.protocol import MAX_MESSAGE_BYTES
-from ..core.safedir import MissingDirectory, checked_dir, ensure_private_dir, open_dir, private_fallback, read_at, \
-    write_atomic_at
+from ..core.files import write_atomic_at
+from ..core.safedir import MissingDirectory, checked_dir, ensure_private_dir, open_dir, private_fallback, read_at
 # default_trigger_dir: re-exported (agent.py and the tests import it from here)
 from ..core.triggerfile import STATUS_DIR, TRIGGER_NAME, default_trigger_dir, job_dir_name, trigger_version
 

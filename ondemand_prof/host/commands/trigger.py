@@ -32,7 +32,8 @@ from ...core.options import add_window_flags, window_overrides
 from ...core.protocol import RUNTIME_ENV, default_runtime_dir
 from ...core.ranks import RankSpecError, parse_ranks, spans
 from ...core.requests import ACTIONS, RequestError, parse_request
-from ...core.safedir import MissingDirectory, UnsafeDirectory, checked_dir, read_at, write_atomic_at
+from ...core.files import write_atomic_at
+from ...core.safedir import MissingDirectory, UnsafeDirectory, checked_dir, read_at
 from ...core.triggerfile import STATUS_DIR, TRIGGER_DIR_ENV, TRIGGER_NAME, default_trigger_dir, trigger_version
 from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, EXIT_USAGE, Client, CtlError, dumps
 from .base import Command

@@ -8,6 +8,7 @@ import gzip
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -354,3 +355,55 @@ def test_two_different_models_or_world_sizes_are_said_never_silently_compared(tm
     shutil.copy(REAL / "hta_trace_diff_control.json.gz", tmp_path / "dlrm_again.json.gz")  # (itself is refused)
     same = report_json("dlrm_again.json.gz", "--baseline", "dlrm.json.gz", cwd=tmp_path)
     assert same["notes"] == [] and same["cause"].startswith("no change"), same
+
+
+# ----------------------------------------------------------------------------------------------------------
+# From test_hardening4.py: summaries parsed once until they change; a partial baseline's rank that recorded nothing (issue 41)
+
+
+@pytest.mark.quick
+def test_summaries_are_parsed_once_until_the_file_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 41, 3: parsed summaries are kept by the file's identity (device, inode, mtime, ctime, size). Before,
+    every compare read and parsed every summary again; a rewritten file is read again."""
+    from ondemand_prof.core import safejson
+    from ondemand_prof.host.summaries import compare_records
+
+    parsed: list[int] = []
+    real = safejson.loads
+    monkeypatch.setattr(safejson, "loads", lambda raw, *a, **k: parsed.append(len(raw)) or real(raw, *a, **k))
+    records = {}
+    for side in ("base", "now"):
+        d = tmp_path / side / "rank0"
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"rank": 0, "steps": [{"dur_ms": 2.0 + (side == "now")}] * 4}))
+        records[side] = {"capture_id": side, "job": "j", "parts": {
+            "0": {"rank": 0, "host": "h", "pid": 1, "state": "done", "path": str(d)}}}
+    first = compare_records(records["now"], records["base"])
+    assert len(parsed) == 2 and len(first["ranks"]) == 1, (parsed, first)
+    assert compare_records(records["now"], records["base"]) == first and len(parsed) == 2, parsed
+    time.sleep(0.01)
+    (tmp_path / "now" / "rank0" / "summary.json").write_text(json.dumps({"rank": 0, "steps": [{"dur_ms": 5.0}] * 4}))
+    again = compare_records(records["now"], records["base"])
+    assert len(parsed) == 3 and again["ranks"][0]["step_ms"]["now"] == 5.0, (parsed, again["ranks"][0]["step_ms"])
+
+
+@pytest.mark.quick
+def test_a_partial_baselines_rank_is_said_to_have_recorded_nothing(tmp_path: Path) -> None:
+    """Issue 41, 12: a baseline whose rank 1 failed, against a capture where it recorded: the note says rank 1
+    recorded nothing in the baseline, and why (before: "baseline: <its error>", as if the baseline's summary were
+    unreadable)."""
+    from ondemand_prof.host.summaries import compare_records, conclude_replies
+
+    def part(rank: int, side: str, done: bool = True) -> dict[str, Any]:
+        d = tmp_path / side / f"rank{rank}"
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"rank": rank, "steps": [{"dur_ms": 2.0}] * 4}))
+        if done:
+            return {"rank": rank, "host": "h", "pid": 1, "state": "done", "path": str(d)}
+        return {"rank": rank, "host": "h", "pid": 1, "state": "failed", "error": "rank 1 is gone: process 7 exited"}
+
+    base = {"capture_id": "b", "job": "j", "parts": {"0": part(0, "b"), "1": part(1, "b", done=False)}}
+    now = {"capture_id": "n", "job": "j", "parts": {"0": part(0, "n"), "1": part(1, "n")}}
+    notes = conclude_replies([("h", compare_records(now, base))])["notes"]
+    assert "rank 1 (h): not compared: recorded nothing in the baseline (failed: rank 1 is gone: process 7 " \
+           "exited)" in notes, notes

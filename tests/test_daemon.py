@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import zmq
 
-from conftest import ROOT, base_env, captures, ctl, ctl_json, daemon, live_ranks, recorded_steps, short_dir, \
-    start_ranks, trace_steps, wait_for
+from conftest import ROOT, base_env, captures, ctl, ctl_json, daemon, kill_tree, live_ranks, recorded_steps, \
+    short_dir, start_daemon, start_ranks, stop, trace_steps, train, wait_for
 
 TRAIN = ["--step-sleep", "0.02", "--profile-min-free-mb", "0", "--profile-ranks", "-1"]
 
@@ -489,3 +489,37 @@ def test_a_trigger_file_and_a_signal_capture_are_recorded_by_the_daemon(env: dic
     (sig_cap,) = sig
     assert sig_cap["status"] == "done", sig_cap
     assert list(ctl_json(env["run"], "show", sig_cap["capture_id"])["parts"]) == ["1"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# From test_hardening4.py: a waiting capture through a daemon restart (issue 41, 12)
+
+
+def test_a_waiting_capture_follows_its_capture_through_a_daemon_restart(dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 41, 12. Before: `capture --wait` whose daemon was restarted (SIGKILL, then started again) exited 4
+    ("did not answer within ...") while the rank went on and wrote its trace. Now it asks again on a new
+    connection until --timeout and follows the record the new daemon read back: done, exit 0."""
+    run, state = dirs["run"], dirs["state"]
+    first = start_daemon(run, state)
+    rank = train(tmp_path, "job12", "--step-sleep", "0.05", env={"ONDEMAND_PROF_RUNTIME_DIR": str(run)},
+                 steps=100000, log=tmp_path / "rank.log")
+    second = None
+    try:
+        wait_for(lambda: "job12" in ctl(run, "status").stdout, 180, "the rank", pause=0.5)
+        cli = subprocess.Popen([str(Path(__file__).resolve().parent.parent / "bin" / "ondemandctl"), "capture",
+                                "--job", "job12", "--steps", "2", "--start", "80", "--wait", "--timeout", "120"],
+                               env=base_env(ONDEMAND_PROF_RUNTIME_DIR=str(run)), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: list((state / "captures").glob("*.json")), 30, "the capture's record")
+        time.sleep(0.5)
+        first.kill()
+        first.communicate()
+        second = start_daemon(run, state)
+        out, err = cli.communicate(timeout=180)
+    finally:
+        kill_tree(rank)
+        for d in (first, second):
+            if d is not None:
+                stop(d)
+    assert cli.returncode == 0, out + err
+    assert "done: 1 of 1 rank(s) wrote a trace" in out and "the daemon answers again" in out, out + err

@@ -348,32 +348,6 @@ def test_a_member_flooding_compares_never_blinds_the_daemon(dirs: dict[str, Path
     assert "Traceback" not in err, err[-3000:]
 
 
-@pytest.mark.quick
-def test_summaries_are_parsed_once_until_the_file_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 41, 3: parsed summaries are kept by the file's identity (device, inode, mtime, ctime, size). Before,
-    every compare read and parsed every summary again; a rewritten file is read again."""
-    from ondemand_prof.core import safejson
-    from ondemand_prof.host.summaries import compare_records
-
-    parsed: list[int] = []
-    real = safejson.loads
-    monkeypatch.setattr(safejson, "loads", lambda raw, *a, **k: parsed.append(len(raw)) or real(raw, *a, **k))
-    records = {}
-    for side in ("base", "now"):
-        d = tmp_path / side / "rank0"
-        d.mkdir(parents=True)
-        (d / "summary.json").write_text(json.dumps({"rank": 0, "steps": [{"dur_ms": 2.0 + (side == "now")}] * 4}))
-        records[side] = {"capture_id": side, "job": "j", "parts": {
-            "0": {"rank": 0, "host": "h", "pid": 1, "state": "done", "path": str(d)}}}
-    first = compare_records(records["now"], records["base"])
-    assert len(parsed) == 2 and len(first["ranks"]) == 1, (parsed, first)
-    assert compare_records(records["now"], records["base"]) == first and len(parsed) == 2, parsed
-    time.sleep(0.01)
-    (tmp_path / "now" / "rank0" / "summary.json").write_text(json.dumps({"rank": 0, "steps": [{"dur_ms": 5.0}] * 4}))
-    again = compare_records(records["now"], records["base"])
-    assert len(parsed) == 3 and again["ranks"][0]["step_ms"]["now"] == 5.0, (parsed, again["ranks"][0]["step_ms"])
-
-
 # ----------------------------------------------------------------------------------------------------------
 # 5. Automatic baselines' ids are not predictable, and a capture is compared only with its own job's baseline
 
@@ -754,63 +728,6 @@ def test_a_pods_links_lead_neither_the_daemon_nor_roots_trigger_onto_the_node(ho
     finally:
         shutil.rmtree(victim, ignore_errors=True)
         shutil.rmtree(hidden, ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 12. Small: a waiting capture through a daemon restart; a partial baseline's rank that recorded nothing
-
-def test_a_waiting_capture_follows_its_capture_through_a_daemon_restart(dirs: dict[str, Path], tmp_path: Path) -> None:
-    """Issue 41, 12. Before: `capture --wait` whose daemon was restarted (SIGKILL, then started again) exited 4
-    ("did not answer within ...") while the rank went on and wrote its trace. Now it asks again on a new
-    connection until --timeout and follows the record the new daemon read back: done, exit 0."""
-    from test_security import stop, train
-
-    run, state = dirs["run"], dirs["state"]
-    first = start_daemon(run, state)
-    rank = train(tmp_path, "job12", "--step-sleep", "0.05", env={"ONDEMAND_PROF_RUNTIME_DIR": str(run)},
-                 steps=100000, log=tmp_path / "rank.log")
-    second = None
-    try:
-        wait_for(lambda: "job12" in ctl(run, "status").stdout, 180, "the rank", pause=0.5)
-        cli = subprocess.Popen([str(Path(__file__).resolve().parent.parent / "bin" / "ondemandctl"), "capture",
-                                "--job", "job12", "--steps", "2", "--start", "80", "--wait", "--timeout", "120"],
-                               env=base_env(ONDEMAND_PROF_RUNTIME_DIR=str(run)), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-        wait_for(lambda: list((state / "captures").glob("*.json")), 30, "the capture's record")
-        time.sleep(0.5)
-        first.kill()
-        first.communicate()
-        second = start_daemon(run, state)
-        out, err = cli.communicate(timeout=180)
-    finally:
-        kill_tree(rank)
-        for d in (first, second):
-            if d is not None:
-                stop(d)
-    assert cli.returncode == 0, out + err
-    assert "done: 1 of 1 rank(s) wrote a trace" in out and "the daemon answers again" in out, out + err
-
-
-@pytest.mark.quick
-def test_a_partial_baselines_rank_is_said_to_have_recorded_nothing(tmp_path: Path) -> None:
-    """Issue 41, 12: a baseline whose rank 1 failed, against a capture where it recorded: the note says rank 1
-    recorded nothing in the baseline, and why (before: "baseline: <its error>", as if the baseline's summary were
-    unreadable)."""
-    from ondemand_prof.host.summaries import compare_records, conclude_replies
-
-    def part(rank: int, side: str, done: bool = True) -> dict[str, Any]:
-        d = tmp_path / side / f"rank{rank}"
-        d.mkdir(parents=True)
-        (d / "summary.json").write_text(json.dumps({"rank": rank, "steps": [{"dur_ms": 2.0}] * 4}))
-        if done:
-            return {"rank": rank, "host": "h", "pid": 1, "state": "done", "path": str(d)}
-        return {"rank": rank, "host": "h", "pid": 1, "state": "failed", "error": "rank 1 is gone: process 7 exited"}
-
-    base = {"capture_id": "b", "job": "j", "parts": {"0": part(0, "b"), "1": part(1, "b", done=False)}}
-    now = {"capture_id": "n", "job": "j", "parts": {"0": part(0, "n"), "1": part(1, "n")}}
-    notes = conclude_replies([("h", compare_records(now, base))])["notes"]
-    assert "rank 1 (h): not compared: recorded nothing in the baseline (failed: rank 1 is gone: process 7 " \
-           "exited)" in notes, notes
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -444,3 +444,29 @@ def train(tmp: Path, job: str, *extra: str, env: dict[str, str] | None = None, s
 
 def published(save: Path) -> list[Path]:
     return [d for d in save.glob("*/*") if d.is_dir() and not d.name.startswith(".")] if save.is_dir() else []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One request to a daemon's socket, from a fresh DEALER (test_security, test_daemon)
+
+
+def request(run_dir: Path, msg: dict[str, Any] | bytes, timeout_ms: int = 10_000) -> dict[str, Any] | None:
+    """Send one message from a fresh DEALER; the decoded reply, or None when none came."""
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"ipc://{run_dir}/profd.sock")
+        s.send(msg if isinstance(msg, bytes) else json.dumps(msg).encode())
+        if not s.poll(timeout_ms):
+            return None
+        return json.loads(s.recv())
+    finally:
+        ctx.destroy(linger=0)
+
+
+def status_ok(run_dir: Path) -> bool:
+    reply = request(run_dir, {"v": 1, "type": "status", "id": 7})
+    return bool(reply) and reply["type"] == "ok" and reply["id"] == 7

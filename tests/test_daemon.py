@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from conftest import ROOT, base_env, captures, ctl, ctl_json, daemon, kill_tree, live_ranks, recorded_steps, \
-    short_dir, start_daemon, start_ranks, stop, trace_steps, train, wait_for
+    short_dir, start_daemon, start_ranks, status_ok, stop, trace_steps, train, wait_for
 
 TRAIN = ["--step-sleep", "0.02", "--profile-min-free-mb", "0", "--profile-ranks", "-1"]
 
@@ -523,3 +523,24 @@ def test_a_waiting_capture_follows_its_capture_through_a_daemon_restart(dirs: di
                 stop(d)
     assert cli.returncode == 0, out + err
     assert "done: 1 of 1 rank(s) wrote a trace" in out and "the daemon answers again" in out, out + err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# From test_security.py: a stale daemon and its successor's socket
+
+
+def test_a_stale_daemon_never_removes_its_successors_socket(dirs: dict[str, Path]) -> None:
+    first = start_daemon(dirs["run"], dirs["state"])
+    # running, not starting: its socket appears before it has written its pid file and serves
+    wait_for(lambda: status_ok(dirs["run"]), 30, "the first daemon to answer")
+    shutil.rmtree(dirs["run"])  # someone cleans /tmp under a running daemon
+    second = start_daemon(dirs["run"], short_dir("odpsec2"))
+    try:
+        _, err = stop(first)
+        assert first.returncode == 0, err[-3000:]
+        assert (dirs["run"] / "profd.sock").exists() and (dirs["run"] / "profd.pid").exists()
+        assert (dirs["run"] / "profd.pid").read_text().strip() == str(second.pid)
+        assert status_ok(dirs["run"])
+    finally:
+        stop(second)
+    assert not (dirs["run"] / "profd.sock").exists() and not (dirs["run"] / "profd.pid").exists()

@@ -21,30 +21,10 @@ from typing import Any, Iterator
 import pytest
 import zmq
 
-from conftest import ROOT, base_env, ctl, ctl_json, published, register_msg, short_dir, start_daemon, status_lines, \
-    stop, train, wait_for
+from conftest import ROOT, base_env, ctl, ctl_json, published, register_msg, request, short_dir, start_daemon, \
+    status_lines, status_ok, stop, train, wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="unix sockets, SO_PEERCRED and /proc: Linux only")
-
-
-def request(run_dir: Path, msg: dict[str, Any] | bytes, timeout_ms: int = 10_000) -> dict[str, Any] | None:
-    """Send one message from a fresh DEALER; the decoded reply, or None when none came."""
-    ctx = zmq.Context()
-    try:
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(f"ipc://{run_dir}/profd.sock")
-        s.send(msg if isinstance(msg, bytes) else json.dumps(msg).encode())
-        if not s.poll(timeout_ms):
-            return None
-        return json.loads(s.recv())
-    finally:
-        ctx.destroy(linger=0)
-
-
-def status_ok(run_dir: Path) -> bool:
-    reply = request(run_dir, {"v": 1, "type": "status", "id": 7})
-    return bool(reply) and reply["type"] == "ok" and reply["id"] == 7
 
 
 def rss_kb(pid: int) -> int:
@@ -450,23 +430,6 @@ def test_spoofed_ranks_are_refused(tmp_path: Path, other_user: dict[str, Any]) -
 
 # ----------------------------------------------------------------------------------------------------------
 # 5. Nothing left behind
-
-
-def test_a_stale_daemon_never_removes_its_successors_socket(dirs: dict[str, Path]) -> None:
-    first = start_daemon(dirs["run"], dirs["state"])
-    # running, not starting: its socket appears before it has written its pid file and serves
-    wait_for(lambda: status_ok(dirs["run"]), 30, "the first daemon to answer")
-    shutil.rmtree(dirs["run"])  # someone cleans /tmp under a running daemon
-    second = start_daemon(dirs["run"], short_dir("odpsec2"))
-    try:
-        _, err = stop(first)
-        assert first.returncode == 0, err[-3000:]
-        assert (dirs["run"] / "profd.sock").exists() and (dirs["run"] / "profd.pid").exists()
-        assert (dirs["run"] / "profd.pid").read_text().strip() == str(second.pid)
-        assert status_ok(dirs["run"])
-    finally:
-        stop(second)
-    assert not (dirs["run"] / "profd.sock").exists() and not (dirs["run"] / "profd.pid").exists()
 
 
 PLANTED = """

@@ -433,3 +433,30 @@ def test_rewrites_with_stalls_open_no_unrequested_window(tmp_path: Path, watch: 
     held = [line for line in log_lines if "more trigger(s) rejected or failed, not logged" in line or
             "more rejected or failed since, not logged" in line]
     assert 1 <= len(rejected) <= 5 * (1 + int(took // 60)) and held, log_lines[-20:]
+
+
+@pytest.mark.quick
+def test_one_rule_names_a_jobs_trigger_directory_and_a_capture_folder() -> None:
+    """Issue 41: job_dir_name (the trigger directory) and the rank's safe_name (a capture folder) are one
+    function, core/files.py path_component, each with its own fallback: for an ASCII id both give what they gave
+    before (the two rules, written out here); a non-ASCII letter is '_' in both now (job_dir_name kept it)."""
+    from ondemand_prof.core.files import path_component
+    from ondemand_prof.rank.layout import safe_name
+    from ondemand_prof.rank.triggers import job_dir_name
+
+    def old_job_dir_name(job_id: str) -> str:
+        return "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id)[:128].strip(".") or "job"
+
+    def old_safe_name(text: str) -> str:
+        ok = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+        return "".join(c if c in ok else "_" for c in text)[:128].strip(".") or "capture"
+
+    ascii_ids = ["", ".", "..", "...", "a/b", "/abs", "../../etc", "job-1_2.3", ".hidden.", "a b\tc\n", "x" * 300,
+                 "." + "y" * 200, "tab\x00nul", "$(rm -rf ~)", "A:B@C", "".join(map(chr, range(128)))]
+    for text in ascii_ids:
+        assert job_dir_name(text) == old_job_dir_name(text), text
+        assert safe_name(text) == old_safe_name(text), text
+        assert path_component(text, "capture") == old_safe_name(text), text
+    assert job_dir_name("jöb-€²") == safe_name("jöb-€²") == "j_b-__"
+    assert job_dir_name("日本") == "__" and job_dir_name("..") == "job" and safe_name("..") == "capture"
+    assert path_component("", "fallback") == "fallback"

@@ -1,6 +1,6 @@
-"""Small file helpers every process uses: one timestamp form, the one atomic writer, a read that follows no
-link. Paths beneath a root (another user's files, a pod's paths) are core/rootpath.py's; processes (pid checks,
-identities, namespaces) core/processes.py's."""
+"""Small file helpers every process uses: one timestamp form, the atomic writers, a read that follows no link,
+an id as one file name (path_component). Paths beneath a root (another user's files, a pod's paths) are
+core/rootpath.py's; processes (pid checks, identities, namespaces) core/processes.py's."""
 
 from __future__ import annotations
 
@@ -106,6 +106,17 @@ def write_json_atomic(path: Path, data: Any, compact: bool = False, mode: int = 
     text = json.dumps(data, separators=(",", ":"), default=str) if compact else \
         json.dumps(data, indent=2, sort_keys=True, default=str)
     write_atomic(path, text + "\n", mode)
+
+
+_COMPONENT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def path_component(text: str, fallback: str) -> str:
+    """An id (a job's, a capture's) as one file name: every character but ASCII letters, digits, '-', '_' and '.'
+    made '_' (no separator, nothing a terminal or a shell reads), at most 128 of them, no '.' at either end (never
+    '.' or '..', nor hidden); `fallback` when nothing is left."""
+    name = "".join(c if c in _COMPONENT_CHARS else "_" for c in text)[:128].strip(".")
+    return name or fallback
 
 
 def read_nofollow(path: Path, limit: int) -> bytes | None:

@@ -12,15 +12,16 @@ import os
 import tempfile
 from pathlib import Path
 
+from .files import path_component
+
 TRIGGER_NAME = "capture"
 STATUS_DIR = TRIGGER_NAME + ".status"
 TRIGGER_DIR_ENV = "ONDEMAND_PROF_TRIGGER_DIR"  # --profile-trigger-dir's variable (core/options.py)
 
 
 def job_dir_name(job_id: str) -> str:
-    """A job id as one path component: no separators, never '.' or '..', bounded."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id)[:128].strip(".")
-    return safe or "job"
+    """A job id as one path component (files.path_component): no separators, never '.' or '..', bounded."""
+    return path_component(job_id, "job")
 
 
 def default_trigger_dir(job_id: str) -> Path:

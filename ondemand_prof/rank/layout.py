@@ -26,17 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..core.files import path_component
 from ..core.processes import pid_alive
 
 STAGING_SUFFIX = ".partial"
 METADATA_FILE = "metadata.json"
-_SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
 def safe_name(text: str) -> str:
-    """A single path component from an id: no separators, no '.'/'..', bounded."""
-    name = "".join(c if c in _SAFE else "_" for c in text)[:128].strip(".")
-    return name or "capture"
+    """A single path component from an id (files.path_component): no separators, no '.'/'..', bounded."""
+    return path_component(text, "capture")
 
 
 def trace_path(result: dict[str, Any]) -> str | None:

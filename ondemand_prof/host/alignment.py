@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Protocol
 
 from ..core.ranks import spans
+from .recordtypes import Misaligned, RecordData
 
 MISALIGNED = "misaligned"  # a record's status when its ranks recorded different steps
 
@@ -92,7 +93,7 @@ def recorded(parts: Iterable[Mapping[str, Any]]) -> list[list[int]]:
     return [list(s) for s in sorted(distinct)]
 
 
-def misalignment(record: Mapping[str, Any]) -> dict[str, Any] | None:
+def misalignment(record: Mapping[str, Any]) -> Misaligned | None:
     """None when every rank that finished recorded the same steps; else what each group of ranks recorded,
     largest group first: {"groups": [{"steps": [a, b], "count": n, "ranks": [..]}, ...], "text": "..."}."""
     groups = step_groups((record.get("parts") or {}).values())
@@ -112,7 +113,7 @@ def merge_recorded(recorded_on_hosts: Iterable[Any]) -> list[list[int]]:
     return [list(s) for s in sorted(seen)]
 
 
-def mark_misaligned(record: dict[str, Any]) -> bool:
+def mark_misaligned(record: RecordData) -> bool:
     """Set `misaligned` (the groups) and the status `misaligned` on a finished record whose ranks recorded
     different steps; True when it did. A running or cancelled record is left as it is."""
     if record.get("status") not in ("done", "partial"):

@@ -6,13 +6,14 @@ a capture launched across hosts as it is followed. Pure: replies in, merged valu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from ..core.files import iso_epoch
 from ..core.protocol import FINAL_STATES
 from .alignment import MISALIGNED, mark_misaligned, merge_recorded
 from .client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, CtlError
 from .records import Plan
+from .recordtypes import HostOutcome, Part, RecordSummary, RecordView
 from .registry import RankInfo
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def merged_status(statuses: list[str], misaligned: bool) -> str:
     return status
 
 
-def merge_lists(replies: Replies, limit: int) -> list[dict[str, Any]]:
+def merge_lists(replies: Replies, limit: int) -> list[RecordSummary]:
     """`list` replies of several hosts -> one list, newest first: a capture across hosts (one id, a record on
     every host involved) once, with its ranks and states summed, its hosts, and one status (misaligned where
     the steps its hosts' ranks recorded differ, as `show` says)."""
@@ -108,48 +109,52 @@ def merge_lists(replies: Replies, limit: int) -> list[dict[str, Any]]:
     for m in merged.values():
         m["recorded"] = merge_recorded(m["recorded"])
         m["status"] = merged_status(m.pop("statuses"), len(m["recorded"]) > 1)
-    return sorted(merged.values(), key=lambda c: iso_epoch(c["created_at"]), reverse=True)[:limit]
+    # (built as plain dicts: `statuses` is a key of the merge's own, gone by now)
+    return cast(list[RecordSummary],
+                sorted(merged.values(), key=lambda c: iso_epoch(c["created_at"]), reverse=True)[:limit])
 
 
-def merged_record(found: dict[str, dict[str, Any]], failed: dict[str, str],
+def merged_record(found: dict[str, RecordView], failed: dict[str, str],
                   unreachable: dict[str, str] | None = None,
-                  targets: dict[str, list[RankInfo]] | None = None) -> dict[str, Any]:
+                  targets: dict[str, list[RankInfo]] | None = None) -> RecordView:
     """Records of one capture from several hosts -> one record (parts keyed by rank, each naming its daemon).
 
     `failed`: hosts that answered with an error (their ranks record nothing); `unreachable`: hosts that gave no
     answer (never, or not since some point: their ranks' last known state is kept, unfinished parts become
     `unreachable`). `targets` names the ranks of hosts with no record here, so that those ranks are listed."""
     unreachable = unreachable or {}
-    first = next(iter(found.values()), {})
-    parts: dict[str, Any] = {}
+    first: Any = next(iter(found.values()), {})
+    parts: dict[str, Part] = {}
     for name, data in found.items():
         for key, part in data["parts"].items():
             parts[key] = {**part, "daemon": name}
             if name in unreachable and part["state"] not in FINAL_STATES:
-                parts[key].update(state="unreachable", last_state=part["state"],
-                                  error=f"host {name} stopped answering: {unreachable[name]}")
+                lost = parts[key]  # (in this order: the keys' order in the record)
+                lost["state"], lost["last_state"] = "unreachable", part["state"]
+                lost["error"] = f"host {name} stopped answering: {unreachable[name]}"
     for name, ranks in (targets or {}).items():
         if name not in found and (name in failed or name in unreachable):
             for i in ranks:
                 parts[str(i.rank)] = _lost_part(i, name, failed.get(name) or unreachable[name], name in failed)
-    hosts: dict[str, dict[str, Any]] = {n: {"status": d["status"]} for n, d in found.items()}
+    hosts: dict[str, HostOutcome] = {n: {"status": d["status"]} for n, d in found.items()}
     hosts.update({n: {"status": "failed", "error": e} for n, e in failed.items() if n not in found})
     hosts.update({n: {"status": "unreachable", "error": e} for n, e in unreachable.items()})
-    record = {**first, "parts": parts, "status": merge_status([h["status"] for h in hosts.values()]),
-              "hosts": hosts}
+    # (no host's record at all: only these; capture_record adds the id, the job and the window)
+    record = cast(RecordView, {**first, "parts": parts, "status": merge_status([h["status"] for h in hosts.values()]),
+                               "hosts": hosts})
     record.pop("version", None)
     record.pop("misaligned", None)  # judged again over every host's ranks, by the record's own rule
     mark_misaligned(record)
     return record
 
 
-def _lost_part(info: RankInfo, daemon: str, error: str, failed: bool) -> dict[str, Any]:
+def _lost_part(info: RankInfo, daemon: str, error: str, failed: bool) -> Part:
     state = "failed" if failed else "unreachable"
     return {"rank": info.rank, "host": info.host, "pid": info.pid, "daemon": daemon, "state": state,
             "error": f"host {daemon}: {error}", "history": [{"state": state}]}
 
 
-def fail_host(data: dict[str, Any], error: str) -> None:
+def fail_host(data: RecordView, error: str) -> None:
     """A host's record whose daemon now refuses to talk about the capture: its unfinished ranks failed."""
     data["status"] = "failed"
     for part in data["parts"].values():
@@ -168,7 +173,7 @@ class Launched:
     job: str
     targets: dict[str, list[RankInfo]]
     plan: Plan
-    found: dict[str, dict[str, Any]]
+    found: dict[str, RecordView]
     failed: dict[str, str]
     sent_s: float
     quiet: dict[str, str] = field(default_factory=dict)
@@ -176,11 +181,11 @@ class Launched:
     missing: list[int] = field(default_factory=list)
 
 
-def capture_record(run: Launched, quiet: dict[str, str]) -> dict[str, Any]:
+def capture_record(run: Launched, quiet: dict[str, str]) -> RecordView:
     """The one record of a capture across hosts, as followed: every host's parts, the hosts given up on
     (`quiet`), those that did not answer the status round and the ranks no host had, and the plan."""
     record = merged_record(run.found, run.failed, quiet, run.targets)
-    record.update(capture_id=run.capture_id, job=run.job)
+    record["capture_id"], record["job"] = run.capture_id, run.job
     record.setdefault("window", [run.plan.start_step, run.plan.end_step])
     if run.unanswered:  # hosts that did not answer the status round: their ranks (if any) are not in it
         record["unanswered"] = run.unanswered

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, NamedTuple, Protocol
 
 from .records import record_source
 from .stalls import stalled_for, time_in_step
@@ -91,7 +91,7 @@ def rank_rows(ranks: Iterable["RankInfo"], names: dict[Any, str] | None = None) 
                          i.step_began_at, i.observed_step_time, i.sent_at, i.heard_at) for i in ranks)
 
 
-def capture_source(record: dict[str, Any]) -> str:
+def capture_source(record: Mapping[str, Any]) -> str:
     """Who asked, from a capture record (records.record_source): `file` or `signal` (a rank's trigger file or
     signal), `auto` (--profile-auto: a slowdown, or the job's automatic baseline) or `ondemandctl` (any host's)."""
     source = record_source(record)

@@ -15,7 +15,7 @@ import math
 import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, cast
 
 from ..core.files import iso_epoch, iso_time, write_json_atomic
 from ..core.ids import valid_id
@@ -26,6 +26,7 @@ from ..core.ranks import MAX_RANK
 from ..core.bounds import MAX_STEP, bounded_int
 from ..core.window import busy_window
 from .alignment import MISALIGNED, mark_misaligned, recorded
+from .recordtypes import Part, RecordData, RecordSummary, RecordView, StoredPlan
 
 log = logging.getLogger("ondemand_prof.host.profd")
 
@@ -100,12 +101,14 @@ class Plan:
         """The same plan with `notes` said before its own (a length cap's, a replan's reason)."""
         return replace(self, note="; ".join(filter(None, [*notes, self.note])))
 
-    def as_dict(self) -> dict[str, Any]:
-        """The record's `plan` (ranks as text keys: what JSON makes of them anyway)."""
-        return {"current_steps": {str(k): v for k, v in self.current_steps.items()}, "lead_steps": self.lead_steps,
-                "late_ranks": list(self.late_ranks), "past_ranks": list(self.past_ranks),
-                **({"after": dict(self.after)} if self.after is not None else {}), "note": self.note,
-                "start_step": self.start_step, "end_step": self.end_step}
+    def as_dict(self) -> StoredPlan:
+        """The record's `plan` (ranks as text keys: what JSON makes of them anyway); `after` only when moved."""
+        # (a cast: `after`, where it is, sits before `note`, which a TypedDict literal cannot say conditionally)
+        return cast(StoredPlan, {
+            "current_steps": {str(k): v for k, v in self.current_steps.items()}, "lead_steps": self.lead_steps,
+            "late_ranks": list(self.late_ranks), "past_ranks": list(self.past_ranks),
+            **({"after": dict(self.after)} if self.after is not None else {}), "note": self.note,
+            "start_step": self.start_step, "end_step": self.end_step})
 
 
 # planning a capture again (host/commands/capture.py): the record, its ranks' busy refusals (rank -> the event's
@@ -114,7 +117,7 @@ Replan = Callable[["CaptureRecord", dict[int, dict[str, Any]], float], bool]
 UNANSWERED = ("sent", "received")  # a part whose rank has not yet said whether it takes its window
 
 
-def new_part(target: Mapping[str, Any], wall: float) -> dict[str, Any]:
+def new_part(target: Mapping[str, Any], wall: float) -> Part:
     """A target rank's part of a new capture: sent its window at `wall`."""
     return {"rank": target["rank"], "host": target["host"], "pid": target["pid"], "uid": target.get("uid"),
             "state": "sent", "history": [{"state": "sent", "at": iso_time(wall)}]}
@@ -145,7 +148,7 @@ def record_source(data: Mapping[str, Any]) -> str:
 class CaptureRecord:
     """One capture: the request, the window, and a part per target rank."""
 
-    def __init__(self, data: dict[str, Any], first_version: int = 0) -> None:
+    def __init__(self, data: RecordData, first_version: int = 0) -> None:
         self.data = data
         self.version = first_version  # bumped on every change; "watch" replies when it moves
         # the version that last changed each part (absent: first_version), so that a watch can answer with only
@@ -170,10 +173,10 @@ class CaptureRecord:
             options: dict[str, Any], targets: Iterable[dict[str, Any]], wall: float) -> "CaptureRecord":
         """`plan` is the window as resolved (capped, moved after busy windows), which list and show report. Made
         by Service.open_capture, the one place a capture is made on the daemon."""
-        plan = plan.as_dict() if isinstance(plan, Plan) else dict(plan)
+        stored = plan.as_dict() if isinstance(plan, Plan) else cast(StoredPlan, dict(plan))
         parts = {str(t["rank"]): new_part(t, wall) for t in targets}
         return cls({"capture_id": capture_id, "job": job, "created_at": iso_time(wall), "request": request,
-                    "window": [plan["start_step"], plan["end_step"]], "plan": plan, "options": options,
+                    "window": [stored["start_step"], stored["end_step"]], "plan": stored, "options": options,
                     "status": "running",
                     "parts": parts})
 
@@ -199,7 +202,7 @@ class CaptureRecord:
         """Marked as its job's baseline (capture --baseline, or a rank's automatic baseline window)."""
         return self.data.get("baseline") is True
 
-    def part(self, rank: int) -> dict[str, Any] | None:
+    def part(self, rank: int) -> Part | None:
         return self.data["parts"].get(str(rank))
 
     def add_part(self, target: Mapping[str, Any], wall: float, step: int | None = None) -> None:
@@ -232,17 +235,18 @@ class CaptureRecord:
             self._answered(wall)
         return moved
 
-    def _move(self, rank: int, part: dict[str, Any], state: str, info: Any, wall: float) -> bool:
+    def _move(self, rank: int, part: Part, state: str, info: Any, wall: float) -> bool:
         if state in FINAL_STATES:
             self.open_parts -= 1
         part["state"] = state
         part["history"].append({"state": state, "at": iso_time(wall)})
         if isinstance(info, dict):
+            fields = cast(dict[str, Any], part)  # (keys from PART_FIELDS, each one of Part's: a loop mypy cannot key)
             for key, check in PART_FIELDS.items():  # in this order (the record's key order), only those given
                 if key in info:
                     value = check(info[key])
                     if value is not None:
-                        part[key] = value
+                        fields[key] = value
         if self.open_parts == 0:
             self._settle()
         self.part_changed(rank)
@@ -279,10 +283,10 @@ class CaptureRecord:
         self.version += 1
         self._part_changed[str(rank)] = self.version
 
-    def view(self, since: int | None = None) -> dict[str, Any]:
+    def view(self, since: int | None = None) -> RecordView:
         """The record as the CLI gets it, with its version; given `since` (a version the caller holds, of this
         daemon's numbering), only the parts changed after it, marked changed_only (the caller merges them)."""
-        shown = {**self.data, "source": record_source(self.data)}  # (what opened it, from its kind)
+        shown: RecordView = {**self.data, "source": record_source(self.data)}  # (what opened it, from its kind)
         if since is None or not self._first_version <= since <= self.version:
             return {**shown, "version": self.version}
         first, changed = self._first_version, self._part_changed
@@ -312,17 +316,24 @@ class CaptureRecord:
         of an older daemon whose ranks recorded different steps says `done`). True when its status changed."""
         return self.status in ("done", "partial") and mark_misaligned(self.data)
 
-    def summary(self) -> dict[str, Any]:
-        parts = self.data["parts"].values()
+    def summary(self) -> RecordSummary:
+        """The record as `list` shows it (its keys in this order: --json prints them so)."""
+        data = self.data
+        parts = data["parts"].values()
         counts: dict[str, int] = {}
         for p in parts:
             counts[p["state"]] = counts.get(p["state"], 0) + 1
         # recorded: the distinct steps the finished ranks recorded ([first, last, count] each), so that a capture
         # across hosts is misaligned in `list` where its ranks on different hosts recorded different steps
-        return {k: self.data[k] for k in ("capture_id", "job", "created_at", "window", "status")} | {
-            "ranks": len(self.data["parts"]), "states": counts, "request": self.data["request"],
-            "baseline": self.is_baseline, "recorded": recorded(parts)} | {
-            k: self.data[k] for k in ("compare_with", "cause") if k in self.data}
+        out: RecordSummary = {
+            "capture_id": data["capture_id"], "job": data["job"], "created_at": data["created_at"],
+            "window": data["window"], "status": data["status"], "ranks": len(data["parts"]), "states": counts,
+            "request": data["request"], "baseline": self.is_baseline, "recorded": recorded(parts)}
+        if "compare_with" in data:
+            out["compare_with"] = data["compare_with"]
+        if "cause" in data:
+            out["cause"] = data["cause"]
+        return out
 
 
 

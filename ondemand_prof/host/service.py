@@ -26,6 +26,7 @@ from ..core.ids import valid_id
 from ..core.safejson import holds_lone_surrogate
 from ..core.text import printable
 from .records import CAPTURE_KINDS, KEEP_RECORDS, CaptureRecord, RecordRefused, RecordStore
+from .recordtypes import Part
 from .podpath import host_path
 from .planning import DeliveryBook
 from .registry import RankConflict, RankInfo, Registry
@@ -332,7 +333,7 @@ class Service:
         """Only from the process the window was sent to (a record read back from disk may hold anything)."""
         part = record.part(info.rank)
         plan = record.data.get("plan")
-        planned = plan.get("current_steps") if isinstance(plan, dict) else None
+        planned: Any = plan.get("current_steps") if isinstance(plan, dict) else None  # (read back: any shape)
         if not isinstance(part, dict) or part.get("pid") != info.pid or not isinstance(planned, dict):
             return
         planned_step = planned.get(info.rank, planned.get(str(info.rank)))
@@ -358,19 +359,23 @@ class Service:
 
     def open_capture(self, capture_id: str, job: str, request: dict[str, Any], plan: Plan, options: dict[str, Any],
                      targets: list[RankInfo], wall: float, *, kind: str, owner: int | str | None = None,
-                     save: bool = True, **marks: Any) -> CaptureRecord:
+                     save: bool = True, baseline: bool | None = None,
+                     compare_with: str | None = None) -> CaptureRecord:
         """The one place a capture is made on the daemon (ondemandctl capture, a rank's automatic, trigger-file
         or signal window): its record, a part per target rank, taken into the store (RecordRefused: it cannot
         be). `kind` says what it is, set here once (records.CAPTURE_KINDS: capture, auto, auto_baseline, file,
-        signal); `marks` go on the record (baseline, compare_with); `save`: False when the caller writes it once
-        the windows are sent."""
+        signal); the marks `baseline` and `compare_with` go on the record when given; `save`: False when the caller
+        writes it once the windows are sent."""
         if kind not in CAPTURE_KINDS:
             raise ValueError(f"a capture's kind is one of {', '.join(CAPTURE_KINDS)}, not {kind!r}")
         record = CaptureRecord.new(capture_id, job, request, plan, options,
                                    [{"rank": t.rank, "host": t.host, "pid": t.pid, "uid": t.uid} for t in targets],
                                    wall)
         record.data["kind"] = kind
-        record.data.update(marks)
+        if baseline is not None:
+            record.data["baseline"] = baseline
+        if compare_with is not None:
+            record.data["compare_with"] = compare_with
         self.store.add(record, owner=owner, save=save)
         return record
 
@@ -586,7 +591,7 @@ def with_nspids(peer: Any) -> Any:
     return peer._replace(nspids=nspids) if nspids and nspids[0] == peer.pid else peer
 
 
-def window_position(record: Any, part: dict[str, Any], step: int | None, heard: int | None = None) -> str:
+def window_position(record: Any, part: Part, step: int | None, heard: int | None = None) -> str:
     """ (at step 262, before the window [300, 302) began) / (at step 301, during the window [300, 302)): `step`
     as the rank said it at the end, else the step of its last heartbeat (`heard`)."""
     window = part.get("window") or record.data.get("window")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any, Callable, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TextIO
 
 from ..client import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, Client, CtlError, OneHost, Reply, dumps
 from ..merge import exit_across, failures, no_capture, nothing_found, one_capture
@@ -116,11 +116,11 @@ def ms(seconds: float | None) -> str:
     return "-" if not seconds else f"{seconds * 1000:.1f} ms"
 
 
-def window_text(w: list[int] | None) -> str:
+def window_text(w: Sequence[int | None] | None) -> str:
     return "-" if not w else f"[{w[0]}, {w[1]})"
 
 
-def who(part: dict[str, Any], daemon: str | None = None) -> str:
+def who(part: Mapping[str, Any], daemon: str | None = None) -> str:
     """The start of a line about one rank's part: its rank, and across hosts the daemon that has it."""
     return f"  rank {part['rank']:<4} " + (f"{daemon:<16} " if daemon is not None else "")
 

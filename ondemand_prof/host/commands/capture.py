@@ -25,6 +25,7 @@ from ..merge import capture_record
 from ...core.ids import BadId, check_id
 from ...core.ids import capture_id as make_capture_id
 from ..records import CaptureRecord
+from ..recordtypes import RecordView
 from ..planning import plan_window
 from ..registry import owner_text, select_ranks
 from ..stalls import stalls
@@ -161,7 +162,7 @@ class Capture(Command):
         windows.send(service, targets, plan.note if plan.after else None)
         log.info("ondemand-profd: capture %s: job %s, %d rank(s), steps [%d, %d)%s", capture_id, job, len(targets),
                  plan.start_step, plan.end_step, f" ({plan.note})" if plan.note else "")
-        reply = {**record.view(), "asked_by": asker}  # the CLI says so when the job is another user's
+        reply: RecordView = {**record.view(), "asked_by": asker}  # the CLI says so when the job is another user's
         if unsaved is not None:
             reply["unsaved"] = f"{unsaved} ({service.store.dir})"
         return reply
@@ -210,7 +211,7 @@ class Capture(Command):
         return EXIT_TIMEOUT if timed_out else exit_for(record)
 
     @staticmethod
-    def _report(fan: Fanout | OneHost, record: dict[str, Any], run: Launched | None, args: argparse.Namespace,
+    def _report(fan: Fanout | OneHost, record: RecordView, run: Launched | None, args: argparse.Namespace,
                 out: TextIO) -> Callable[[], Any] | None:
         """--report: the capture's one report (rendering.report_capture: every daemon's summaries of its ranks,
         merged, on one host as across hosts); on one host the traces here are read where the summaries do not
@@ -231,7 +232,7 @@ class Capture(Command):
 
         return here
 
-    def _result(self, record: dict[str, Any], text: str, args: argparse.Namespace, out: TextIO,
+    def _result(self, record: RecordView, text: str, args: argparse.Namespace, out: TextIO,
                 report: Callable[[], Any] | None) -> None:
         """The record (--json) or the result text; then, with --report and something to report on, the report."""
         if args.json and not args.report:
@@ -244,7 +245,7 @@ class Capture(Command):
             report()
 
 
-def export_hint(record: dict[str, Any], across: bool) -> str:
+def export_hint(record: RecordView, across: bool) -> str:
     """The line that makes every rank's trace one timeline (ondemandctl export, host/commands/export.py)."""
     done = [p for p in record["parts"].values() if p["state"] == "done" and str(p.get("trace") or "").endswith(
         (".pt.trace.json", ".pt.trace.json.gz"))]
@@ -262,7 +263,7 @@ def void(_: Any) -> None:
 RECONNECT_S = 0.5  # how often a capture followed on this host asks for its daemon again, while it does not answer
 
 
-def follow_here(fan: OneHost, found: dict[str, dict[str, Any]], args: argparse.Namespace, out: TextIO | None,
+def follow_here(fan: OneHost, found: dict[str, RecordView], args: argparse.Namespace, out: TextIO | None,
                 capture_id: str) -> bool:
     """follow() on this host's daemon, through a restart of it (issue 41, 12: a waiting capture exited 4 when its
     daemon restarted, while the ranks went on recording): a daemon that does not answer is asked again, on a new
@@ -479,7 +480,7 @@ def _adopted_id(service: Service, msg: dict[str, Any]) -> str | None:
 # ----------------------------------------------------------------------------------------------------------
 # What the console says of a capture
 
-def _plan_text(record: dict[str, Any]) -> str:
+def _plan_text(record: RecordView) -> str:
     plan = record["plan"]
     text = (f"capture {record['capture_id']}: job {record['job']}, {len(record['parts'])} rank(s), steps "
             f"{window_text(record['window'])} (ranks were at step {min(plan['current_steps'].values())}-"
@@ -506,12 +507,12 @@ def _plan_text(record: dict[str, Any]) -> str:
     return text
 
 
-def owner_note(record: dict[str, Any]) -> str:
+def owner_note(record: RecordView) -> str:
     """A line when the job captured is not the asker's (the kernel's uids, as the daemon saw them): the traces are
     another user's, and a job of the asker's own with this id, if any, is not registered here."""
     from ..registry import owner_text
 
-    owners = sorted({p["uid"] for p in record["parts"].values() if isinstance(p.get("uid"), int)})
+    owners = sorted({uid for p in record["parts"].values() if isinstance(uid := p.get("uid"), int)})
     asker = record.get("asked_by")
     if not isinstance(asker, int) or not owners or owners == [asker]:
         return ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Callable, TextIO
+from typing import TYPE_CHECKING, Any, Callable, TextIO, cast
 
 from ...core.files import presence_note
 from ...core.protocol import FINAL_STATES
@@ -16,6 +16,7 @@ from ...core.ranks import spans
 from ..alignment import MISALIGNED
 from ..client import EXIT_FAILED, EXIT_MISALIGNED, EXIT_OK, EXIT_PARTIAL, EXIT_TIMEOUT, CtlError, OneHost
 from ..merge import fail_host, no_capture
+from ..recordtypes import Part, RecordView
 from ..stalls import stall_text
 from .base import who, window_text
 
@@ -26,21 +27,21 @@ HOLD_ONE_S = 10.0  # one host: each watch waits this long at most for a change
 WATCH_HOLD_S = 1.0  # across hosts: each round of watches waits at most this long for a change on any host
 
 
-def running(data: dict[str, Any]) -> bool:
+def running(data: RecordView) -> bool:
     return data["status"] == "running"
 
 
-def merge_watched(held: dict[str, Any] | None, reply: dict[str, Any]) -> dict[str, Any]:
+def merge_watched(held: RecordView | None, reply: RecordView) -> RecordView:
     """A watch reply applied to the record the caller held: a changes-only reply updates its parts."""
     if not reply.get("changed_only"):
         return reply
-    merged = {k: v for k, v in reply.items() if k != "changed_only"}
-    merged["parts"] = {**(held or {}).get("parts", {}), **reply["parts"]}
+    merged = cast(RecordView, {k: v for k, v in reply.items() if k != "changed_only"})
+    merged["parts"] = {**(held.get("parts", {}) if held else {}), **reply["parts"]}
     return merged
 
 
-def follow(fan: Fanout | OneHost, found: dict[str, dict[str, Any]], failed: dict[str, str], timeout: float,
-           out: TextIO | None, pending: Callable[[dict[str, Any]], bool] = running,
+def follow(fan: Fanout | OneHost, found: dict[str, RecordView], failed: dict[str, str], timeout: float,
+           out: TextIO | None, pending: Callable[[RecordView], bool] = running,
            quiet: dict[str, str] | None = None, capture_id: str | None = None) -> bool:
     """Long-poll every host whose record is `pending` (default: still running), printing each rank's progress
     to `out`. `fan`: the fan-out across hosts (each rank's line names its daemon), or this host's daemon
@@ -100,7 +101,7 @@ def follow(fan: Fanout | OneHost, found: dict[str, dict[str, Any]], failed: dict
                               f"--timeout {timeout:g} s)\n")
 
 
-def _stall_of(fan: Fanout | OneHost, record: dict[str, Any]) -> str:
+def _stall_of(fan: Fanout | OneHost, record: RecordView) -> str:
     """What status says of a stall among a capture's unfinished ranks ('' when none, or when it cannot say)."""
     waiting = {p["rank"] for p in record["parts"].values() if p["state"] not in FINAL_STATES}
     try:
@@ -124,10 +125,11 @@ class Progress:
         self.shown_step: dict[str, str] = {}
         self.replanned: dict[str, Any] = {}
 
-    def show(self, found: dict[str, dict[str, Any]]) -> None:
+    def show(self, found: dict[str, RecordView]) -> None:
         for name, record in found.items():
             daemon = None if self.one_host else name
-            again = (record.get("plan") or {}).get("replanned")
+            plan = record.get("plan")
+            again = plan.get("replanned") if plan else None
             if isinstance(again, dict) and again != self.replanned.get(name):  # the daemon planned it again
                 self.replanned[name] = again
                 self.out.write(f"  replanned: steps {window_text(record.get('window'))}: {again.get('why')}\n")
@@ -143,7 +145,7 @@ class Progress:
         self.out.flush()
 
 
-def recording_step(record: dict[str, Any], part: dict[str, Any]) -> str:
+def recording_step(record: RecordView, part: Part) -> str:
     """'recording step k of N' from the step a recording rank last reported (heartbeats, once a second)."""
     at, window = part.get("at_step"), record.get("window")
     if part["state"] != "recording" or at is None or not window:
@@ -152,7 +154,7 @@ def recording_step(record: dict[str, Any], part: dict[str, Any]) -> str:
     return f"recording step {min(max(at - window[0] + 1, 1), total)} of {total}"
 
 
-def progress_text(part: dict[str, Any]) -> str:
+def progress_text(part: Part) -> str:
     state = part["state"]
     if state in ("received", "scheduled"):
         return f"{state:<10} window {window_text(part.get('window'))}"
@@ -170,7 +172,7 @@ def progress_text(part: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------------------------------------
 # The result
 
-def result_text(record: dict[str, Any], finished: bool, waited: bool = True, across: bool = False) -> str:
+def result_text(record: RecordView, finished: bool, waited: bool = True, across: bool = False) -> str:
     """The outcome and each rank's result, or why it has none. On one host (and `show`, across hosts too):
     the capture folder (what HTA, TensorBoard and `ondemandctl report` open) and each rank's trace file, checked
     on disk; a capture across hosts (`across`): each rank's folder with the daemon that has it, how late it
@@ -202,7 +204,7 @@ def hta_line(folder: str) -> str:
             "out the last captured step)\n")
 
 
-def _head(record: dict[str, Any], parts: list[dict[str, Any]], done: int, finished: bool, waited: bool,
+def _head(record: RecordView, parts: list[Part], done: int, finished: bool, waited: bool,
           across: bool) -> str:
     if across and not waited:
         return f"sent; follow it with: ondemandctl --hosts ... show {record['capture_id']}\n"
@@ -217,7 +219,7 @@ def _head(record: dict[str, Any], parts: list[dict[str, Any]], done: int, finish
     return f"{record['status']}: {done} of {len(parts)} rank(s){on} wrote a trace\n"
 
 
-def _part_result(p: dict[str, Any], here: str, across: bool) -> str:
+def _part_result(p: Part, here: str, across: bool) -> str:
     """One rank's line of the result ('' for a rank still on its way)."""
     start = who(p, p["daemon"] if across else None)
     late = f"  late by {p['late_by']} step(s)" if across and p.get("late_by") else ""
@@ -241,7 +243,7 @@ def _part_result(p: dict[str, Any], here: str, across: bool) -> str:
     return ""
 
 
-def _host_lines(record: dict[str, Any]) -> list[str]:
+def _host_lines(record: RecordView) -> list[str]:
     """What is wrong with hosts (a record merged from several, host/merge.py)."""
     lines = []
     for name, host in (record.get("hosts") or {}).items():
@@ -254,6 +256,6 @@ def _host_lines(record: dict[str, Any]) -> list[str]:
     return lines
 
 
-def exit_for(record: dict[str, Any]) -> int:
+def exit_for(record: RecordView) -> int:
     return {"done": EXIT_OK, "partial": EXIT_PARTIAL, MISALIGNED: EXIT_MISALIGNED}.get(
         record["status"], EXIT_FAILED if record["status"] != "running" else EXIT_TIMEOUT)

@@ -358,7 +358,7 @@ def test_two_different_models_or_world_sizes_are_said_never_silently_compared(tm
 
 
 # ----------------------------------------------------------------------------------------------------------
-# From test_hardening4.py: summaries parsed once until they change; a partial baseline's rank that recorded nothing (issue 41)
+# From test_hardening4.py (issue 41): summaries parsed once until they change; a partial baseline's empty rank
 
 
 @pytest.mark.quick

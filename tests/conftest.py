@@ -25,7 +25,7 @@ STAND_INS = Path(__file__).resolve().parent / "stand_ins"
 # The quick tier (`bash scripts/test.sh --quick`, `pytest -m quick`): the tests that run in this process (pure
 # policy, parsers, planning, the daemon's service driven directly, reports on stored traces), with a few short
 # subprocesses at most, marked where they are: `pytestmark = pytest.mark.quick` in a module of them only, or
-# @pytest.mark.quick on one test (tests/test_layers.py checks that a module starting no process is marked, and
+# @pytest.mark.quick on one test (tests/test_quick_tier.py checks that a module starting no process is marked, and
 # that a test naming nothing that starts a process, in its code, fixtures and helpers, is marked). The full suite
 # (no flag) is what CI runs.
 

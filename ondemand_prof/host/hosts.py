@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from ..core.netaddr import port_number, split_host_port
 from ..core.protocol import TCP_PORT as DEFAULT_PORT
 
 MAX_HOSTS = 100_000  # a mistyped range must not expand into millions of names
@@ -127,9 +128,8 @@ def _target(text: str, default_port: int) -> list[Target]:
         except ValueError:
             raise HostSpecError(f"{text!r}: {host!r} is not an IPv6 address") from None
         return [Target(text, host, _port(port, text, default_port))]
-    base, port = text, ""
-    if ":" in text.rsplit("]", 1)[-1]:
-        base, _, port = text.rpartition(":")
+    base, split = split_host_port(text, brackets=True)  # node[01-04]:7355: a ':' after the last ']'
+    port = split or ""
     p = _port(port, text, default_port)
     out = []
     for host in expand(base):
@@ -142,9 +142,10 @@ def _target(text: str, default_port: int) -> list[Target]:
 def _port(text: str, whole: str, default_port: int) -> int:
     if not text:
         return default_port
-    if not text.isdigit() or not 0 < int(text) < 65536:
+    number = port_number(text, lowest=1)
+    if number is None:
         raise HostSpecError(f"{whole!r}: port {text!r} is not a number from 1 to 65535")
-    return int(text)
+    return number
 
 
 def parse_hosts(spec: str, default_port: int = DEFAULT_PORT) -> list[Target]:

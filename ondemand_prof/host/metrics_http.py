@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..core.netaddr import port_number, split_host_port
 from .hosts import is_loopback
 from .metrics import (PUBLISH_EVERY_S, WAIT_FOR_LOOP_S, CaptureCounts, MetricsError, Observed, Snapshot,
                       build_snapshot, families, rank_text)
@@ -55,14 +56,16 @@ def preflight(address: str) -> tuple[str, int]:
 
 def parse_address(text: str) -> tuple[str, int]:
     """HOST:PORT, [v6]:PORT, or PORT alone (then loopback: 127.0.0.1). MetricsError says what is wrong."""
-    host, sep, port = text.rpartition(":")
-    if not sep:
+    host, port = split_host_port(text)
+    alone = port is None
+    if port is None:
         host, port = "", text
     host = host.strip("[]") if host.startswith("[") else host
-    if not port.isdigit() or int(port) > 65535 or (sep and not host and text.startswith("[")):
+    number = port_number(port)
+    if number is None or (not alone and not host and text.startswith("[")):
         raise MetricsError(f"--metrics {text!r}: expected HOST:PORT (e.g. 127.0.0.1:9464, or 0.0.0.0:9464 for "
                            "every interface) or a port alone (loopback)")
-    return host or "127.0.0.1", int(port)
+    return host or "127.0.0.1", number
 
 
 def read_token(path: Path) -> bytes:

@@ -13,6 +13,7 @@ from typing import Any
 import zmq
 
 from ..core.bounds import MAX_STEP, bounded_int
+from ..core.netaddr import port_number, split_host_port
 from ..core.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, RANK_MESSAGES, encode
 from .commands import CLI_MESSAGES
 from .hosts import is_loopback
@@ -134,7 +135,8 @@ class TcpListener:
 def parse_listen(listen: str) -> tuple[str, int]:
     """tcp://HOST:PORT (HOST may be [v6]) -> (host, port); DaemonError says what is wrong."""
     rest = listen[len("tcp://"):] if listen.startswith("tcp://") else None
-    host, sep, port = (rest or "").rpartition(":")
-    if rest is None or not sep or not host or not port.isdigit() or int(port) > 65535:
+    host, port = split_host_port(rest or "")
+    number = port_number(port) if rest is not None and port is not None and host else None
+    if rest is None or number is None or not host:
         raise DaemonError(f"--listen {listen!r}: expected tcp://HOST:PORT, e.g. tcp://0.0.0.0:7355")
-    return host, int(port)
+    return host, number

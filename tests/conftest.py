@@ -470,3 +470,34 @@ def request(run_dir: Path, msg: dict[str, Any] | bytes, timeout_ms: int = 10_000
 def status_ok(run_dir: Path) -> bool:
     reply = request(run_dir, {"v": 1, "type": "status", "id": 7})
     return bool(reply) and reply["type"] == "ok" and reply["id"] == 7
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A live job for a whole module: a real daemon and gloo ranks of the toy model, training until the module ends
+
+LIVE_JOB_DEFAULTS: dict[str, Any] = {"world": 2, "args": [], "files": {}, "warm_steps": 40}
+
+
+@pytest.fixture(scope="module")
+def live_job(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """A daemon and `world` ranks (`--steps 1000000 --step-sleep 0.02`, a status file) started in a job directory
+    of their own (their cwd: the default save path is its ./profile), past `warm_steps` status lines before any
+    test; all ended and removed when the module ends. Set by the module's LIVE_JOB dict, or by parametrizing the
+    fixture indirectly with one: world, args (more rank arguments, "{work}" in one is the job directory), files
+    (name -> text, written in the job directory before the ranks start), warm_steps. What it gives: run, state,
+    work, procs, daemon. Its tests share the job: none may rely on another's captures, or the lack of them."""
+    spec = {**LIVE_JOB_DEFAULTS, **getattr(request.module, "LIVE_JOB", {}), **getattr(request, "param", {})}
+    run, state, work = short_dir("odplj"), short_dir("odpljs"), Path(short_dir("odpljw"))
+    for name, text in spec["files"].items():
+        (work / name).write_text(text)
+    daemon = start_daemon(run, state)
+    procs = start_ranks(["--steps", "1000000", "--step-sleep", "0.02", "--status-file", str(work / "steps.jsonl"),
+                         *(a.replace("{work}", str(work)) for a in spec["args"])], world=spec["world"],
+                        env={"ONDEMAND_PROF_RUNTIME_DIR": str(run)}, cwd=work)
+    try:
+        wait_for(lambda: len(status_lines(work / "steps.jsonl")) > spec["warm_steps"]
+                 or any(p.poll() is not None for p in procs), 180, "the job to warm up")
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+        yield {"run": run, "state": state, "work": work, "procs": procs, "daemon": daemon}
+    finally:
+        end_test_env([*procs, daemon], run, state, work)

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from html import escape as html_escape
@@ -121,25 +121,17 @@ def test_a_baseline_that_is_not_there_is_an_error_that_says_so(tmp_path: Path) -
 # A live job: baseline, then a slowdown switched on while it runs, then a capture; the cause must name the rank
 
 
+# conftest's live_job: a daemon and 2 ranks saving to the default ./profile of the job's directory
+LIVE_JOB = {"world": 2, "args": ["--inject-file", "{work}/inject.json"], "files": {"inject.json": "{}"},
+            "warm_steps": 60}
+
+
 @pytest.fixture(scope="module")
-def job() -> Iterator[dict[str, Any]]:
-    run, state = short_dir("odpcmp"), short_dir("odpcmps")
-    work = Path(short_dir("odpcmpw"))
-    inject_file = work / "inject.json"
-    inject_file.write_text("{}")
-    daemon = start_daemon(run, state)
-    procs = start_ranks(["--steps", "1000000", "--step-sleep", "0.02", "--status-file", str(work / "steps.jsonl"),
-                         "--inject-file", str(inject_file)], world=2, env={"ONDEMAND_PROF_RUNTIME_DIR": str(run)},
-                        cwd=work)  # the default save path: ./profile of the job's directory
-    env = {"run": run, "work": work, "inject": inject_file, "procs": procs}
-    try:
-        wait_for(lambda: len(status_lines(work / "steps.jsonl")) > 60 or any(p.poll() is not None for p in procs),
-                 180, "the job to warm up")
-        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
-        env["baseline"] = capture(env)
-        yield env
-    finally:
-        end_test_env([*procs, daemon], run, state, work)
+def job(live_job: dict[str, Any]) -> dict[str, Any]:
+    env = {"run": live_job["run"], "work": live_job["work"], "inject": live_job["work"] / "inject.json",
+           "procs": live_job["procs"]}
+    env["baseline"] = capture(env)
+    return env
 
 
 def inject(env: dict[str, Any], spec: dict[str, Any]) -> None:

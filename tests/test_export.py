@@ -25,8 +25,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import ctl, end_test_env, short_dir, start_daemon, start_ranks, status_lines, summaries_written, \
-    wait_for
+from conftest import ctl, summaries_written, wait_for
 
 from ondemand_prof.report.perfetto import Merger, align, metadata
 from ondemand_prof.report.timeline import decode, encode
@@ -294,19 +293,12 @@ def test_what_the_export_refuses(tmp_path: Path) -> None:
 # Live, one host: a daemon, two gloo ranks, a capture, the CLI as a user runs it
 
 
+LIVE_JOB = {"world": 2, "warm_steps": 40}  # conftest's live_job
+
+
 @pytest.fixture(scope="module")
-def job() -> Iterator[dict[str, Any]]:
-    run, state, work = short_dir("odpex"), short_dir("odpexs"), Path(short_dir("odpexw"))
-    daemon = start_daemon(run, state)
-    procs = start_ranks(["--steps", "1000000", "--step-sleep", "0.02", "--status-file", str(work / "steps.jsonl")],
-                        world=2, env={"ONDEMAND_PROF_RUNTIME_DIR": str(run)}, cwd=work)
-    try:
-        wait_for(lambda: len(status_lines(work / "steps.jsonl")) > 40 or any(p.poll() is not None for p in procs),
-                 180, "the job to warm up")
-        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
-        yield {"run": run, "work": work}
-    finally:
-        end_test_env([*procs, daemon], run, state, work)
+def job(live_job: dict[str, Any]) -> dict[str, Any]:
+    return {"run": live_job["run"], "work": live_job["work"]}
 
 
 def test_capture_says_how_to_export_and_export_writes_both_ranks(job: dict[str, Any], tmp_path: Path) -> None:

@@ -179,7 +179,14 @@ def test_unreadable_trigger(dirs) -> None:
         save, trig, steps = own / "profile", own / "trigger", own / "steps.jsonl"
     procs = start_ranks(["--steps", "300", "--step-sleep", "0.01", "--status-file", str(steps),
                          *trigger_args(save, trig)], prefix=prefix)
-    wait_for(lambda: last_step(steps) >= 5, 120, "training to start")
+    def started() -> bool:  # (a rank that ended says why now, not after the wait; its imports as nobody at load 10
+        # took over 120 s in a loaded fresh-clone run)
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"a rank ended before step 5 (rc {p.returncode}): {p.communicate()[1][-3000:]}")
+        return last_step(steps) >= 5
+
+    wait_for(started, 300, "training to start")
     # made unreadable before it takes the trigger's name (a rank could read "{}" between a write and a chmod)
     staged = trig / "capture.tmp"
     staged.write_text("{}")

@@ -543,7 +543,7 @@ def print_ratios(shape: Shape, name: str, r: dict[str, list[float]]) -> None:
 
 def print_by_model(ratios: list[tuple[Shape, str, dict[str, list[float]]]]) -> None:
     """One row a model and variant: the medians of the per-run ratios for each training shape, and the worst model
-    (the highest median stall ratio), which is what the README shows."""
+    of each measure (the highest median ratio of the stall, and of the stall + AFTER steps), which the README shows."""
     shapes = sorted({shape[1] for shape, _, _ in ratios})
     print(f"\nours / torch.profiler by model, medians of the per-run ratios (stall; stall + {AFTER} steps), load "
           "average during the runs:")
@@ -564,11 +564,12 @@ def print_by_model(ratios: list[tuple[Shape, str, dict[str, list[float]]]]) -> N
         loads = [x for got in by.values() for x in got["load"]]
         print(f"| {MODELS[model]} ({model}) | {name} | " + " | ".join(cells) +
               f" | {min(loads):.1f}-{max(loads):.1f} |")
-    for name in sorted({n for _, n, _ in ratios}):
-        mine = [(statistics.median(r["stall"]), shape, r) for shape, n, r in ratios if n == name]
-        worst, shape, r = max(mine, key=lambda x: x[0])
-        print(f"worst model for {name}: {training_name(shape)}: stall {worst:.2f}, stall + {AFTER} steps "
-              f"{statistics.median(r['total']):.2f}")
+    for name in sorted({n for _, n, _ in ratios}):  # the worst of each measure (what the README shows)
+        for key, what in (("stall", "stall"), ("total", f"stall + {AFTER} steps")):
+            worst, shape = max(((statistics.median(r[key]), shape) for shape, n, r in ratios if n == name),
+                               key=lambda x: x[0])
+            goal = 0.8 if key == "stall" else goal_of(shape[1])
+            print(f"worst model for {name}, {what}: {training_name(shape)}: {worst:.2f} (goal {goal})")
 
 
 def main() -> None:

@@ -282,6 +282,7 @@ def test_an_automatic_capture_is_compared_with_the_automatic_baseline(tmp_path: 
     daemon = start_daemon(run, state)
     procs = start_ranks(["--steps", "1000000", "--step-sleep", "0.02", "--status-file", str(work / "steps.jsonl"),
                          "--inject-file", str(inject_path), "--profile-auto", "1.5", "--profile-auto-steps", "4",
+                         "--profile-auto-confirm", "2",
                          "--profile-baseline-at", "40", "--profile-auto-cooldown", "0", "--profile-auto-budget", "100"],
                         world=2,
                         env={"ONDEMAND_PROF_RUNTIME_DIR": str(run), "ONDEMAND_PROF_LOG": "INFO"}, cwd=work)
@@ -333,8 +334,9 @@ def test_an_automatic_capture_is_compared_with_the_automatic_baseline(tmp_path: 
     for rank, log in enumerate(logs):  # every rank's start-up line says when the baseline is taken
         line = next((x for x in log.splitlines() if f"ondemand_prof: rank {rank} of 2, job" in x), "")
         assert "automatic captures on a 1.5x shift of the step time from the baseline's (a CUSUM of the steps over " \
-               "1.22x its median; at most one false alarm per 1,000,000 steps of an unchanged job), none before the " \
-               "baseline, compared with a baseline at step 40 (--profile-baseline-at)" in line, log[-3000:]
+               "1.22x its median; at most one false alarm per 1,000,000 steps of an unchanged job; held 2 s before it " \
+               "counts, so a burst of the host's load does not), none before the baseline, compared with a baseline " \
+               "at step 40 (--profile-baseline-at)" in line, log[-3000:]
 
 
 def test_two_different_models_or_world_sizes_are_said_never_silently_compared(tmp_path: Path) -> None:

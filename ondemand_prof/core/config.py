@@ -54,6 +54,9 @@ class ProfileConfig(ConfigMethods):
     # With --profile-auto: the number of steps of an unchanged job per false alarm at most: the CUSUM's threshold is
     # ln of it.
     auto_false_alarm_steps: int = 1000000
+    # With --profile-auto: seconds a shift must last (the CUSUM over its threshold, never back to 0) before it opens
+    # a capture: a burst of the host's load is not a slowdown.
+    auto_confirm_s: float = 10.0
     # Seconds after an automatic capture during which no other starts, unless the steps are back to the baseline's
     # meanwhile.
     auto_cooldown_s: float = 600.0

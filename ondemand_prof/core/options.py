@@ -306,8 +306,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("auto_false_alarm_steps", "profile_auto_false_alarm", parse_int, 1_000_000, "With --profile-auto: the "
            "number of steps of an unchanged job per false alarm at most: the CUSUM's threshold is ln of it.", ours=True,
            bounds=(100, 10**12)),
+    Option("auto_confirm_s", "profile_auto_confirm", parse_float, 10.0, "With --profile-auto: seconds a shift must "
+           "last (the CUSUM over its threshold, never back to 0) before it opens a capture: a burst of the host's "
+           "load is not a slowdown.", ours=True, bounds=(0, 3600)),
     Option("auto_cooldown_s", "profile_auto_cooldown", parse_float, 600.0, "Seconds after an automatic capture "
-           "during which no other starts, unless the steps are back to the baseline's meanwhile.", ours=True, bounds=(0, 86400 * 7)),
+           "during which no other starts, unless the steps are back to the baseline's meanwhile.", ours=True,
+           bounds=(0, 86400 * 7)),
     Option("auto_per_hour", "profile_auto_budget", parse_int, 4, "Automatic captures per hour at most.", ours=True,
            bounds=(1, 3600)),
     Option("auto_baseline_at", "profile_baseline_at", parse_int, 0, "With --profile-auto: the step of the one "

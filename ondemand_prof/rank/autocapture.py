@@ -58,6 +58,12 @@ MIN_EXTRA_S = 0.001  # a step must also be this much longer than the reference t
                      # loop, a GIL hand-over to another thread, is not a slowdown)
 P_MIN = 0.02  # how often a step is over the threshold, before or after a shift, is kept within [P_MIN, 1 - P_MIN]
 FALSE_ALARM_STEPS = 10 ** 6  # the default mean steps between false alarms of an unchanged job
+# The CUSUM's false-alarm rate holds for independent steps; a host's bursts are not (another process's second of CPU
+# slows every step in it: 20 steps of 30 ms over the threshold in a row). A shift must keep the sum over its
+# threshold this long before it fires: a burst's sum falls back to 0 within a second of its end, a slowdown's does
+# not. bench/bench_auto_capture.py: two yes loops and an ondemandctl call every 10 s beside 30 ms steps opened 8
+# captures in 15 minutes with none.
+CONFIRM_S = 10.0
 
 
 class SlowStepMonitor:
@@ -70,12 +76,16 @@ class SlowStepMonitor:
     sum passes h = ln(arl): an unchanged job raises a false alarm once in `arl` steps at most (Lorden's bound), how
     long its long steps are does not matter (a step counts as over T or not: a host's long tail of steps cannot
     add up to a slowdown), and a shift of `ratio` fires within a few dozen steps. At least `steps` steps over T
-    raised it. Nothing fires before a reference. The per-step state lives in the closure's cells (cheaper than
-    attributes); a step under T with the sum at 0 touches nothing else. See bench/bench_hook.py."""
+    raised it, and the sum has stayed over h (never back to 0) for `confirm_s` seconds (CONFIRM_S: correlated
+    slow steps of a burst of the host's load are not a shift). Nothing fires before a reference. The per-step state
+    lives in the closure's cells (cheaper than attributes); a step under T with the sum at 0 touches nothing else.
+    See bench/bench_hook.py."""
 
     def __init__(self, ratio: float, steps: int, fire: Callable[[list[float], float], None],
-                 clock: Callable[[], float] = time.perf_counter, arl: float = FALSE_ALARM_STEPS) -> None:
+                 clock: Callable[[], float] = time.perf_counter, arl: float = FALSE_ALARM_STEPS,
+                 confirm_s: float = CONFIRM_S) -> None:
         self.ratio, self.steps, self.fire, self.clock, self.arl = ratio, steps, fire, clock, arl
+        self.confirm_s = confirm_s
         self.durations = [0.0] * HISTORY  # a ring, written at n % HISTORY; kept across windows
         self.n = 0  # intervals seen (synchronised from the closure on the rare path)
         self.median: float | None = None  # of the history (every EVERY steps)
@@ -120,20 +130,25 @@ class SlowStepMonitor:
         version = self.version
         total = 0.0  # the CUSUM
         slow: list[float] = []  # the steps that raised it since it was last 0
+        over_since: float | None = None  # when the sum last went over h (since it was last 0)
 
-        def rare(dt: float) -> None:
-            nonlocal n, threshold, total, slow, version
+        def rare(dt: float, now: float) -> None:
+            nonlocal n, threshold, total, slow, version, over_since
             if version != me.version:  # a new reference: start over
-                version, threshold, total, slow = me.version, me.threshold, 0.0, []
+                version, threshold, total, slow, over_since = me.version, me.threshold, 0.0, [], None
             if me.reference is not None and (dt > threshold or total > 0):
                 total = max(0.0, total + (me.up if dt > threshold else me.down))
                 if total <= 0:
-                    slow = []
+                    slow, over_since = [], None
                 elif dt > threshold:
                     slow.append(dt)
+                    del slow[:-256]  # (a long confirmation of a slowdown of short steps)
                 if total > me.h and len(slow) >= me.steps:
-                    fired, slow, total = slow[-32:], [], 0.0
-                    me.fire(fired, me.reference[0])
+                    if over_since is None:
+                        over_since = now
+                    if now - over_since >= me.confirm_s:
+                        fired, slow, total, over_since = slow[-32:], [], 0.0, None
+                        me.fire(fired, me.reference[0])
             durations[n & mask] = dt
             n += 1
             me.n = n
@@ -148,7 +163,7 @@ class SlowStepMonitor:
             if last is not None:
                 dt = now - last
                 if dt > threshold or total or not (n + 1) % EVERY or version != me.version:
-                    rare(dt)
+                    rare(dt, now)
                 else:
                     durations[n & mask] = dt
                     n += 1
@@ -159,7 +174,7 @@ class SlowStepMonitor:
     def describe(self) -> str:
         return (f"a {self.ratio:g}x shift of the step time from the baseline's (a CUSUM of the steps over "
                 f"{math.sqrt(self.ratio):.2f}x its median; at most one false alarm per {self.arl:,.0f} steps of an "
-                "unchanged job)")
+                f"unchanged job; held {self.confirm_s:g} s before it counts, so a burst of the host's load does not)")
 
 
 class AutoCapture(Extension):
@@ -171,7 +186,8 @@ class AutoCapture(Extension):
         self.ratio, self.steps = float(config.auto_ratio), int(config.auto_steps)
         self.cooldown_s, self.per_hour = float(config.auto_cooldown_s), int(config.auto_per_hour)
         self.monitor = SlowStepMonitor(self.ratio, self.steps, self._fired,
-                                       arl=float(getattr(config, "auto_false_alarm_steps", FALSE_ALARM_STEPS)))
+                                       arl=float(getattr(config, "auto_false_alarm_steps", FALSE_ALARM_STEPS)),
+                                       confirm_s=float(getattr(config, "auto_confirm_s", CONFIRM_S)))
         self.clock = clock
         self.agent: AgentLike | None = None
         # bounded: without an agent to drain it (start_agent=False), slowdowns are dropped, not hoarded

@@ -141,16 +141,21 @@ def read_beneath_root(path: str, owner: int | None, limit: int, offset: int = 0,
     try:
         if offset:
             os.lseek(fd, offset, os.SEEK_SET)
-        chunks, left = [], limit
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        return read_fd(fd, limit)
     finally:
         os.close(fd)
+
+
+def read_fd(fd: int, limit: int) -> bytes:
+    """Up to `limit` bytes from an open descriptor's position, read a MiB at a time (never more than asked)."""
+    chunks, left = [], limit
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def size_beneath_root(path: str, owner: int | None, root: str = "/") -> int:

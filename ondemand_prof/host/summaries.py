@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable, cast
 
 from ..core import safejson
 from ..core.processes import same_process
-from ..core.rootpath import open_beneath_root, read_beneath_root
+from ..core.rootpath import open_beneath_root, read_beneath_root, read_fd
 from ..core.text import printable
 from ..core.summaryfile import MAX_SUMMARY_BYTES, read_summary
 from ..core.tracedefs import SUMMARY_FILE
@@ -89,14 +89,7 @@ def cached_summary(rank_dir: str, owner: int | None, root: str = "/", process: A
                 return hit[0]
         if st.st_size > MAX_SUMMARY_BYTES:
             raise ValueError(f"{SUMMARY_FILE} is over {MAX_SUMMARY_BYTES} bytes, the limit")
-        chunks, left = [], MAX_SUMMARY_BYTES + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        raw = b"".join(chunks)
+        raw = read_fd(fd, MAX_SUMMARY_BYTES + 1)
     finally:
         os.close(fd)
     if len(raw) > MAX_SUMMARY_BYTES:

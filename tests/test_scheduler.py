@@ -102,14 +102,14 @@ def test_overlapping_request_is_busy_and_names_the_blocker() -> None:
 def test_the_daemon_planning_a_capture_again_replaces_its_queued_window() -> None:
     """A daemon window with the capture id of one queued replaces it (the daemon planned the capture again after
     a window it had not heard of); one with the id of the window recording is refused. A busy refusal names the
-    window in the way as a field (core/window.py busy_fields), which the daemon checks before use (busy_window)."""
-    from ondemand_prof.core.window import busy_fields, busy_window
+    window in the way as a field (Window.listed("busy")), which the daemon checks before use (busy_window)."""
+    from ondemand_prof.core.window import busy_window
 
     sched = Scheduler(FakeDriver())
     assert sched.submit(window(10, 160, "file-1", source="file"))[0]
     ok, reason, busy = sched.place(window(12, 14, "c"))
     assert not ok and reason == "busy: window [10, 160) (file, file-1) holds the profiler"
-    assert busy_window(busy_fields(busy)) == {"capture_id": "file-1", "start": 10, "end": 160, "source": "file",
+    assert busy_window(busy.listed("busy")) == {"capture_id": "file-1", "start": 10, "end": 160, "source": "file",
                                               "state": "busy"}
     assert sched.submit(window(170, 172, "d"))[0] and sched.submit(window(180, 182, "d"))[0]
     assert [(w["capture_id"], w["start"]) for w in sched.windows()] == [("file-1", 10), ("d", 180)]

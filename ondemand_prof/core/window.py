@@ -50,6 +50,12 @@ class Window:
         b_end = float("inf") if end is None else end
         return self.start < b_end and start < a_end
 
+    def listed(self, state: str) -> dict[str, Any]:
+        """The window as a rank lists it to the daemon (end None: until close): its heartbeats' running and queued
+        windows, and the `busy` field of a refusal (state "busy"), which the daemon plans a capture after."""
+        return {"capture_id": self.capture_id, "start": self.start, "end": self.end, "source": self.source,
+                "state": state}
+
     def to_wire(self) -> dict[str, Any]:
         """The window as the daemon sends it to a rank (JSON); core.requests.window_from_wire is its only reader."""
         return {"capture_id": self.capture_id, "start_step": self.start, "end_step": self.end,
@@ -59,20 +65,13 @@ class Window:
 
 def busy_reason(blocking: Window) -> str:
     """Why a rank refuses a window: `blocking` holds the profiler then (the text people read; the daemon reads the
-    window itself from busy_fields, sent beside it)."""
+    window itself from the refusal's `busy` field, blocking.listed("busy"), sent beside it)."""
     return f"busy: window {blocking.describe()} ({blocking.source}, {blocking.capture_id}) holds the profiler"
 
 
-def busy_fields(blocking: Window) -> dict[str, Any]:
-    """The window a busy refusal names, as heartbeats list windows (end None: until close): the `busy` field of a
-    rank's 'rejected' event, which the daemon reads (busy_window) to plan the capture again after it."""
-    return {"capture_id": blocking.capture_id, "start": blocking.start, "end": blocking.end,
-            "source": blocking.source, "state": "busy"}
-
-
 def busy_window(value: Any) -> dict[str, Any] | None:
-    """A rank's `busy` field (busy_fields) checked, as heartbeats list windows, or None when it is no such window
-    (absent, or not what busy_fields writes: a rank's report is bounded before use)."""
+    """A rank's `busy` field (Window.listed("busy")) checked, as heartbeats list windows, or None when it is no such window
+    (absent, or not what listed() writes: a rank's report is bounded before use)."""
     if not isinstance(value, dict) or value.get("state") != "busy":
         return None
     start, end, source, cid = (value.get(k) for k in ("start", "end", "source", "capture_id"))

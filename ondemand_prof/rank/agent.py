@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..core.window import StepClock, Window, busy_fields
+from ..core.window import StepClock, Window
 from .announce import registered_line, say, startup_line
 from .extension import AgentExtension
 from .file_trigger import FileTrigger
@@ -271,5 +271,5 @@ class Agent:
             if ok:
                 listener("scheduled", info)
             else:
-                listener("rejected", {**info, "error": reason, **({"busy": busy_fields(busy)} if busy else {})})
+                listener("rejected", {**info, "error": reason, **({"busy": busy.listed("busy")} if busy else {})})
         return ok, reason

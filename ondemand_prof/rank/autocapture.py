@@ -234,12 +234,12 @@ class AutoCapture(Extension):
 
     def _on_median(self, n: int, ordered: list[float]) -> None:  # training thread, every EVERY steps
         self._baseline_check(n, ordered)
-        since = self.capture_n
-        if since is not None and not self.recovered and n - since >= HISTORY and \
-                ordered[len(ordered) // 2] < self.monitor.threshold:
+        since, median = self.capture_n, self.monitor.median  # (the median of `ordered`, set before this call)
+        if since is not None and not self.recovered and n - since >= HISTORY and median is not None and \
+                median < self.monitor.threshold:
             self.recovered = True  # every step in the history came after the capture began, most of them normal
             log.info("ondemand_prof: steps are back to the baseline's (median %.1f ms): the automatic captures' "
-                     "cooldown is over", ordered[len(ordered) // 2] * 1000)
+                     "cooldown is over", median * 1000)
 
     def _baseline_check(self, n: int, ordered: list[float]) -> None:
         """Is it time for the baseline (and the monitor's reference: its steps)? Without a baseline

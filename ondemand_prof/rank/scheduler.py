@@ -316,8 +316,8 @@ class Scheduler:
         out = []
         active = self.active
         if active is not None:
-            out.append(_view(active.window, active.state))
-        out.extend(_view(q.window, "scheduled") for q in list(self.queue) if q.window.source != "static")
+            out.append(active.window.listed(active.state))
+        out.extend(q.window.listed("scheduled") for q in list(self.queue) if q.window.source != "static")
         return out
 
 
@@ -326,11 +326,6 @@ def _held(window: Window, moved_by: int, planned_end: int | None) -> tuple[int, 
     previous one's planned end; that one is accepted, and waits (then moves, saying why) if a moved window
     still records."""
     return (window.start - moved_by, planned_end) if moved_by else (window.start, window.end)
-
-
-def _view(window: Window, state: str) -> dict[str, Any]:
-    return {"capture_id": window.capture_id, "start": window.start, "end": window.end, "source": window.source,
-            "state": state}
 
 
 def tell(listener: Listener | None, event: str, window: Window, **info: Any) -> None:

@@ -53,25 +53,34 @@ _loaded: dict[str, Any] = {}
 
 
 def use_variant(name: str) -> Any:
-    """Load variant `name` and make it the module this process's native saves use ("inplace": the shipped one)."""
+    """Load variant `name` and make it the module this process's native saves use ("inplace": the shipped one).
+
+    One variant a process: a second extension module named odp_save loaded beside the first is the first (its
+    init returns the module already made), so until 2026-12-06 every variant asked for after the shipped module
+    had been loaded (this function loaded it first) silently ran the shipped code: ours-keep and ours-accessors
+    measured the shipped module. A second, different variant is now refused."""
     import importlib.machinery
     import importlib.util
 
     from ondemand_prof.rank import native_save
 
-    if "inplace" not in _loaded:
-        module = native_save.SAVER.module(build_missing=False)
-        assert module is not None, native_save.SAVER.reason
-        _loaded["inplace"] = module
     if name in _loaded:
         native_save.SAVER._module, native_save.SAVER._tried = _loaded[name], True
         return _loaded[name]
-    path = variant_path(name)
-    loader = importlib.machinery.ExtensionFileLoader(native_save.MODULE_NAME, str(path))
-    spec = importlib.util.spec_from_file_location(native_save.MODULE_NAME, path, loader=loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
+    if _loaded:
+        raise RuntimeError(f"native variant {next(iter(_loaded))} is loaded in this process: {name} would be it "
+                           "again (one variant a process)")
+    if name == "inplace":
+        module = native_save.SAVER.module(build_missing=False)
+        assert module is not None, native_save.SAVER.reason
+    else:
+        path = variant_path(name)
+        loader = importlib.machinery.ExtensionFileLoader(native_save.MODULE_NAME, str(path))
+        spec = importlib.util.spec_from_file_location(native_save.MODULE_NAME, path, loader=loader)
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        assert module.__file__ == str(path), f"{name}: loaded {module.__file__} instead of {path}"
     _loaded[name] = module
     native_save.SAVER._module, native_save.SAVER._tried = module, True
     return module

@@ -180,6 +180,35 @@ def test_background_helpers_run_at_low_priority(sched: str, monkeypatch: pytest.
         assert policy == os.SCHED_OTHER and nice == min(19, ours + helpers.FALLBACK_NICE)
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or helpers.system_tool("chrt") is None,
+                    reason="Linux scheduling classes and util-linux's chrt")
+def test_a_background_helper_runs_no_instruction_at_normal_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child is at SCHED_IDLE from its first instruction (chrt --idle execs it), not once this process has
+    lowered it after exec: here the parent's lowering is switched off, and `cat` reads its own policy at once
+    (field 41 of /proc/self/stat; 5 is SCHED_IDLE). Before, this read 0 (SCHED_OTHER)."""
+    monkeypatch.setenv(helpers.SCHED_ENV, "idle")
+    monkeypatch.setattr(helpers, "lower_priority", lambda pid: None)
+    proc = helpers.spawn_background(["cat", "/proc/self/stat"], dict(os.environ), timeout_s=60)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout.rsplit(")", 1)[1].split()[38]) == os.SCHED_IDLE, proc.stdout
+    assert proc.args == ["cat", "/proc/self/stat"]  # what the caller asked for, as subprocess.run says it
+    monkeypatch.setenv(helpers.SCHED_ENV, "nice")  # nice mode: no launcher (the parent lowers it by nice levels)
+    assert helpers.idle_launcher() == []
+
+
+def test_a_system_tool_is_only_a_root_owned_file_nobody_else_can_write(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never a PATH lookup: a `chrt` planted in the job's directory or first on its PATH is not run."""
+    planted = tmp_path / "chrt"
+    planted.write_text("#!/bin/sh\necho planted\n")
+    planted.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ.get('PATH', '')}")
+    monkeypatch.chdir(tmp_path)
+    found = helpers.system_tool("chrt")
+    assert found is None or (found in ("/usr/bin/chrt", "/bin/chrt") and os.stat(found).st_uid == 0)
+    assert helpers.system_tool("no-such-tool-here") is None
+
+
 def test_a_helper_left_idle_too_long_is_raised_to_a_share_of_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every core busy at normal priority starves SCHED_IDLE: a helper not done after RAISE_AFTER_S moves to the
     normal policy, FALLBACK_NICE levels down (it reports its priority after that point)."""

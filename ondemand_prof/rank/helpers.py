@@ -139,18 +139,60 @@ def raise_priority(pid: int, after_s: float | None = None, nice: int = FALLBACK_
              "busy): raised to nice %d", pid, RAISE_AFTER_S if after_s is None else after_s, nice)
 
 
+def system_tool(name: str) -> str | None:
+    """/usr/bin/NAME or /bin/NAME where it is a regular file owned by root that nobody else can write (never a
+    PATH lookup: a job's PATH or working directory is not ours to trust); None otherwise."""
+    import stat
+
+    for folder in ("/usr/bin", "/bin"):
+        path = os.path.join(folder, name)
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == 0 and not st.st_mode & 0o022 and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+_idle_launcher: list[str] | None = None
+
+
+def idle_launcher() -> list[str]:
+    """The words that start a helper already at SCHED_IDLE: util-linux's `chrt --idle 0`, which lowers itself and
+    execs the helper, so that not one instruction of the helper's interpreter start runs at normal priority (set
+    from here after exec, it ran until this thread had the GIL back and the CPU to lower it: 0.2-2.4 ms of a
+    post-processing child's CPU measured on a quiet machine, and on cores that training keeps busy, the start-up's
+    tens of ms, issue 44 item 7). Checked once a process (`chrt --idle 0 true` must work: a seccomp profile may
+    refuse sched_setscheduler); [] where there is no such chrt, or in nice mode (SCHED_ENV)."""
+    global _idle_launcher
+    if not idle_priority_enabled():
+        return []
+    if _idle_launcher is None:
+        chrt, true = system_tool("chrt"), system_tool("true")
+        words = [chrt, "--idle", "0"] if chrt and true else []
+        if words:
+            try:
+                ok = subprocess.run([*words, true], cwd=CHILD_CWD, capture_output=True, timeout=10).returncode == 0
+            except (OSError, subprocess.SubprocessError):
+                ok = False
+            words = words if ok else []
+        _idle_launcher = words  # type: ignore[assignment]
+    return list(_idle_launcher)  # type: ignore[arg-type]
+
+
 def spawn_background(cmd: list[str], env: dict[str, str], timeout_s: float,
                      raise_after_s: float | None = None, *, nice: int = FALLBACK_NICE,
                      started: Callable[[int], None] | None = None) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True) with the child at background priority, off the training
-    thread's core (helper_cpus). The priority and CPUs are set from here right after exec (not with preexec_fn,
-    which runs Python between fork and exec in a process with other threads), so the child's interpreter start-up
-    is the only part that runs at normal priority. Still at SCHED_IDLE after `raise_after_s` (default
-    RAISE_AFTER_S), it is raised to `nice` (raise_priority). `started(pid)`: told the child's pid once it runs (a
-    caller that may raise it sooner: raise_priority)."""
+    thread's core (helper_cpus). The child starts at SCHED_IDLE where idle_launcher() can (never preexec_fn, which
+    runs Python between fork and exec in a process with other threads); its priority and CPUs are (also) set from
+    here right after exec. Still at SCHED_IDLE after `raise_after_s` (default RAISE_AFTER_S), it is raised to
+    `nice` (raise_priority). `started(pid)`: told the child's pid once it runs (a caller that may raise it sooner:
+    raise_priority)."""
     raise_after_s = RAISE_AFTER_S if raise_after_s is None else raise_after_s
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          cwd=CHILD_CWD) as proc:
+    with subprocess.Popen([*idle_launcher(), *cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, cwd=CHILD_CWD) as proc:
         lower_priority(proc.pid)
         cpus = helper_cpus()
         if cpus:

@@ -196,6 +196,7 @@ def test_a_background_helper_runs_no_instruction_at_normal_priority(monkeypatch:
     assert helpers.idle_launcher() == []
 
 
+@pytest.mark.quick
 def test_a_system_tool_is_only_a_root_owned_file_nobody_else_can_write(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Never a PATH lookup: a `chrt` planted in the job's directory or first on its PATH is not run."""

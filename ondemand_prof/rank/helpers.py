@@ -170,15 +170,15 @@ def idle_launcher() -> list[str]:
         return []
     if _idle_launcher is None:
         chrt, true = system_tool("chrt"), system_tool("true")
-        words = [chrt, "--idle", "0"] if chrt and true else []
-        if words:
+        words: list[str] = []
+        if chrt is not None and true is not None:
             try:
-                ok = subprocess.run([*words, true], cwd=CHILD_CWD, capture_output=True, timeout=10).returncode == 0
+                done = subprocess.run([chrt, "--idle", "0", true], cwd=CHILD_CWD, capture_output=True, timeout=10)
+                words = [chrt, "--idle", "0"] if done.returncode == 0 else []
             except (OSError, subprocess.SubprocessError):
-                ok = False
-            words = words if ok else []
-        _idle_launcher = words  # type: ignore[assignment]
-    return list(_idle_launcher)  # type: ignore[arg-type]
+                pass
+        _idle_launcher = words
+    return list(_idle_launcher)
 
 
 def spawn_background(cmd: list[str], env: dict[str, str], timeout_s: float,

@@ -171,7 +171,7 @@ def test_the_exporters_step_scan_runs_off_the_gil_and_finds_what_a_regex_finds_i
 
     from ondemand_prof.rank import postprocess
 
-    assert postprocess._GilFreeScan.get() is not None  # glibc's memmem, found: the scan is not the regex's
+    assert postprocess._libc_memmem() is not None  # glibc's memmem, found: the scan is not the regex's
 
     def by_regex(data: bytes) -> set[int]:
         return {int(m) for m in re.findall(rb'ProfilerStep#(\d+)"', data)}

@@ -24,6 +24,7 @@ What the rewrite does, in order:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -427,12 +428,12 @@ def _distributed_info_problem(head: bytes, dist_initialized: bool) -> str | None
 
 def _step_names(fd: int, size: int) -> set[int]:
     """The N of every `ProfilerStep#N"` in the file (kineto writes "name": "ProfilerStep#N"). The exporter calls
-    this on a rank, beside its training thread: the search runs in libc's memmem with the GIL released (_GilFreeScan;
-    a regex over the 5.7 MB trace of a 20-step window held the GIL for 6-7 ms, a training step's worth, issue 44
-    item 7), and only the few matches are parsed in Python; the regex is the fallback where memmem is not found."""
-    scan = _GilFreeScan.get()
-    if scan is not None:
-        return scan.step_names(fd, size)
+    this on a rank, beside its training thread: the search runs in libc's memmem with the GIL released
+    (_step_names_gil_free; a regex over the 5.7 MB trace of a 20-step window held the GIL for 6-7 ms, a training
+    step's worth, issue 44 item 7); the regex is the fallback where memmem is not found."""
+    memmem = _libc_memmem()
+    if memmem is not None:
+        return _step_names_gil_free(fd, size, memmem)
     found: set[int] = set()
     offset, carry = 0, b""
     while offset < size:
@@ -446,59 +447,49 @@ def _step_names(fd: int, size: int) -> set[int]:
     return found
 
 
-class _GilFreeScan:
-    """libc's memmem through ctypes (a foreign call releases the GIL) over a ctypes buffer that os.preadv fills
-    (the GIL is free during the read too): the Python code between the calls runs once a match, not once a byte."""
-
-    NEEDLE = b"ProfilerStep#"
-    CARRY = 40  # bytes kept from the end of a piece: a name cut there is whole in the next one
-    _made: "_GilFreeScan | None | bool" = False
-
-    def __init__(self, memmem: Any) -> None:
-        self._memmem = memmem
-
-    @classmethod
-    def get(cls) -> "_GilFreeScan | None":
-        if cls._made is False:
-            try:
-                import ctypes
-
-                fn = ctypes.CDLL(None).memmem
-                fn.restype = ctypes.c_void_p
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
-                cls._made = cls(fn)
-            except (ImportError, OSError, AttributeError):
-                cls._made = None
-        return cls._made  # type: ignore[return-value]
-
-    def step_names(self, fd: int, size: int) -> set[int]:
+@functools.cache
+def _libc_memmem() -> Any | None:
+    """libc's memmem through ctypes (a foreign call releases the GIL), or None where it cannot be had."""
+    try:
         import ctypes
 
-        buf = ctypes.create_string_buffer(SCAN_CHUNK + self.CARRY)
-        base, view = ctypes.addressof(buf), memoryview(buf).cast("B")
-        found: set[int] = set()
-        offset, kept = 0, 0
-        while offset < size:
-            got = os.preadv(fd, [view[kept:kept + SCAN_CHUNK]], offset)
-            if got <= 0:
-                break
-            offset += got
-            end = kept + got
-            at = 0
-            while True:
-                hit = self._memmem(base + at, end - at, self.NEEDLE, len(self.NEEDLE))
-                if not hit:
-                    break
-                at = hit - base + len(self.NEEDLE)
-                match = _STEP_DIGITS.match(bytes(view[at:min(end, at + 24)]))
-                if match:
-                    found.add(int(match.group(1)))
-            kept = min(self.CARRY, end)
-            view[:kept] = view[end - kept:end]
-        return found
+        fn = ctypes.CDLL(None).memmem
+        fn.restype = ctypes.c_void_p
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+        return fn
+    except (ImportError, OSError, AttributeError):
+        return None
 
 
-_STEP_DIGITS = re.compile(rb'(\d+)"')
+_NEEDLE = b"ProfilerStep#"
+
+
+def _step_names_gil_free(fd: int, size: int, memmem: Any) -> set[int]:
+    """_step_names with memmem over a ctypes buffer that os.preadv fills (the GIL is free during the read too):
+    Python runs once a match (_STEP_NAME at it), not once a byte. The last 40 bytes of a piece are kept in front
+    of the next one: a name cut there is whole then (one found twice is one)."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(SCAN_CHUNK + 40)
+    base, view = ctypes.addressof(buf), memoryview(buf).cast("B")
+    found: set[int] = set()
+    offset, kept = 0, 0
+    while offset < size:
+        got = os.preadv(fd, [view[kept:kept + SCAN_CHUNK]], offset)
+        if got <= 0:
+            break
+        offset += got
+        end = kept + got
+        at = 0
+        while hit := memmem(base + at, end - at, _NEEDLE, len(_NEEDLE)):
+            name_at = hit - base
+            match = _STEP_NAME.match(bytes(view[name_at:min(end, name_at + 40)]))
+            if match:
+                found.add(int(match.group(1)))
+            at = name_at + len(_NEEDLE)
+        kept = min(40, end)
+        view[:kept] = view[end - kept:end]
+    return found
 
 
 def set_trace_name(path: Path, name: str) -> None:

@@ -38,7 +38,8 @@ window and default settings (the GIL-free native save when built, which this scr
 SCHED_IDLE); ours-inprocess = ONDEMAND_PROF_TRACE_SAVE=in-process (kineto's save on the export thread, holding
 the GIL: the default before issue 20); ours-fork = ONDEMAND_PROF_TRACE_SAVE=fork; ours-nice =
 ONDEMAND_PROF_EXPORT_SCHED=nice (helpers 10 nice levels down instead of SCHED_IDLE); ours-anycpu =
-ONDEMAND_PROF_HELPER_CPUS=all (helpers not kept off the training thread's core); ours-accessors and ours-keep =
+ONDEMAND_PROF_HELPER_CPUS=all (helpers not kept off the training thread's core); ours-nodefer =
+ONDEMAND_PROF_SUMMARY_DEFER_S=0 (the summary child started at once, not once the job leaves a CPU free); ours-accessors and ours-keep =
 the native save freeing less of the result (bench/native_variants.py: the rest is freed under the GIL); ours-agent =
 ours with on-demand listening on (the agent's and the trigger-file watcher's threads; no daemon).
 Numbers are CPU only (torch's CPU activity) unless `--device cuda`: then the model trains on the GPU (each step
@@ -68,6 +69,7 @@ VARIANT_ENV = {
     "ours-fork": {"ONDEMAND_PROF_TRACE_SAVE": "fork"},
     "ours-nice": {"ONDEMAND_PROF_EXPORT_SCHED": "nice"},
     "ours-anycpu": {"ONDEMAND_PROF_HELPER_CPUS": "all"},
+    "ours-nodefer": {"ONDEMAND_PROF_SUMMARY_DEFER_S": "0"},
     # bench/native_variants.py: how the native save frees the result (issue 31)
     "ours-accessors": {"ODP_BENCH_NATIVE_VARIANT": "accessors"},
     "ours-keep": {"ODP_BENCH_NATIVE_VARIANT": "keep"},

@@ -17,6 +17,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +43,15 @@ SMALL_RAISE_AFTER_S = 1.0
 # (postprocess.summary_cpu_limit).
 SUMMARY_RAISE_AFTER_S = 60.0
 SUMMARY_NICE = 19
+# ... and started only once the job leaves a CPU free (issue 44 item 7), for at most SUMMARY_DEFER_S: a job whose
+# own threads keep every CPU it may use busy (CPU training with as many intra-op threads as cores) is slowed by a
+# summary child even at SCHED_IDLE, since the kernel balances a CPU running an idle-class task at a busy CPU's
+# interval (perf sched: the child held one core 50 ms while both training threads shared the other, one step +68
+# ms). ONDEMAND_PROF_SUMMARY_DEFER_S: another bound (0: start at once, as before).
+SUMMARY_DEFER_S = 30.0
+SUMMARY_DEFER_ENV = "ONDEMAND_PROF_SUMMARY_DEFER_S"
+SPARE_SAMPLE_S = 0.25  # how long the job's CPU use is measured each time
+SPARE_CPU = 0.75  # a CPU counts as free when the job leaves this much of one unused
 CHILD_CWD = "/"  # where every child starts: root's, never writable by a job's neighbours
 
 
@@ -102,6 +112,50 @@ def helper_cpus() -> list[int]:
         return []
     rest = sorted(allowed - {_training_cpu})
     return rest if rest and len(rest) < len(allowed) else []
+
+
+def summary_defer_s() -> float:
+    """How long a summary waits at most for a free CPU (SUMMARY_DEFER_S, or ONDEMAND_PROF_SUMMARY_DEFER_S from 0 to
+    3600; a bad value is logged and the default used)."""
+    raw = os.environ.get(SUMMARY_DEFER_ENV, "").strip()
+    if not raw:
+        return SUMMARY_DEFER_S
+    try:
+        value = float(raw)
+        if not 0 <= value <= 3600:
+            raise ValueError("not from 0 to 3600")
+    except ValueError as exc:
+        log.warning("ondemand_prof: %s=%r ignored (%s): summaries wait at most %.0f s for a free CPU",
+                    SUMMARY_DEFER_ENV, raw, exc, SUMMARY_DEFER_S)
+        return SUMMARY_DEFER_S
+    return value
+
+
+def job_leaves_a_cpu(sample_s: float = SPARE_SAMPLE_S) -> bool:
+    """Whether this process (the training job: every thread of it, ours included) left at least SPARE_CPU of one of
+    the CPUs it may use unused over the next `sample_s` (its CPU time against the wall clock; sleeps that long).
+    True on a process confined to one CPU: there SCHED_IDLE does keep a helper out of the job's way (the balancing
+    that defeats it needs two CPUs)."""
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        allowed = os.cpu_count() or 1
+    if allowed < 2:
+        return True
+    wall0, cpu0 = time.monotonic(), time.process_time()
+    time.sleep(sample_s)
+    used = (time.process_time() - cpu0) / max(1e-6, time.monotonic() - wall0)
+    return used <= allowed - SPARE_CPU
+
+
+def wait_for_a_spare_cpu(limit_s: float, stop: Callable[[], bool]) -> float:
+    """Wait until the job leaves a CPU free (job_leaves_a_cpu), at most `limit_s`, or until stop() is true (the
+    profiler closes). Returns the seconds waited."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s and not stop():
+        if job_leaves_a_cpu(min(SPARE_SAMPLE_S, max(0.01, limit_s - (time.monotonic() - started)))):
+            break
+    return time.monotonic() - started
 
 
 def lower_priority(pid: int) -> None:

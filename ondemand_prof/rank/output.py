@@ -34,7 +34,7 @@ from .backends import Export, Identity
 from .layout import METADATA_FILE, RankOutput
 from ..core.window import Window
 from .helpers import SMALL_RAISE_AFTER_S, SMALL_TRACE_BYTES, SUMMARY_NICE, SUMMARY_RAISE_AFTER_S, python_child, \
-    raise_priority, spawn_background
+    raise_priority, spawn_background, summary_defer_s, wait_for_a_spare_cpu
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,9 @@ class Summariser:
         while True:
             job, result = self._queue.get()
             try:
-                summarise(job, result, started=self._started)
+                # nobody waits on a summary: it starts once the job leaves a CPU free (helpers.SUMMARY_DEFER_S)
+                waited = wait_for_a_spare_cpu(summary_defer_s(), lambda: self._closing)
+                summarise(job, result, started=self._started, waited_s=waited)
             except Exception:  # noqa: BLE001 - the worker must survive anything one job does
                 log.exception("ondemand_prof: writing a summary failed unexpectedly")
             finally:
@@ -371,13 +373,14 @@ def _child(spec: dict[str, Any], spec_path: Path, timeout_s: float, raise_after_
 
 
 def summarise(job: ExportJob, result: dict[str, Any], started: Callable[[int], None] | None = None,
-              urgent: bool = False) -> None:
+              urgent: bool = False, waited_s: float | None = None) -> None:
     """A published window's summaries (CSV or profile.db, summary.json), written into its rank directory by the
     post-processing child at idle priority (SUMMARY_RAISE_AFTER_S, SUMMARY_NICE; its CPU time capped:
     postprocess.summary_cpu_limit), then metadata.json replaced to list them, with `summary` written or failed
     (and why). `urgent` (an automatic capture, said done once summarised): raised as a trace's child is (after
     1 s for a small trace, 10 s else, to nice 10). `result`: what publish returned; nothing is done where it has
-    no summary pending. Never raises."""
+    no summary pending. `waited_s`: how long it waited for a free CPU first (recorded as waited_for_cpu_s). Never
+    raises."""
     from .postprocess import summary_cpu_limit
 
     if (result.get("summary") or {}).get("status") != "pending" or not result.get("path"):
@@ -405,6 +408,8 @@ def summarise(job: ExportJob, result: dict[str, Any], started: Callable[[int], N
         log.warning("ondemand_prof: rank %s: the summary of %s was not written: %s", ident.rank, trace, why)
         summary = {"status": "failed", "error": why}
     summary["seconds"] = round(time.monotonic() - t0, 3)
+    if waited_s is not None:
+        summary["waited_for_cpu_s"] = round(waited_s, 3)
     _update_metadata(rank_dir, job.file_mode, summary, out)
     result["summary"] = summary
 

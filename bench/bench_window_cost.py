@@ -40,7 +40,8 @@ the GIL: the default before issue 20); ours-fork = ONDEMAND_PROF_TRACE_SAVE=fork
 ONDEMAND_PROF_EXPORT_SCHED=nice (helpers 10 nice levels down instead of SCHED_IDLE); ours-anycpu =
 ONDEMAND_PROF_HELPER_CPUS=all (helpers not kept off the training thread's core); ours-nodefer =
 ONDEMAND_PROF_SUMMARY_DEFER_S=0 (the summary child started at once, not once the job leaves a CPU free); ours-accessors and ours-keep =
-the native save freeing less of the result (bench/native_variants.py: the rest is freed under the GIL); ours-agent =
+the native save freeing less of the result (bench/native_variants.py: the rest is freed under the GIL); ours-atonce =
+the native save freeing the result in one burst, as before 2026-12-07, not paced; ours-agent =
 ours with on-demand listening on (the agent's and the trigger-file watcher's threads; no daemon).
 Numbers are CPU only (torch's CPU activity) unless `--device cuda`: then the model trains on the GPU (each step
 ends with its loss read back, so its kernels are done) and torch.profiler records CUDA activity too, as ours does.
@@ -73,6 +74,7 @@ VARIANT_ENV = {
     # bench/native_variants.py: how the native save frees the result (issue 31)
     "ours-accessors": {"ODP_BENCH_NATIVE_VARIANT": "accessors"},
     "ours-keep": {"ODP_BENCH_NATIVE_VARIANT": "keep"},
+    "ours-atonce": {"ODP_BENCH_NATIVE_VARIANT": "atonce"},
     # a rank as the zero-config hook runs: its agent and trigger-file watcher threads (no daemon asked)
     "ours-agent": {"ODP_BENCH_AGENT": "1"},
 }

@@ -224,6 +224,10 @@ def native_child(device_name: str, work: Path) -> int:
     out["way"] = trace_save.save_trace(prof.export_chrome_trace, nat,
                                        kineto_result=lambda: prof.profiler.kineto_results)  # type: ignore[union-attr]
     out["save_ms"] = round((time.perf_counter() - started) * 1e3, 1)
+    out["frees_waited"] = trace_save.wait_for_native_frees(120)  # freed after the save, paced
+    if hasattr(mod, "last_free"):
+        cpu, wall, out["free_rests"] = mod.last_free()
+        out["free_cpu_ms"], out["free_wall_ms"] = round(cpu * 1e3, 1), round(wall * 1e3, 1)
     out["events_left"] = len(prof.profiler.kineto_results.events())  # type: ignore[union-attr]
     if out["reference_exit"] == 0 and nat.exists():
         a = ref.read_bytes().replace(str(ref).encode(), b"<path>")

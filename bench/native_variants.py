@@ -1,8 +1,10 @@
 """Variants of the native save module for benchmarks (never used by a rank): the same source compiled with a
 bench-only define, cached under the bench's own directory, loaded in place of the module a rank would load.
 
-    inplace    the shipped module: the result's contents destroyed and an empty result constructed in place,
-               on the job thread (the caller's priority), off the GIL
+    inplace    the shipped module: once the trace is saved, the result's contents freed on the job thread (the
+               caller's priority), off the GIL, paced (slices of about 0.5 ms, rests three times as long), and an
+               empty result constructed in place
+    atonce     the same in one burst (shipped until 2026-12-07)
     accessors  the events and the event tree moved out through the public accessors and freed on the job thread;
                kineto's trace stays in the result and is freed by Python, under the GIL, when the result is dropped
     keep       nothing freed by the module (all of it under the GIL when the result is dropped)
@@ -22,7 +24,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-DEFINES = {"inplace": [], "accessors": ["-DODP_BENCH_FREE_BY_ACCESSORS"], "keep": ["-DODP_BENCH_KEEP_CONTENTS"]}
+DEFINES = {"inplace": [], "accessors": ["-DODP_BENCH_FREE_BY_ACCESSORS"], "keep": ["-DODP_BENCH_KEEP_CONTENTS"],
+           "atonce": ["-DODP_BENCH_FREE_AT_ONCE"]}
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ondemand_prof" / "bench-variants"
 
 
@@ -114,6 +117,7 @@ path = Path(sys.argv[4])
 t0 = time.perf_counter()
 how = trace_save.save_trace(prof.export_chrome_trace, path, kineto_result=lambda: prof.profiler.kineto_results)
 t1 = time.perf_counter()
+trace_save.wait_for_native_frees(120)  # the module frees after the save (paced): what it leaves is measured below
 gc.disable()
 t2, c2 = time.perf_counter(), time.thread_time()
 del prof  # the profile and its result: what is left of it is freed here, holding the GIL

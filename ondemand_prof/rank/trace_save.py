@@ -30,6 +30,7 @@ import logging
 import os
 import select
 import signal
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -48,6 +49,11 @@ SLOW_FORK_S = 0.1
 # A process that exits while a native save runs waits for it (the module's exit handler) at most this long, then
 # ends with its own exit status rather than destroy what the save still uses.
 EXIT_WAIT_S = 30.0
+
+# Native jobs whose trace is saved while their result's contents are still being freed (paced, off the GIL: the
+# module's free_contents): the result stays the job's until then, so the job is kept here and let go of later.
+_freeing: list[Any] = []
+_freeing_lock = threading.Lock()
 
 # Python 3.12+ warns at every fork of a process with threads; this module forks a threaded process on purpose
 # and its child runs no code that needs another thread's locks (see _child_main).
@@ -116,14 +122,41 @@ def _save_native(kineto_result: Callable[[], Any], path: Path) -> str | None:
     except TypeError as exc:  # pybind11 refused the arguments before the call: nothing was done
         return f"the native module cannot take these arguments: {exc}"
     _wait_for(job)
+    _keep_until_freed(job)
     job.finish()  # raises what kineto's save raised
     return None
 
 
 def _wait_for(job: Any) -> None:
-    """Until the native job is over, in select (the GIL is free for the training thread meanwhile)."""
-    while not job.done():
+    """Until the native job has saved the trace, in select (the GIL is free for the training thread meanwhile)."""
+    while not job.saved():
         select.select([job], [], [])
+
+
+def _keep_until_freed(job: Any) -> None:
+    """Hold `job` (and so its result) until its result is freed; let go of the earlier ones that are."""
+    with _freeing_lock:
+        _freeing[:] = [j for j in _freeing if not j.release()]
+        if not job.done():
+            _freeing.append(job)
+
+
+def native_frees_pending() -> int:
+    """How many saved results the native module is still freeing (their jobs are let go of here)."""
+    with _freeing_lock:
+        _freeing[:] = [j for j in _freeing if not j.release()]
+        return len(_freeing)
+
+
+def wait_for_native_frees(timeout_s: float) -> bool:
+    """Until every saved result is freed (a test or a benchmark about to look at a result or at memory); False on
+    timeout. A result may be looked at again only then."""
+    deadline = time.monotonic() + timeout_s
+    while native_frees_pending():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def _save_in_child(save: Callable[[str], None], path: Path, timeout_s: float) -> str | None:

@@ -8,12 +8,14 @@
 // export_chrome_trace writes, byte for byte.
 //
 //   * The saver thread lowers its own priority (SCHED_IDLE, or nice levels) and writes the trace in place.
-//   * The job thread, at the caller's priority (it inherits it) and on the saver's CPUs, then destroys the
-//     result's contents and constructs an empty result in the same place (both through torch's public
-//     destructor and constructor; the Python object keeps pointing at a live, empty ProfilerResult). The frees
-//     take the malloc arena lock of the thread that allocated the trace (the training thread): a thread at idle
-//     priority preempted while holding it would stall the training thread's next allocation until the idle
-//     thread ran again (hundreds of ms on busy cores), so they never run at idle priority.
+//   * The job thread, at the caller's priority (it inherits it) and on the saver's CPUs, then says the trace
+//     saved (the descriptor turns readable: the caller publishes it) and only then destroys the result's
+//     contents and constructs an empty result in the same place (both through torch's public destructor and
+//     constructor; the Python object keeps pointing at a live, empty ProfilerResult). The frees take the malloc
+//     arena lock of the thread that allocated the trace (the training thread): a thread at idle priority
+//     preempted while holding it would stall the training thread's next allocation until the idle thread ran
+//     again (hundreds of ms on busy cores), so they never run at idle priority. They are paced (free_contents):
+//     freed in one burst beside the training thread, they cost its steps about their own CPU time again.
 //   * No thread of ours takes the GIL or touches a Python object: the Job object holds the Python result alive
 //     until the caller has collected it, and the module never reacquires the GIL from a thread that could find
 //     the interpreter finalizing.
@@ -39,6 +41,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -47,6 +50,7 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <tuple>
 #include <unordered_set>
 #include <vector>
 
@@ -72,6 +76,9 @@ struct Flights {
   std::vector<pid_t> savers;                          // saver threads' ids, raised at exit where allowed
   double exit_wait_s = 30.0;
   bool registered_after_save = false;
+  std::atomic<bool> hurry{false};  // the process exits: frees no longer paced
+  double last_free_cpu_s = 0, last_free_wall_s = 0;  // the last job's frees: its thread's CPU time, the wall clock
+  int last_free_rests = 0;                             // and the rests their pacing took
 };
 
 Flights* flights = new Flights();
@@ -90,6 +97,7 @@ void wait_at_exit(int status, void*) {
   Flights* f = flights;
   std::unique_lock<std::mutex> held(f->lock);
   if (f->running == 0) return;
+  f->hurry = true;
   std::fprintf(stderr,
                "ondemand_prof: the process is exiting while %d trace save(s) still run; waiting for them (at most "
                "%.0f s)\n",
@@ -154,9 +162,10 @@ void raise_thread(pid_t tid, int nice) {
 // A job: save, then free, off the GIL.
 
 struct JobState {
-  int fd = -1;  // an eventfd, readable once the job is over
-  std::atomic<bool> done{false};
-  std::exception_ptr error;  // what kineto's save raised, set before `done`
+  int fd = -1;  // an eventfd, readable once the trace is saved (or the save failed)
+  std::atomic<bool> saved{false};  // the save is over: `error` is set before
+  std::atomic<bool> done{false};   // and the result's contents are freed: the job no longer uses the result
+  std::exception_ptr error;  // what kineto's save raised
   ~JobState() {
     if (fd >= 0) close(fd);
   }
@@ -171,21 +180,67 @@ struct Settings {
   int raised_nice;
 };
 
-// The contents (events, event tree, the kineto trace) are destroyed through torch's public destructor and an
-// empty result is constructed in their place: an object replaced by one of its own type, which the Python
-// object's pointer then designates (C++20 [basic.life]). ProfilerResult's default constructor allocates nothing.
-void free_contents(ProfilerResult* r) noexcept {
+// The contents are freed paced: a slice of about PACE_SLICE, then a rest PACE_REST times as long. Freed in one burst
+// on a core beside the training thread, they cost its steps about their own CPU time again (the frees walk tens
+// of MB through the caches and the malloc arena it uses): 8 x Linear(512), one intra-op thread, the 10 steps after
+// a 20-step window took 13 ms more of its CPU than idle ones, 3 ms paced (bench_window_cost.py, ours-atonce
+// against ours). The events and the event tree, most of it, are moved out through the public accessors (const
+// in the interface only: the vectors are the result's own, not const objects) and freed in slices; the rest
+// (kineto's trace) through torch's destructor, and an empty result is constructed in its place: an object
+// replaced by one of its own type, which the Python object's pointer then designates (C++20 [basic.life]).
+// ProfilerResult's default constructor allocates nothing. A process exiting stops the pacing (hurry).
+constexpr auto PACE_SLICE = std::chrono::microseconds(500);
+constexpr int PACE_REST = 3;
+constexpr size_t PACE_BATCH = 64;  // frees between two looks at the clock
+
+// Returns how many rests it took.
+int free_paced(ProfilerResult* r) {
+  using clock = std::chrono::steady_clock;
+  using torch::autograd::profiler::KinetoEvent;
+  using torch::autograd::profiler::experimental_event_t;
+  auto events = std::move(const_cast<std::vector<KinetoEvent>&>(r->events()));
+  auto tree = std::move(const_cast<std::vector<experimental_event_t>&>(r->event_tree()));
+  auto slice = clock::now();
+  int rests = 0;
+  auto pace = [&slice, &rests] {
+    auto worked = clock::now() - slice;
+    if (worked >= PACE_SLICE && !flights->hurry.load()) {
+      std::this_thread::sleep_for(worked * PACE_REST);
+      slice = clock::now();
+      rests += 1;
+    }
+  };
+  while (!events.empty()) {  // an event holds its result: these first, from the back (no moves)
+    for (size_t i = 0; i < PACE_BATCH && !events.empty(); ++i) events.pop_back();
+    pace();
+  }
+  for (size_t i = 0; i < tree.size(); ++i) {  // parents first: each result freed once its parent's is
+    tree[i].reset();
+    if (i % PACE_BATCH == PACE_BATCH - 1) pace();
+  }
+  return rests;
+}
+
+// Returns the rests the pacing took (0: freed at once).
+int free_contents(ProfilerResult* r) noexcept {
+  int rests = 0;
 #if defined(ODP_BENCH_FREE_BY_ACCESSORS)  // bench/native_variants.py: the events and the tree moved out, the trace
   {                                          // left to Python (freed under the GIL when the result is dropped)
     auto events = std::move(const_cast<std::vector<torch::autograd::profiler::KinetoEvent>&>(r->events()));
     auto tree = std::move(const_cast<std::vector<torch::autograd::profiler::experimental_event_t>&>(r->event_tree()));
   }
-  return;
+  return 0;
 #elif defined(ODP_BENCH_KEEP_CONTENTS)  // bench/native_variants.py: nothing freed here (all of it under the GIL)
-  return;
+  return 0;
+#elif !defined(ODP_BENCH_FREE_AT_ONCE)  // bench/native_variants.py: everything in one burst (before 2026-12-07)
+  try {
+    rests = free_paced(r);
+  } catch (...) {  // sleep_for or the clock failing: the rest is freed below, at once
+  }
 #endif
   r->~ProfilerResult();
   ::new (static_cast<void*>(r)) ProfilerResult();
+  return rests;
 }
 
 bool is_empty(const ProfilerResult* r) {
@@ -246,20 +301,29 @@ void run_job(ProfilerResult* r, Settings s, std::shared_ptr<JobState> state) {
   } catch (...) {
     error = std::current_exception();
   }
-  free_contents(r);  // saved or not: the result is never saved again (it would only fail, or crash when empty)
+  state->error = error;
+  state->saved = true;  // the caller may publish the trace now; the result stays the job's until `done`
+  uint64_t one = 1;
+  ssize_t unused = write(state->fd, &one, sizeof(one));
+  (void)unused;
+  struct timespec cpu0 {}, cpu1 {};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu0);
+  auto wall0 = std::chrono::steady_clock::now();
+  int rests = free_contents(r);  // saved or not: the result is never saved again (it would only fail, or crash when empty)
+  std::chrono::duration<double> wall = std::chrono::steady_clock::now() - wall0;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu1);
   bool first;
   {
     std::lock_guard<std::mutex> guard(flights->lock);
+    flights->last_free_cpu_s = (cpu1.tv_sec - cpu0.tv_sec) + (cpu1.tv_nsec - cpu0.tv_nsec) / 1e9;
+    flights->last_free_wall_s = wall.count();
+    flights->last_free_rests = rests;
     flights->results.erase(r);
     first = !flights->registered_after_save;
     flights->registered_after_save = true;
   }
   if (first) register_exit_wait();
-  state->error = error;
   state->done = true;
-  uint64_t one = 1;
-  ssize_t unused = write(state->fd, &one, sizeof(one));
-  (void)unused;
   std::lock_guard<std::mutex> guard(flights->lock);
   flights->running -= 1;
   flights->changed.notify_all();
@@ -273,13 +337,21 @@ class Job {
     // dropped before the job ended (never by trace_save.py): the job still uses the result, which must outlive it
     if (state_ && !state_->done.load() && result_) result_.release();
   }
-  int fileno() const { return state_->fd; }
+  int fileno() const { return state_->fd; }  // readable once saved
+  bool saved() const { return state_->saved.load(); }
   bool done() const { return state_->done.load(); }
-  // Raises what the save raised; the result's contents are gone either way.
+  // Once saved: raises what the save raised. The result's contents are freed (or being freed) either way: the
+  // result may be touched again only once done() (release()).
   void finish() {
-    if (!state_->done.load()) throw std::runtime_error("the trace save is still running");
-    result_ = py::none();
+    if (!state_->saved.load()) throw std::runtime_error("the trace save is still running");
+    release();
     if (state_->error) std::rethrow_exception(state_->error);
+  }
+  // Lets go of the result once the job no longer uses it; whether it did.
+  bool release() {
+    if (!state_->done.load()) return false;
+    result_ = py::none();
+    return true;
   }
 
  private:
@@ -327,6 +399,12 @@ void set_exit_wait(double seconds) {
   flights->exit_wait_s = seconds;
 }
 
+// The last job's frees: its thread's CPU seconds, wall seconds, and the rests their pacing took.
+std::tuple<double, double, int> last_free() {
+  std::lock_guard<std::mutex> guard(flights->lock);
+  return {flights->last_free_cpu_s, flights->last_free_wall_s, flights->last_free_rests};
+}
+
 int running() {
   std::lock_guard<std::mutex> guard(flights->lock);
   return flights->running;
@@ -348,12 +426,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   py::class_<Job>(m, "Job", py::module_local())
       .def("fileno", &Job::fileno)
+      .def("saved", &Job::saved)
       .def("done", &Job::done)
-      .def("finish", &Job::finish);
+      .def("finish", &Job::finish)
+      .def("release", &Job::release);
   m.def("save", &save, py::arg("result"), py::arg("path"), py::arg("idle"), py::arg("nice"), py::arg("cpus"),
         py::arg("raise_after_s"), py::arg("raised_nice"));
   m.def("set_exit_wait", &set_exit_wait, py::arg("seconds"));
   m.def("running", &running);
+  m.def("last_free", &last_free);
   m.attr("frees_result") = true;
   m.attr("torch_version") = ODP_TORCH_VERSION;
   m.attr("source_key") = ODP_SOURCE_KEY;

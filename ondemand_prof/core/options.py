@@ -34,7 +34,7 @@ ENV_PREFIX = "ONDEMAND_PROF_"
 # environment variables of ours that are not profiler options (the daemon's, the CLI's, the tests')
 OTHER_ENV = {"ONDEMAND_PROF_STATE_DIR", "ONDEMAND_PROF_LOG", "ONDEMAND_PROF_FORK_SAVE", "ONDEMAND_PROF_AUTO",
              "ONDEMAND_PROF_AUTO_NO_STEP_S", "ONDEMAND_PROF_EXPORT_SCHED", "ONDEMAND_PROF_TRACE_SAVE",
-             "ONDEMAND_PROF_HELPER_CPUS"}
+             "ONDEMAND_PROF_HELPER_CPUS", "ONDEMAND_PROF_SUMMARY_DEFER_S"}
 # signals a training job relies on for its own life; we refuse to take them over
 RESERVED_SIGNALS = {"SIGINT", "SIGTERM", "SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT",
                     "SIGCHLD", "SIGPIPE"}

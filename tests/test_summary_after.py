@@ -122,6 +122,7 @@ class FakeClocks:
         self.slept += seconds
 
 
+@pytest.mark.quick
 def test_a_summary_waits_for_a_cpu_the_job_leaves_free_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 44 item 7: on a job whose threads keep every CPU it may use busy, even a SCHED_IDLE summary child slowed
     steps (the kernel balances a CPU running an idle-class task at a busy CPU's interval: one step +68 ms). The
@@ -167,6 +168,7 @@ def test_a_summary_waits_for_a_cpu_the_job_leaves_free_bounded(monkeypatch: pyte
     assert helpers.summary_defer_s() == 30.0
 
 
+@pytest.mark.quick
 def test_an_idle_process_leaves_a_cpu_measured_for_real() -> None:
     """The real clocks: this test process, sleeping, uses no CPU whatever else the machine runs."""
     from ondemand_prof.rank import helpers

@@ -448,9 +448,9 @@ def summarize(res: dict[str, Any], sampler: MemorySampler, active: int) -> dict[
     ph = res.get("phases", {})
     total, own, kids = sampler.peak_extra_mb(res["marks"])
     after10_ms = (res["stall"] + sum(extra[:AFTER])) * 1e3
+    release_ms = res.get("release_s", 0.0) * 1e3  # torch.profiler's result freed (ours is, within the steps)
     return {"stall_ms": res["stall"] * 1e3, "after10_ms": after10_ms,
-            # + the training thread freeing torch.profiler's result (ours is freed within the steps already)
-            "release_ms": res.get("release_s", 0.0) * 1e3, "whole_ms": after10_ms + res.get("release_s", 0.0) * 1e3,
+            "release_ms": release_ms, "whole_ms": after10_ms + release_ms,
             "tail_ms": (res["stall"] + sum(extra)) * 1e3, "idle_ms": base["durations"] * 1e3,
             "published_ms": None if res["published_s"] is None else res["published_s"] * 1e3,
             "rss_mb": total, "rss_proc_mb": own, "rss_kids_mb": kids, "capture": res.get("capture"),

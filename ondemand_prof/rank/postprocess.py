@@ -357,6 +357,7 @@ def _umask() -> int:
 HEAD_BYTES = 64 << 10  # a raw trace names distributedInfo in its header, before "traceEvents"
 TAIL_BYTES = 64 << 10  # and traceName after the events' "]"
 SCAN_CHUNK = 1 << 20
+SCAN_CARRY = 40  # bytes of a piece kept in front of the next one: more than a step name is long
 _STEP_NAME = re.compile(rb'ProfilerStep#(\d+)"')
 _TRACE_NAME = re.compile(rb'"traceName"\s*:\s*"((?:[^"\\]|\\.)*)"\s*\}\s*$')
 
@@ -443,7 +444,7 @@ def _step_names(fd: int, size: int) -> set[int]:
         offset += len(piece)
         data = carry + piece
         found.update(int(m) for m in _STEP_NAME.findall(data))
-        carry = data[-40:]  # a name cut at a piece's end is whole in the next one (one found twice is one)
+        carry = data[-SCAN_CARRY:]  # a name cut at a piece's end is whole in the next one (one found twice is one)
     return found
 
 
@@ -466,11 +467,11 @@ _NEEDLE = b"ProfilerStep#"
 
 def _step_names_gil_free(fd: int, size: int, memmem: Any) -> set[int]:
     """_step_names with memmem over a ctypes buffer that os.preadv fills (the GIL is free during the read too):
-    Python runs once a match (_STEP_NAME at it), not once a byte. The last 40 bytes of a piece are kept in front
-    of the next one: a name cut there is whole then (one found twice is one)."""
+    Python runs once a match (_STEP_NAME at it), not once a byte. The last SCAN_CARRY bytes of a piece are kept in
+    front of the next one: a name cut there is whole then (one found twice is one)."""
     import ctypes
 
-    buf = ctypes.create_string_buffer(SCAN_CHUNK + 40)
+    buf = ctypes.create_string_buffer(SCAN_CHUNK + SCAN_CARRY)
     base, view = ctypes.addressof(buf), memoryview(buf).cast("B")
     found: set[int] = set()
     offset, kept = 0, 0
@@ -483,11 +484,11 @@ def _step_names_gil_free(fd: int, size: int, memmem: Any) -> set[int]:
         at = 0
         while hit := memmem(base + at, end - at, _NEEDLE, len(_NEEDLE)):
             name_at = hit - base
-            match = _STEP_NAME.match(bytes(view[name_at:min(end, name_at + 40)]))
+            match = _STEP_NAME.match(bytes(view[name_at:min(end, name_at + SCAN_CARRY)]))
             if match:
                 found.add(int(match.group(1)))
             at = name_at + len(_NEEDLE)
-        kept = min(40, end)
+        kept = min(SCAN_CARRY, end)
         view[:kept] = view[end - kept:end]
     return found
 

@@ -136,13 +136,12 @@ def _wait_for(job: Any) -> None:
 def _keep_until_freed(job: Any) -> None:
     """Hold `job` (and so its result) until its result is freed; let go of the earlier ones that are."""
     with _freeing_lock:
-        _freeing[:] = [j for j in _freeing if not j.release()]
-        if not job.done():
-            _freeing.append(job)
+        _freeing.append(job)
+    native_frees_pending()
 
 
 def native_frees_pending() -> int:
-    """How many saved results the native module is still freeing (their jobs are let go of here)."""
+    """How many saved results the native module is still freeing; the jobs of those freed are let go of."""
     with _freeing_lock:
         _freeing[:] = [j for j in _freeing if not j.release()]
         return len(_freeing)
